@@ -1,0 +1,55 @@
+"""Host configuration: one frozen dataclass passed down to every part."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    """Root of on-disk caches (compiled components, builds, weights); PIE_CACHE_DIR overrides it."""
+    return Path(os.environ.get("PIE_CACHE_DIR", Path.home() / ".cache" / "pie-python"))
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Everything the host needs to know at start-up.
+
+    model: None for the default SmolLM2 GGUF, else a .gguf path or an HF safetensors dir.
+    policy: "adaptive" (one batch in flight, fire all queued when it returns) or "k-or-t"
+        (fire when `batch_k` forwards are queued or the oldest waited `batch_t_ms`).
+    memory_limit_bytes: linear memory cap per instance.
+    wall_budget_s: wall-clock budget per instance (None = unlimited).
+    max_pages_per_instance: KV pages one instance may own at once (None = no cap).
+    """
+
+    model: str | None = None
+    device: str | None = None
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_memory_bytes: int | None = 256 * 2**20
+    policy: str = "adaptive"
+    max_batch_tokens: int = 10240
+    batch_k: int = 8
+    batch_t_ms: float = 16.0
+    memory_limit_bytes: int = 512 * 2**20
+    wall_budget_s: float | None = None
+    max_pages_per_instance: int | None = None
+    epoch_tick_ms: float = 10.0
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    data_dir: Path | None = None  # key-value store file lives here; None = cache_dir
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("adaptive", "k-or-t"):
+            raise ValueError(f"unknown batching policy {self.policy!r}: use 'adaptive' or 'k-or-t'")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.batch_k < 1 or self.batch_t_ms < 0:
+            raise ValueError(f"k-or-t needs batch_k >= 1 and batch_t_ms >= 0, got {self.batch_k}, {self.batch_t_ms}")
+        if self.memory_limit_bytes < 1 << 20:
+            raise ValueError(f"memory_limit_bytes must be at least 1 MiB, got {self.memory_limit_bytes}")
+        if self.wall_budget_s is not None and self.wall_budget_s <= 0:
+            raise ValueError(f"wall_budget_s must be positive, got {self.wall_budget_s}")
+        if self.max_pages_per_instance is not None and self.max_pages_per_instance < 1:
+            raise ValueError(f"max_pages_per_instance must be >= 1, got {self.max_pages_per_instance}")

@@ -1,0 +1,168 @@
+"""KV page ownership: the host-wide free list, ref-counts, per-instance tables and exports.
+
+Invariants (checked by tests): a page is on the free list iff its ref-count is 0; the
+ref-count of a page = holds by instances + 1 per export name that lists it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+class PageError(Exception):
+    """Guest misuse of page ids (a bug: the caller traps the instance)."""
+
+
+@dataclass
+class PageTable:
+    """The pages one instance holds: page -> [hold count, writable]."""
+
+    owner: str
+    held: dict[int, list] = field(default_factory=dict)
+    owned_count: int = 0  # pages this instance allocated and still holds (for its cap)
+
+
+@dataclass
+class _Export:
+    pages: list[int]
+    owner: str
+    persistent: bool
+
+
+class PageManager:
+    """Thread-safe page allocator shared by all instances of a host."""
+
+    def __init__(self, num_pages: int, max_pages_per_instance: int | None = None) -> None:
+        self.num_pages = num_pages
+        self.max_pages_per_instance = max_pages_per_instance
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_pages
+        self._exports: dict[str, _Export] = {}
+        self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def allocate(self, table: PageTable, count: int) -> list[int] | str:
+        """Allocate `count` pages for `table`; a string explains why not (a condition, not a bug)."""
+        with self._lock:
+            if count > self.num_pages:
+                return f"requested {count} KV pages but the host has only {self.num_pages} in total"
+            cap = self.max_pages_per_instance
+            if cap is not None and table.owned_count + count > cap:
+                return (f"instance page limit: holds {table.owned_count}, asked {count} more, "
+                        f"limit {cap} pages")
+            if count > len(self._free):
+                return f"out of KV pages: requested {count}, {len(self._free)} free"
+            pages = [self._free.pop() for _ in range(count)]
+            for p in pages:
+                self._refs[p] = 1
+                table.held[p] = [1, True]
+            table.owned_count += count
+            return pages
+
+    def release(self, table: PageTable, pages: list[int]) -> None:
+        """Drop one hold on each page; raises PageError naming the first page not held."""
+        with self._lock:
+            counts: dict[int, int] = {}
+            for p in pages:
+                counts[p] = counts.get(p, 0) + 1
+            for p, n in counts.items():
+                entry = table.held.get(p)
+                if entry is None or entry[0] < n:
+                    raise PageError(f"page {p} is not held by this instance (foreign id or double release)")
+            for p in pages:
+                self._drop_hold(table, p)
+            self._freed.notify_all()
+
+    def _drop_hold(self, table: PageTable, page: int) -> None:
+        entry = table.held[page]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del table.held[page]
+            if entry[1]:
+                table.owned_count -= 1
+        self._unref(page)
+
+    def _unref(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)
+
+    def check_pages(self, table: PageTable, pages: list[int], writable_from: int) -> None:
+        """Raise PageError unless all pages are held and pages[writable_from:] are writable."""
+        held = table.held
+        for i, p in enumerate(pages):
+            entry = held.get(p)
+            if entry is None:
+                raise PageError(f"page {p} is not held by this instance")
+            if i >= writable_from and not entry[1]:
+                raise PageError(f"page {p} is read-only here (imported); new tokens cannot be written into it")
+
+    def check_writable(self, table: PageTable, page: int) -> None:
+        entry = table.held.get(page)
+        if entry is None:
+            raise PageError(f"page {page} is not held by this instance")
+        if not entry[1]:
+            raise PageError(f"page {page} is read-only here (imported)")
+
+    def export(self, table: PageTable, name: str, pages: list[int], persistent: bool) -> str | None:
+        """Share pages under `name`; returns an error string if the name is taken."""
+        with self._lock:
+            for p in pages:
+                if p not in table.held:
+                    raise PageError(f"page {p} is not held by this instance")
+            if name in self._exports:
+                return f"export name {name!r} is already in use"
+            self._exports[name] = _Export(list(pages), table.owner, persistent)
+            for p in pages:
+                self._refs[p] += 1
+            return None
+
+    def import_(self, table: PageTable, name: str) -> list[int] | str:
+        """Hold the pages exported under `name`, read-only; an error string if unknown."""
+        with self._lock:
+            exp = self._exports.get(name)
+            if exp is None:
+                return f"no export named {name!r}"
+            for p in exp.pages:
+                entry = table.held.get(p)
+                if entry is None:
+                    table.held[p] = [1, False]
+                else:
+                    entry[0] += 1
+                self._refs[p] += 1
+            return list(exp.pages)
+
+    def unexport(self, name: str) -> str | None:
+        with self._lock:
+            exp = self._exports.pop(name, None)
+            if exp is None:
+                return f"no export named {name!r}"
+            for p in exp.pages:
+                self._unref(p)
+            self._freed.notify_all()
+            return None
+
+    def list_exports(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return [(n, len(e.pages)) for n, e in self._exports.items()]
+
+    def release_all(self, table: PageTable) -> None:
+        """Drop every hold of an ending instance and its non-persistent exports."""
+        with self._lock:
+            for name in [n for n, e in self._exports.items() if e.owner == table.owner and not e.persistent]:
+                for p in self._exports.pop(name).pages:
+                    self._unref(p)
+            for p, entry in list(table.held.items()):
+                for _ in range(entry[0]):
+                    self._unref(p)
+            table.held.clear()
+            table.owned_count = 0
+            self._freed.notify_all()
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]

@@ -1,0 +1,204 @@
+"""The batching scheduler: forwards from all instances merged into backend calls.
+
+One scheduler thread owns the backend. Policies:
+- adaptive (default): one batch in flight; when the backend returns, everything queued is
+  fired at once, capped by `max_batch_tokens`.
+- k-or-t: fire when `k` forwards are queued or the oldest has waited `t_ms`.
+Forwards of one instance keep their order: a forward is never batched together with, or
+ahead of, an earlier queued forward whose pages it reads or writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_backend.types import ForwardRequest, OutputResult
+
+log = logging.getLogger(__name__)
+
+
+class ForwardFuture:
+    """Completion of one forward: `wait()` returns its outputs or raises the backend's error."""
+
+    __slots__ = ("request", "owner", "submitted", "_done", "_result", "_error", "_callbacks")
+
+    def __init__(self, request: ForwardRequest, owner: str) -> None:
+        self.request = request
+        self.owner = owner
+        self.submitted = time.perf_counter()
+        self._done = threading.Event()
+        self._result: list[OutputResult] | None = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[ForwardFuture], None]] = []
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> list[OutputResult]:
+        if not self._done.wait(timeout):
+            raise TimeoutError("forward not finished")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def add_done_callback(self, fn: Callable[[ForwardFuture], None]) -> None:
+        """Call `fn(self)` when done (at once if already done)."""
+        self._callbacks.append(fn)
+        if self._done.is_set():
+            fn(self)
+
+    def _finish(self, result: list[OutputResult] | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+        for fn in list(self._callbacks):
+            fn(self)
+
+
+@dataclass
+class SchedulerStats:
+    batches: int = 0
+    forwards: int = 0
+    tokens: int = 0
+    queue_wait_s: float = 0.0
+    backend_s: float = 0.0
+    max_batch_size: int = 0
+    errors: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        b = max(self.batches, 1)
+        f = max(self.forwards, 1)
+        return {
+            "batches": self.batches,
+            "forwards": self.forwards,
+            "tokens": self.tokens,
+            "mean_batch_size": self.forwards / b,
+            "mean_batch_tokens": self.tokens / b,
+            "max_batch_size": self.max_batch_size,
+            "mean_queue_wait_ms": 1000 * self.queue_wait_s / f,
+            "mean_backend_ms": 1000 * self.backend_s / b,
+            "backend_errors": self.errors,
+        }
+
+
+@dataclass
+class _Footprint:
+    """Pages a queued forward reads and writes, for the same-batch conflict check."""
+
+    reads: set[int] = field(default_factory=set)
+    writes: set[int] = field(default_factory=set)
+
+
+def _footprint(req: ForwardRequest, page_size: int) -> _Footprint:
+    total = (len(req.pages) - 1) * page_size + req.last_page_len
+    first_written = (total - len(req.tokens)) // page_size
+    return _Footprint(set(req.pages), set(req.pages[first_written:]))
+
+
+class Scheduler:
+    """Collects forwards from instance threads and runs them in batches on its own thread."""
+
+    def __init__(self, forward: Callable[[list[ForwardRequest]], list[list[OutputResult]]], page_size: int,
+                 policy: str = "adaptive", max_batch_tokens: int = 10240, k: int = 8, t_ms: float = 16.0) -> None:
+        self._forward = forward
+        self._page_size = page_size
+        self.policy = policy
+        self.max_batch_tokens = max_batch_tokens
+        self.k = k
+        self.t_s = t_ms / 1000
+        self.stats = SchedulerStats()
+        self._queue: list[ForwardFuture] = []
+        self._cv = threading.Condition()
+        self.backend_lock = threading.Lock()  # held while the backend runs; other backend calls take it too
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="pie-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: ForwardRequest, owner: str) -> ForwardFuture:
+        fut = ForwardFuture(request, owner)
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("scheduler is stopped")
+            self._queue.append(fut)
+            self._cv.notify()
+        return fut
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=5)
+        for fut in self._queue:
+            fut._finish(None, RuntimeError("host is shutting down"))
+        self._queue.clear()
+
+    def _ready(self) -> bool:
+        if not self._queue:
+            return False
+        if self.policy == "adaptive" or len(self._queue) >= self.k:
+            return True
+        return time.perf_counter() - self._queue[0].submitted >= self.t_s
+
+    def _take_batch(self) -> list[ForwardFuture]:
+        """Pick queued forwards that can run together; the rest stay queued, in order."""
+        batch: list[ForwardFuture] = []
+        reads: set[int] = set()
+        writes: set[int] = set()
+        blocked_owners: set[str] = set()
+        rest: list[ForwardFuture] = []
+        tokens = 0
+        for fut in self._queue:
+            req = fut.request
+            fp = _footprint(req, self._page_size)
+            fits = tokens + len(req.tokens) <= self.max_batch_tokens or not batch
+            if (fut.owner in blocked_owners or not fits or fp.reads & writes or fp.writes & reads):
+                blocked_owners.add(fut.owner)  # later forwards of this owner wait too (order)
+                rest.append(fut)
+                continue
+            batch.append(fut)
+            tokens += len(req.tokens)
+            reads |= fp.reads
+            writes |= fp.writes
+        self._queue = rest
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and not self._ready():
+                    if self._queue:  # k-or-t: sleep until the oldest forward's deadline
+                        self._cv.wait(max(self.t_s - (time.perf_counter() - self._queue[0].submitted), 0.0005))
+                    else:
+                        self._cv.wait()
+                if self._stopped:
+                    return
+                batch = self._take_batch()
+            self._run(batch)
+
+    def _run(self, batch: list[ForwardFuture]) -> None:
+        start = time.perf_counter()
+        st = self.stats
+        try:
+            with self.backend_lock:
+                results = self._forward([f.request for f in batch])
+        except Exception as e:  # the backend failed: every forward in this batch fails, host carries on
+            log.exception("backend failed on a batch of %d forwards", len(batch))
+            st.errors += 1
+            err = RuntimeError(f"backend error while running a batch: {type(e).__name__}: {e}")
+            for f in batch:
+                f._finish(None, err)
+            return
+        end = time.perf_counter()
+        st.batches += 1
+        st.forwards += len(batch)
+        st.tokens += sum(len(f.request.tokens) for f in batch)
+        st.max_batch_size = max(st.max_batch_size, len(batch))
+        st.queue_wait_s += sum(start - f.submitted for f in batch)
+        st.backend_s += end - start
+        for f, r in zip(batch, results, strict=True):
+            f._finish(r, None)
