@@ -1,0 +1,53 @@
+"""The export glue: turns a user module's `main(args)` into the world's `run` export."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from types import ModuleType
+
+from inferlet import _host
+
+__all__ = ["make_world", "InferletError"]
+
+Main = Callable[[list[str]], "str | None"]
+
+
+class InferletError(RuntimeError):
+    """An error the inferlet reports as its end reason, without a traceback (e.g. bad arguments)."""
+
+
+def run_main(main: Main) -> None:
+    """Call `main(args)`; a returned string becomes the return value, any exception an `Err`.
+
+    The `Err` carries the Python traceback, so the host (and `pie-run`) can say why the
+    instance ended. `InferletError` carries just its message.
+    """
+    try:
+        args = list(_host.runtime.arguments())
+        result = main(args)
+        if result is not None:
+            if not isinstance(result, str):
+                raise TypeError(f"main() must return str or None, not {type(result).__name__}")
+            _host.runtime.set_return(result)
+    except InferletError as e:
+        raise _host.Err(f"{type(e).__name__}: {e}") from None
+    except BaseException as e:  # noqa: BLE001 - every guest failure becomes the instance's end reason
+        if isinstance(e, _host.Err):
+            raise
+        raise _host.Err("".join(traceback.format_exception(e)).rstrip()) from None
+
+
+def make_world(module: ModuleType) -> type:
+    """The `WitWorld` class componentize-py exports, calling `module.main`."""
+    main = getattr(module, "main", None)
+    if not callable(main):
+        raise TypeError(
+            f"inferlet module {module.__name__!r} must define `def main(args: list[str]) -> str | None`"
+        )
+
+    class WitWorld:
+        def run(self) -> None:
+            run_main(main)
+
+    return WitWorld

@@ -1,0 +1,64 @@
+"""text_completion: answer one prompt with the model's chat template (or raw), like `generate`.
+
+Returns the generated text as the instance's return value. With `--stream`, the text is also
+sent to the client piece by piece as it is produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from inferlet import Context, InferletError, Sampler, get_model, send
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
+
+    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
+        raise InferletError(message or f"argument parser exited with status {status}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="text_completion", add_help=False, exit_on_error=False,
+                description="Complete one prompt; the text is the return value.")  # fmt: skip
+    p.add_argument("-p", "--prompt", required=True, help="the user prompt")
+    p.add_argument("--system", default=None, help="a system message (default: the template's own)")
+    p.add_argument("-n", "--max-tokens", type=int, default=128, help="most tokens to generate (128)")
+    p.add_argument("-t", "--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most probable (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    p.add_argument("--stream", action="store_true", help="also send text pieces as they are generated")
+    p.add_argument("-h", "--help", action="store_true", help="return this help text")
+    return p
+
+
+def main(args: list[str]) -> str | None:
+    p = parser()
+    try:
+        opts = p.parse_args(args)
+    except argparse.ArgumentError as e:
+        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    if opts.help:
+        return p.format_help()
+    if opts.max_tokens < 1:
+        raise InferletError(f"--max-tokens must be >= 1, got {opts.max_tokens}")
+    try:
+        sampler = Sampler(opts.temperature, opts.top_k, opts.top_p, opts.min_p, opts.seed)
+    except ValueError as e:
+        raise InferletError(str(e)) from None
+    model = get_model()
+    with Context(model) as ctx:
+        if opts.raw:
+            ctx.fill(opts.prompt)
+        else:
+            messages = [{"role": "system", "content": opts.system}] if opts.system is not None else []
+            messages.append({"role": "user", "content": opts.prompt})
+            ctx.fill_chat(messages, add_generation_prompt=True)
+        ctx.flush()
+        return ctx.generate(sampler, max_tokens=opts.max_tokens, on_text=send if opts.stream else None)
