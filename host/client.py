@@ -219,9 +219,9 @@ class PieClient:
             reason = f"protocol error: {exc}"
             await self._ws.close(p.CLOSE_INVALID_DATA, str(exc)[:120])
         else:
-            rcvd = self._ws.close_rcvd
-            if rcvd is not None:
-                reason = f"connection closed by server: code {rcvd.code}" + (f", {rcvd.reason}" if rcvd.reason else "")
+            code, why = self._ws.close_code, self._ws.close_reason
+            if code is not None:
+                reason = f"connection closed: code {code}" + (f", {why}" if why else "")
         self._closed_reason = reason
         for future in self._pending.values():
             if not future.done():
