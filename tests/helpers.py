@@ -1,0 +1,59 @@
+"""Shared helpers for host tests: building inferlets, loading the real model once, running instances."""
+
+from __future__ import annotations
+
+import functools
+import queue
+from pathlib import Path
+from typing import Any
+
+import wasmtime
+
+from host.build import resolve_inferlet
+from host.runtime import Host, InstanceEvent
+
+TESTS = Path(__file__).parent
+FIXTURES = TESTS / "fixtures"
+TERMINAL = ("completed", "exception", "aborted", "out_of_resources")
+
+
+@functools.cache
+def wasm_bytes(name: str) -> bytes:
+    """A fixture: `foo.wat` text compiled to a component, or an inferlet (folder/standard name) built."""
+    wat = FIXTURES / f"{name}.wat"
+    if wat.is_file():
+        return bytes(wasmtime.wat2wasm(wat.read_text()))
+    src = FIXTURES / name
+    return resolve_inferlet(src if src.is_dir() else name, quiet=True).read_bytes()
+
+
+@functools.cache
+def real_backend() -> Any:
+    """The default SmolLM2 model on CPU, loaded once per test session."""
+    from gpu_backend import load_backend
+
+    return load_backend(None, device="cpu", page_size=16, num_pages=2048, progress=False)
+
+
+class Run:
+    """Collects one instance's events."""
+
+    def __init__(self, host: Host, program: str, args: list[str]) -> None:
+        self.events: queue.Queue[InstanceEvent] = queue.Queue()
+        self.messages: list[str] = []
+        self.host = host
+        self.id = host.launch(program, args, self.events.put)
+        self.end: InstanceEvent | None = None
+
+    def finish(self, timeout: float = 120.0) -> InstanceEvent:
+        while self.end is None:
+            ev = self.events.get(timeout=timeout)
+            if ev.event in TERMINAL:
+                self.end = ev
+            else:
+                self.messages.append(ev.message)
+        return self.end
+
+
+def run_to_end(host: Host, program: str, args: list[str], timeout: float = 120.0) -> InstanceEvent:
+    return Run(host, program, args).finish(timeout)
