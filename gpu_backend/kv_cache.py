@@ -1,0 +1,34 @@
+"""The paged KV cache: one preallocated tensor, pages are plain ints owned by the caller."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class KVCache:
+    """K and V of every layer: `data[layer]` is [num_pages * page_size, 2, kv_heads, head_dim].
+
+    K and V of a token sit side by side so one index_copy writes both and one gather reads both.
+    Slot `page * page_size + offset` holds the token at `offset` of `page`.
+    """
+
+    def __init__(self, cfg: ModelConfig, page_size: int, num_pages: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        if page_size < 1 or num_pages < 1:
+            raise ValueError(f"page_size and num_pages must be >= 1, got {page_size} and {num_pages}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.data = torch.zeros(
+            cfg.num_layers, num_pages * page_size, 2, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype
+        )
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return cfg.num_layers * page_size * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots `src` to slots `dst` in every layer."""
+        self.data[:, dst] = self.data[:, src]

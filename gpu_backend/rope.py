@@ -1,0 +1,39 @@
+"""Rotary position embedding tables, honouring the config's rope_theta and rope scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Per-pair inverse frequencies, with `linear` or `llama3` scaling applied (as transformers does)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        out = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(is_mid, mid, out)
+    raise ValueError(f"unsupported rope scaling type {kind!r}: supported are linear and llama3")
+
+
+def cos_sin_table(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int,
+                  device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [max_position, head_dim], halves repeated (rotate_half convention)."""
+    inv = inv_frequencies(head_dim, theta, scaling).float()
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)

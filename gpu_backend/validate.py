@@ -1,0 +1,99 @@
+"""Validation of ForwardRequests at the backend boundary; every error names the request and value."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from typing import Any
+
+from .types import ForwardRequest, OutputSpec, SamplerParams
+
+_SAMPLER_FIELDS = {f.name for f in fields(SamplerParams)}
+
+
+def as_sampler(value: Any, where: str) -> SamplerParams:
+    """Accept SamplerParams or a mapping of its fields; reject unknown keys and bad values."""
+    if isinstance(value, Mapping):
+        unknown = set(value) - _SAMPLER_FIELDS
+        if unknown:
+            raise ValueError(f"{where}: unknown sampler parameter(s) {sorted(unknown)}; known: {sorted(_SAMPLER_FIELDS)}")
+        value = SamplerParams(**value)
+    if not isinstance(value, SamplerParams):
+        raise ValueError(f"{where}: sampler must be SamplerParams, got {type(value).__name__}")
+    t, k, p, mp, seed = value.temperature, value.top_k, value.top_p, value.min_p, value.seed
+    if not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        raise ValueError(f"{where}: temperature must be a finite number >= 0, got {t!r}")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"{where}: top_k must be an int >= 0 (0 = off), got {k!r}")
+    if not isinstance(p, int | float) or not 0 < p <= 1:
+        raise ValueError(f"{where}: top_p must be in (0, 1], got {p!r}")
+    if not isinstance(mp, int | float) or not 0 <= mp <= 1:
+        raise ValueError(f"{where}: min_p must be in [0, 1], got {mp!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+        raise ValueError(f"{where}: seed must be None or an int in [0, 2**63), got {seed!r}")
+    return value
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_request(req: ForwardRequest, page_size: int, num_pages: int, vocab_size: int,
+                  max_position: int) -> ForwardRequest:
+    """Raise ValueError naming `req.name` and the bad value; return the request with samplers normalised."""
+    who = f"forward request {req.name!r}" if req.name else "forward request"
+    if not req.tokens:
+        raise ValueError(f"{who}: no tokens")
+    if not req.pages:
+        raise ValueError(f"{who}: no pages")
+    for p in req.pages:
+        if not _is_int(p) or not 0 <= p < num_pages:
+            raise ValueError(f"{who}: page index {p!r} out of range [0, {num_pages})")
+    if len(set(req.pages)) != len(req.pages):
+        raise ValueError(f"{who}: page list repeats a page: {req.pages}")
+    lpl = req.last_page_len
+    if not _is_int(lpl) or not 1 <= lpl <= page_size:
+        raise ValueError(f"{who}: last_page_len {lpl!r} out of range [1, {page_size}]")
+    n = len(req.tokens)
+    capacity = (len(req.pages) - 1) * page_size + lpl
+    if n > capacity:
+        raise ValueError(
+            f"{who}: {n} new tokens but the pages hold only {capacity} "
+            f"({len(req.pages)} pages of {page_size}, last page length {lpl})"
+        )
+    ctx = capacity - n
+    for t in req.tokens:
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise ValueError(f"{who}: token {t!r} out of range [0, {vocab_size})")
+    if len(req.positions) != n:
+        raise ValueError(f"{who}: {len(req.positions)} positions for {n} tokens")
+    for pos in req.positions:
+        if not _is_int(pos) or not 0 <= pos < max_position:
+            raise ValueError(f"{who}: position {pos!r} out of range [0, {max_position})")
+    if req.mask is not None:
+        if len(req.mask) != n:
+            raise ValueError(f"{who}: {len(req.mask)} mask rows for {n} tokens")
+        for i, row in enumerate(req.mask):
+            if any(not _is_int(r) or r < 0 for r in row):
+                raise ValueError(f"{who}: mask row {i} has a negative or non-int run length: {row}")
+            if sum(row) != ctx + i + 1:
+                raise ValueError(
+                    f"{who}: mask row {i} covers {sum(row)} tokens, expected {ctx + i + 1} "
+                    f"(context {ctx} + {i + 1} new)"
+                )
+            if not any(row[0::2]):
+                raise ValueError(f"{who}: mask row {i} attends to no token: {row}")
+    outputs = []
+    for j, o in enumerate(req.outputs):
+        if not isinstance(o, OutputSpec):
+            raise ValueError(f"{who}: output {j} must be OutputSpec, got {type(o).__name__}")
+        if not _is_int(o.index) or not 0 <= o.index < n:
+            raise ValueError(f"{who}: output index {o.index!r} out of range [0, {n})")
+        if not _is_int(o.dist) or not 0 <= o.dist <= vocab_size:
+            raise ValueError(f"{who}: output {j} dist {o.dist!r} out of range [0, {vocab_size}]")
+        sample = None if o.sample is None else as_sampler(o.sample, f"{who}: output {j}")
+        outputs.append(o if sample is o.sample else replace(o, sample=sample))
+    if outputs != req.outputs:
+        req = replace(req, outputs=outputs)
+    return req
