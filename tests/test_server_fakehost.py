@@ -3,6 +3,7 @@
 Programs are any bytes starting with the wasm magic. An instance runs the script named by its
 first argument, on its own thread, emitting events through `on_event` like the real host:
   echo W...   send each word, complete with "done"
+  later S W.. sleep S seconds, then like echo
   chat        reply "got:<m>" to each signal; "quit" completes "bye"; closed input completes "eof"
   hold        hold its pages until terminated
   crash       end with an exception;  oom: end out_of_resources
@@ -73,6 +74,11 @@ class _FakeInstance:
         cmd, rest = (self.args[0], self.args[1:]) if self.args else ("echo", [])
         if cmd == "echo":
             for word in rest:
+                self.emit("message", word)
+            return "completed", "done"
+        if cmd == "later":  # like echo, after a pause
+            time.sleep(float(rest[0]))
+            for word in rest[1:]:
                 self.emit("message", word)
             return "completed", "done"
         if cmd == "chat":
