@@ -32,9 +32,10 @@ __all__ = ["PieClient", "SyncPieClient", "Event", "PieError", "ConnectionLost", 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Exit status of `run_remote` per terminal event; 0 for completed. Failures before launch exit 4.
-EXIT_CODES = {"completed": 0, "exception": 1, "aborted": 2, "out_of_resources": 3}
-EXIT_CLIENT_ERROR = 4
+# Exit status of `run_remote` per terminal event, as the embedded `pie-run` uses them;
+# a failure before the instance ends (connect, upload, launch, lost connection) exits 1.
+EXIT_CODES = {"completed": 0, "exception": 1, "out_of_resources": 1, "aborted": 130}
+EXIT_CLIENT_ERROR = 1
 
 
 class PieError(Exception):
@@ -345,7 +346,7 @@ async def _run_remote(url: str, data: bytes, args: list[str], token: str | None,
                     print(event.message, flush=True)
                 return 0
             else:
-                print(f"pie-run: instance {event.event}: {event.message}", file=sys.stderr)
+                print(f"pie-run: inferlet {event.event}: {event.message}", file=sys.stderr)
                 return EXIT_CODES.get(event.event, 1)
         raise ConnectionLost("event stream ended without a terminal event")
     except PieError as exc:

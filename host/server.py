@@ -153,7 +153,7 @@ class Server:
 
     def request_stop(self) -> None:
         """Thread-safe: ask `serve_forever` to stop."""
-        if self._loop is not None and self._stop_requested is not None:
+        if self._loop is not None and self._stop_requested is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop_requested.set)
 
     def start_background(self) -> None:
