@@ -136,7 +136,8 @@ class Context:
     def decode_step(self, sampler: Sampler = GREEDY) -> int:
         """Run the pending tokens and sample the next one (appended as pending). One host call."""
         self._check_idle("decode_step")
-        outputs = _host.forward.run(*self._prepare_all("decode_step"), [self._spec(sampler, 0)])
+        spec = self._spec(sampler, 0)
+        outputs = _host.forward.run(*self._prepare_all("decode_step"), [spec])
         token = outputs[0].token
         self._append_pending([token])
         return token
@@ -147,20 +148,23 @@ class Context:
         No token is appended: fill the one you choose (beam search forks, then fills).
         """
         self._check_idle("next_dist")
-        out = _host.forward.run(*self._prepare_all("next_dist"), [self._spec(None, k)])[0]
+        spec = self._spec(None, k)
+        out = _host.forward.run(*self._prepare_all("next_dist"), [spec])[0]
         return list(out.ids), list(out.probs)
 
     def submit_decode(self, sampler: Sampler = GREEDY) -> Forward:
         """`decode_step` without waiting: returns a `Forward`; the token is appended when it is done."""
         self._check_idle("submit_decode")
-        h = _host.forward.submit(*self._prepare_all("submit_decode"), [self._spec(sampler, 0)])
+        spec = self._spec(sampler, 0)
+        h = _host.forward.submit(*self._prepare_all("submit_decode"), [spec])
         self._inflight = Forward(self, h, "token")
         return self._inflight
 
     def submit_dist(self, k: int) -> Forward:
         """`next_dist` without waiting: the `Forward`'s result is (ids, probs)."""
         self._check_idle("submit_dist")
-        h = _host.forward.submit(*self._prepare_all("submit_dist"), [self._spec(None, k)])
+        spec = self._spec(None, k)
+        h = _host.forward.submit(*self._prepare_all("submit_dist"), [spec])
         self._inflight = Forward(self, h, "dist")
         return self._inflight
 
@@ -182,21 +186,26 @@ class Context:
         if max_tokens is not None:
             cond = AnyOf(MaxTokens(max_tokens), cond)
         ids: list[int] = []
-        sent = 0
+        text, sent = "", 0
         while True:
             step = sampler if sampler.seed is None else sampler.with_seed(sampler.seed + len(ids))
             ids.append(self.decode_step(step))
             trim = cond.check(ids, self.model.decode)
             if on_text is not None:
-                text = self.model.decode(ids if not trim else ids[:-trim])
+                text = self.model.decode(ids[: len(ids) - (trim or 0)])
                 if len(text) > sent:
                     on_text(text[sent:])
                     sent = len(text)
             if trim is not None:
                 break
+        if on_text is None:
+            text = self.model.decode(ids[: len(ids) - trim])
         if self._chat_text is not None:
-            self._record_reply(ids, trim)
-        return self.model.decode(ids[: len(ids) - trim])
+            # The KV now holds the generated tokens (the last one pending): the chat's text grows
+            # by exactly their text, and the reply is an assistant message for the next render.
+            self.messages.append({"role": "assistant", "content": text})
+            self._chat_text += self.model.decode(ids) if trim else text
+        return text
 
     # ---- sharing and dropping -------------------------------------------------------------
 
@@ -342,6 +351,7 @@ class Context:
         self.next_pos += n
 
     def _spec(self, sampler: Sampler | None, dist: int) -> Any:
+        """The output spec for the last pending token (call before `_prepare` moves `kv_len`)."""
         index = len(self.tokens) - self.kv_len - 1
         return _host.forward.OutputSpec(index=index, sample=None if sampler is None else sampler.to_wit(), dist=dist)
 
@@ -369,9 +379,3 @@ class Context:
         self.kv_len, self.next_pos = other.kv_len, other.next_pos
         self.tokens, self.positions, self.masked = other.tokens.copy(), other.positions.copy(), other.masked.copy()
         self.messages, self._chat_text = [dict(m) for m in other.messages], other._chat_text
-
-    def _record_reply(self, ids: list[int], trim: int) -> None:
-        # The KV now holds the generated tokens (the last one pending): the chat's text grows by
-        # exactly their text, and the reply becomes an assistant message for the next render.
-        self.messages.append({"role": "assistant", "content": self.model.decode(ids[: len(ids) - trim])})
-        self._chat_text = (self._chat_text or "") + self.model.decode(ids)

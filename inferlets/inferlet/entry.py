@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import traceback
+
+# Modules an inferlet may import lazily that componentize-py would otherwise leave out: only
+# modules imported while the component is pre-initialized at build time are in its snapshot
+# (argparse imports gettext -> locale only when a parser is created).
+import gettext  # noqa: F401
+import locale  # noqa: F401
 from collections.abc import Callable
 from types import ModuleType
 

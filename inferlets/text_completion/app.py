@@ -24,7 +24,7 @@ class _Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="text_completion", add_help=False, exit_on_error=False,
                 description="Complete one prompt; the text is the return value.")  # fmt: skip
-    p.add_argument("-p", "--prompt", required=True, help="the user prompt")
+    p.add_argument("-p", "--prompt", default=None, help="the user prompt (required)")
     p.add_argument("--system", default=None, help="a system message (default: the template's own)")
     p.add_argument("-n", "--max-tokens", type=int, default=128, help="most tokens to generate (128)")
     p.add_argument("-t", "--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -38,14 +38,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Built at import, i.e. while pie-build pre-initializes the component: argparse pulls in gettext
+# and locale, and only modules imported at build time are in the component's snapshot.
+PARSER = parser()
+
+
 def main(args: list[str]) -> str | None:
-    p = parser()
+    p = PARSER
     try:
         opts = p.parse_args(args)
     except argparse.ArgumentError as e:
         raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
     if opts.help:
         return p.format_help()
+    if opts.prompt is None:
+        raise InferletError(f"--prompt is required\n{p.format_usage().rstrip()}")
     if opts.max_tokens < 1:
         raise InferletError(f"--max-tokens must be >= 1, got {opts.max_tokens}")
     try:
