@@ -1,0 +1,161 @@
+"""Sandbox: misbehaving instances end with a clear reason while well-behaved ones are unaffected.
+
+Runs on the fake backend (fast, deterministic: the token after t is t+1), so a
+well-behaved instance's output is known independently of the code under test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from fakes import FakeBackend
+from helpers import Run, wasm_bytes
+
+from host.config import HostConfig
+from host.engine import CompileError
+from host.runtime import Host
+
+BAD_MODES = {
+    "invalid_page": "page 1000000 is not held by this instance",
+    "double_release": "double release",
+    "too_many_tokens": "do not fit",
+    "bad_mask": "mask row 1 covers 1 tokens, expected 2",
+    "bad_handle": "unknown forward handle 12345",
+    "huge_alloc": "requested 1000000000 KV pages but the host has only",
+    "exception": "ValueError: boom from the guest",
+    "memory": "MemoryError",
+}
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    cfg = HostConfig(wall_budget_s=20.0, memory_limit_bytes=128 * 2**20,
+                     data_dir=tmp_path_factory.mktemp("data"))
+    h = Host(cfg, backend=FakeBackend(page_size=4, num_pages=256, delay_s=0.002))
+    yield h
+    h.shutdown()
+
+
+@pytest.fixture(scope="module")
+def misbehave(host: Host) -> str:
+    return host.compile(wasm_bytes("misbehave"))
+
+
+def expected_generation(prompt: list[int], n: int) -> str:
+    return " ".join(str(prompt[-1] + 1 + i) for i in range(n))
+
+
+def start_good(host: Host, program: str, k: int) -> list[tuple[Run, str]]:
+    runs = []
+    for i in range(k):
+        prompt = [10 + 20 * i, 11 + 20 * i, 12 + 20 * i, 13 + 20 * i, 14 + 20 * i]
+        runs.append((Run(host, program, ["generate", "24", *map(str, prompt)]), expected_generation(prompt, 24)))
+    return runs
+
+
+@pytest.mark.parametrize("mode", sorted(BAD_MODES))
+def test_bad_instance_trapped_others_unaffected(host: Host, misbehave: str, mode: str) -> None:
+    free0 = host.free_pages()
+    good = start_good(host, misbehave, 3)
+    bad = Run(host, misbehave, [mode])
+    end = bad.finish(60)
+    assert end.event == "exception", end
+    assert BAD_MODES[mode] in end.message
+    for run, want in good:
+        ev = run.finish(60)
+        assert (ev.event, ev.message) == ("completed", want)
+    assert host.free_pages() == free0
+
+
+def test_foreign_page_id_traps(host: Host, misbehave: str) -> None:
+    free0 = host.free_pages()
+    holder = Run(host, misbehave, ["holder", "page-of-holder"])
+    thief = Run(host, misbehave, ["foreign", "page-of-holder"])
+    end = thief.finish(30)
+    assert end.event == "exception" and "is not held by this instance" in end.message
+    host.signal(holder.id, "go")
+    assert holder.finish(30).message == "held"
+    assert host.free_pages() == free0
+
+
+def test_infinite_loop_stopped_by_terminate(host: Host, misbehave: str) -> None:
+    free0 = host.free_pages()
+    good = start_good(host, misbehave, 2)
+    spin = Run(host, host.compile(wasm_bytes("loop")), [])
+    py_spin = Run(host, misbehave, ["loop"])
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    host.terminate(spin.id, "stop it")
+    host.terminate(py_spin.id, "stop it too")
+    assert spin.finish(10).event == "aborted" and spin.end is not None and spin.end.message == "stop it"
+    assert py_spin.finish(10).event == "aborted"
+    assert time.perf_counter() - t0 < 2.0
+    for run, want in good:
+        assert run.finish(60).message == want
+    assert host.free_pages() == free0
+
+
+def test_terminate_while_blocked_in_forward_loop_frees_pages(host: Host, misbehave: str) -> None:
+    free0 = host.free_pages()
+    run = Run(host, misbehave, ["sleep_forward"])
+    time.sleep(0.2)
+    assert host.free_pages() < free0
+    host.terminate(run.id)
+    assert run.finish(10).event == "aborted"
+    assert host.free_pages() == free0
+
+
+def test_wall_budget_stops_a_spinning_guest(tmp_path) -> None:
+    h = Host(HostConfig(wall_budget_s=0.5, data_dir=tmp_path), backend=FakeBackend())
+    try:
+        end = Run(h, h.compile(wasm_bytes("loop")), []).finish(10)
+        assert end.event == "exception" and "wall-clock budget of 0.5 s exceeded" in end.message
+    finally:
+        h.shutdown()
+
+
+def test_wat_fixtures_memory_bomb_and_bad_page(host: Host) -> None:
+    free0 = host.free_pages()
+    end = Run(host, host.compile(wasm_bytes("memory_bomb")), []).finish(30)
+    assert end.event == "exception" and "unreachable" in end.message
+    end = Run(host, host.compile(wasm_bytes("bad_page")), []).finish(30)
+    assert end.event == "exception"
+    assert end.message == "kv.release: page 999999 is not held by this instance (foreign id or double release)"
+    assert host.free_pages() == free0
+
+
+def test_invalid_component_is_rejected(host: Host) -> None:
+    with pytest.raises(CompileError):
+        host.compile(b"\0asm not really")
+    with pytest.raises(KeyError, match="unknown program"):
+        host.launch("0" * 64, [])
+
+
+def test_backend_failure_ends_instances_of_that_batch(host: Host, misbehave: str) -> None:
+    backend = host.backend
+    backend.fail_next = True
+    end = Run(host, misbehave, ["ok"]).finish(30)
+    assert end.event == "exception" and "injected backend failure" in end.message
+    assert Run(host, misbehave, ["ok"]).finish(30).message == "6"  # the host carries on
+
+
+def test_messages_and_closed_input(host: Host, misbehave: str) -> None:
+    run = Run(host, misbehave, ["echo"])
+    host.signal(run.id, "a")
+    host.signal(run.id, "b")
+    host.close_input(run.id)
+    end = run.finish(30)
+    assert run.messages == ["echo: a", "echo: b"] and end.message == "2 messages"
+
+
+def test_adaptive_batching_merges_instances(host: Host, misbehave: str) -> None:
+    before = host.scheduler.stats.as_dict()
+    runs = start_good(host, misbehave, 8)
+    for run, want in runs:
+        assert run.finish(60).message == want
+    after = host.scheduler.stats.as_dict()
+    forwards = after["forwards"] - before["forwards"]
+    batches = after["batches"] - before["batches"]
+    assert forwards / batches > 1.5, (forwards, batches)

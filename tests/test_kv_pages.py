@@ -1,0 +1,87 @@
+"""PageManager: ownership, ref-counts, exports; invariants hold after every operation."""
+
+from __future__ import annotations
+
+import pytest
+
+from host.kv import PageError, PageManager, PageTable
+
+
+def check_invariants(pm: PageManager, tables: list[PageTable]) -> None:
+    holds = [0] * pm.num_pages
+    for t in tables:
+        for p, (n, _w) in t.held.items():
+            holds[p] += n
+    for exp in pm._exports.values():
+        for p in exp.pages:
+            holds[p] += 1
+    free = set(pm._free)
+    assert len(free) == len(pm._free), "a page is on the free list twice"
+    for p in range(pm.num_pages):
+        assert pm.refcount(p) == holds[p], f"page {p}: refcount {pm.refcount(p)} != holds {holds[p]}"
+        assert (p in free) == (holds[p] == 0), f"page {p}: free={p in free} but holds={holds[p]}"
+
+
+def test_allocate_release_and_limits() -> None:
+    pm = PageManager(8, max_pages_per_instance=5)
+    a, b = PageTable("a"), PageTable("b")
+    pa = pm.allocate(a, 4)
+    assert isinstance(pa, list) and len(set(pa)) == 4
+    assert "instance page limit" in pm.allocate(a, 2)
+    pb = pm.allocate(b, 4)
+    assert isinstance(pb, list) and not set(pa) & set(pb)
+    assert "out of KV pages" in pm.allocate(b, 1)
+    assert "only 8 in total" in pm.allocate(b, 100)
+    check_invariants(pm, [a, b])
+    with pytest.raises(PageError, match=f"page {pb[0]} is not held"):
+        pm.release(a, [pb[0]])  # another instance's page
+    pm.release(a, pa[:2])
+    with pytest.raises(PageError, match="double release"):
+        pm.release(a, [pa[0]])
+    with pytest.raises(PageError):
+        pm.release(a, [pa[2], pa[2]])  # same page twice in one call
+    check_invariants(pm, [a, b])
+    pm.release_all(a)
+    pm.release_all(b)
+    assert pm.free_count == 8
+    check_invariants(pm, [a, b])
+
+
+def test_export_import_refcounts_and_read_only() -> None:
+    pm = PageManager(6)
+    a, b, c = PageTable("a"), PageTable("b"), PageTable("c")
+    pages = pm.allocate(a, 3)
+    assert isinstance(pages, list)
+    assert pm.export(a, "prefix", pages[:2], persistent=False) is None
+    assert "already in use" in pm.export(a, "prefix", pages[:1], persistent=False)
+    assert pm.list_exports() == [("prefix", 2)]
+    got = pm.import_(b, "prefix")
+    assert got == pages[:2]
+    assert "no export" in pm.import_(c, "nope")
+    with pytest.raises(PageError, match="read-only"):
+        pm.check_pages(b, got, writable_from=1)
+    pm.check_pages(b, got, writable_from=2)  # reading imported pages is fine
+    check_invariants(pm, [a, b, c])
+    pm.release_all(a)  # exporter ends: its non-persistent export goes, b still holds the pages
+    assert pm.list_exports() == []
+    assert pm.free_count == 6 - 2
+    check_invariants(pm, [a, b, c])
+    pm.release(b, got)
+    assert pm.free_count == 6
+    check_invariants(pm, [a, b, c])
+
+
+def test_persistent_export_outlives_exporter() -> None:
+    pm = PageManager(4)
+    a, b = PageTable("a"), PageTable("b")
+    pages = pm.allocate(a, 2)
+    assert isinstance(pages, list)
+    pm.export(a, "keep", pages, persistent=True)
+    pm.release_all(a)
+    assert pm.free_count == 2
+    assert pm.import_(b, "keep") == pages
+    assert pm.unexport("keep") is None
+    assert "no export" in pm.unexport("keep")
+    pm.release_all(b)
+    assert pm.free_count == 4
+    check_invariants(pm, [a, b])

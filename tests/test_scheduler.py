@@ -1,0 +1,126 @@
+"""Scheduler: batching policies, per-instance order, conflicts, backend failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from gpu_backend.types import ForwardRequest, OutputResult
+from host.scheduler import Scheduler
+
+
+def req(pages: list[int], last: int, n: int, tag: int = 0) -> ForwardRequest:
+    return ForwardRequest(pages=pages, last_page_len=last, tokens=[tag] * n, positions=list(range(n)))
+
+
+class Recorder:
+    def __init__(self, delay: float = 0.0) -> None:
+        self.batches: list[list[int]] = []
+        self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, reqs: list[ForwardRequest]) -> list[list[OutputResult]]:
+        self.gate.wait()
+        time.sleep(self.delay)
+        self.batches.append([r.tokens[0] for r in reqs])
+        return [[OutputResult(token=r.tokens[0])] for r in reqs]
+
+
+def test_adaptive_fires_everything_queued_while_busy() -> None:
+    rec = Recorder()
+    s = Scheduler(rec, page_size=4)
+    rec.gate.clear()
+    first = s.submit(req([0], 1, 1, tag=0), "a")
+    time.sleep(0.05)  # the first batch is now blocked inside the backend
+    rest = [s.submit(req([i], 1, 1, tag=i), f"i{i}") for i in range(1, 9)]
+    rec.gate.set()
+    assert first.wait(5)[0].token == 0
+    assert [f.wait(5)[0].token for f in rest] == list(range(1, 9))
+    assert rec.batches == [[0], list(range(1, 9))]
+    st = s.stats.as_dict()
+    assert st["batches"] == 2 and st["forwards"] == 9 and st["mean_batch_size"] == 4.5
+    s.stop()
+
+
+def test_dependent_forwards_of_one_instance_keep_order() -> None:
+    rec = Recorder()
+    s = Scheduler(rec, page_size=4)
+    rec.gate.clear()
+    s.submit(req([9], 1, 1, tag=99), "x")
+    time.sleep(0.05)
+    # instance a: prefill into page 0, then a decode into the same page (depends on it)
+    a1 = s.submit(req([0], 3, 3, tag=1), "a")
+    a2 = s.submit(req([0], 4, 1, tag=2), "a")
+    b1 = s.submit(req([5], 1, 1, tag=3), "b")
+    rec.gate.set()
+    for f in (a1, a2, b1):
+        f.wait(5)
+    assert rec.batches[1] == [1, 3]  # a2 conflicts with a1 (same page written): next batch
+    assert rec.batches[2] == [2]
+    s.stop()
+
+
+def test_independent_forwards_of_one_instance_batch_together() -> None:
+    """Beams: forwards over a shared read-only prefix page, each writing its own page."""
+    rec = Recorder()
+    s = Scheduler(rec, page_size=4)
+    rec.gate.clear()
+    s.submit(req([9], 1, 1, tag=99), "x")
+    time.sleep(0.05)
+    futs = [s.submit(req([0, 1 + i], 1, 1, tag=i), "beam") for i in range(4)]
+    rec.gate.set()
+    for f in futs:
+        f.wait(5)
+    assert rec.batches[1] == [0, 1, 2, 3]
+    s.stop()
+
+
+def test_max_batch_tokens_caps_a_batch() -> None:
+    rec = Recorder()
+    s = Scheduler(rec, page_size=16, max_batch_tokens=10)
+    rec.gate.clear()
+    s.submit(req([9], 1, 1, tag=99), "x")
+    time.sleep(0.05)
+    futs = [s.submit(req([i], 6, 6, tag=i), f"i{i}") for i in range(3)]
+    rec.gate.set()
+    for f in futs:
+        f.wait(5)
+    assert rec.batches[1:] == [[0], [1], [2]]
+    s.stop()
+
+
+def test_k_or_t_waits_for_k_or_timeout() -> None:
+    rec = Recorder()
+    s = Scheduler(rec, page_size=4, policy="k-or-t", k=3, t_ms=200)
+    t0 = time.perf_counter()
+    f = s.submit(req([0], 1, 1, tag=0), "a")
+    f.wait(5)
+    assert time.perf_counter() - t0 >= 0.19  # alone: fired by the timeout
+    futs = [s.submit(req([i], 1, 1, tag=i), f"i{i}") for i in range(3)]
+    t1 = time.perf_counter()
+    for g in futs:
+        g.wait(5)
+    assert time.perf_counter() - t1 < 0.15  # k reached: fired at once
+    assert rec.batches[-1] == [0, 1, 2]
+    s.stop()
+
+
+def test_backend_failure_fails_that_batch_only() -> None:
+    calls = {"n": 0}
+
+    def flaky(reqs: list[ForwardRequest]) -> list[list[OutputResult]]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("CUDA fell over")
+        return [[OutputResult(token=7)] for _ in reqs]
+
+    s = Scheduler(flaky, page_size=4)
+    bad = s.submit(req([0], 1, 1), "a")
+    with pytest.raises(RuntimeError, match="CUDA fell over"):
+        bad.wait(5)
+    assert s.submit(req([1], 1, 1), "b").wait(5)[0].token == 7
+    assert s.stats.errors == 1
+    s.stop()
