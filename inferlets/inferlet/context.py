@@ -81,6 +81,7 @@ class Context:
         self._chat_text: str | None = None
         self._inflight: Forward | None = None
         self._released = False
+        self._generation = PAGES.generation
 
     # ---- filling -------------------------------------------------------------------------
 
@@ -332,7 +333,9 @@ class Context:
         self.release()
 
     def __del__(self) -> None:
-        if not getattr(self, "_released", True) and self.pages and self._inflight is None:
+        # Garbage collection releases forgotten contexts; not while a pass is in flight (its
+        # pages must stay until the host is done) nor after the page table was reset.
+        if not getattr(self, "_released", True) and self._inflight is None and self._generation == PAGES.generation:
             self.release()
 
     # ---- internals -------------------------------------------------------------------------

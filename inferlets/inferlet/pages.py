@@ -18,11 +18,18 @@ class OutOfPages(RuntimeError):
 
 
 class PageTable:
-    """Reference counts of the pages this instance holds (allocated or imported)."""
+    """Reference counts of the pages this instance holds (allocated or imported).
+
+    `refs[p]` counts the contexts using page p; `holds[p]` counts the host's holds on it (one per
+    allocation or import: importing a page held already adds a hold). When the last context lets
+    go, every hold is dropped in one `kv.release` call (a page id repeated once per hold).
+    """
 
     def __init__(self, wait_s: float = 30.0) -> None:
         self.refs: dict[int, int] = {}
+        self.holds: dict[int, int] = {}
         self.wait_s = wait_s  # how long `allocate` waits for pages to free up before raising
+        self.generation = 0  # bumped by `reset`: contexts of an older generation hold nothing here
 
     def allocate(self, count: int) -> list[int]:
         """`count` fresh pages with one reference each.
@@ -50,13 +57,14 @@ class PageTable:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
         for p in pages:
-            self.refs[p] = 1
+            self.refs[p] = self.holds[p] = 1
         return pages
 
     def adopt(self, pages: list[int]) -> None:
-        """Count pages the host handed over another way (imported)."""
+        """Count pages the host handed over another way (imported): one more reference and hold."""
         for p in pages:
             self.refs[p] = self.refs.get(p, 0) + 1
+            self.holds[p] = self.holds.get(p, 0) + 1
 
     def share(self, pages: list[int]) -> None:
         """One more reference to pages already held."""
@@ -70,11 +78,17 @@ class PageTable:
             n = self.refs[p] - 1
             if n == 0:
                 del self.refs[p]
-                free.append(p)
+                free.extend([p] * self.holds.pop(p))
             else:
                 self.refs[p] = n
         if free:
             _host.kv.release(free)
+
+    def reset(self) -> None:
+        """Forget all pages (a fresh host was bound, e.g. by inferlet.testing.FakeHost)."""
+        self.refs.clear()
+        self.holds.clear()
+        self.generation += 1
 
     def held(self) -> int:
         """Number of distinct pages held."""

@@ -206,15 +206,22 @@ class _Kv:
         self.ps, self.max_pages = page_size, max_pages
         self.free = list(range(num_pages - 1, -1, -1))
         self.slots: dict[int, list[tuple[int, int] | None]] = {}  # page -> (token, position) per slot
-        self.owned: set[int] = set()
-        self.imported: dict[int, int] = {}  # read-only page -> times imported
+        self.holds: dict[int, list[Any]] = {}  # page -> [hold count, writable], like host/kv.py
         self.exports: dict[str, list[int]] = {}
         self.export_refs: dict[int, int] = {}
         self.allocations = 0
 
     @property
     def held(self) -> set[int]:
-        return self.owned | set(self.imported)
+        return set(self.holds)
+
+    @property
+    def owned(self) -> set[int]:
+        return {p for p, (_, w) in self.holds.items() if w}
+
+    @property
+    def imported(self) -> set[int]:
+        return {p for p, (_, w) in self.holds.items() if not w}
 
     def page_size(self) -> int:
         return self.ps
@@ -229,25 +236,22 @@ class _Kv:
             raise _host.Err(f"out of KV pages: {count} asked, {len(self.free)} free")
         pages = [self.free.pop() for _ in range(count)]
         for p in pages:
-            self.owned.add(p)
+            self.holds[p] = [1, True]
             self.slots[p] = [None] * self.ps
         self.allocations += 1
         return pages
 
     def release(self, pages: list[int]) -> None:
         for p in pages:
-            if p in self.owned:
-                self.owned.discard(p)
-            elif self.imported.get(p, 0) > 0:
-                self.imported[p] -= 1
-                if self.imported[p] == 0:
-                    del self.imported[p]
-            else:
+            if p not in self.holds:
                 raise _trap("kv.release", f"page {p} is not held by this instance")
+            self.holds[p][0] -= 1
+            if self.holds[p][0] == 0:
+                del self.holds[p]
             self._maybe_free(p)
 
     def _maybe_free(self, p: int) -> None:
-        if p not in self.owned and p not in self.imported and self.export_refs.get(p, 0) == 0:
+        if p not in self.holds and self.export_refs.get(p, 0) == 0:
             self.slots.pop(p, None)
             self.free.append(p)
 
@@ -264,7 +268,7 @@ class _Kv:
         if name not in self.exports:
             raise _host.Err(f"no export named {name!r}")
         for p in self.exports[name]:
-            self.imported[p] = self.imported.get(p, 0) + 1
+            self.holds.setdefault(p, [0, False])[0] += 1
         return list(self.exports[name])
 
     def unexport(self, name: str) -> None:
@@ -388,6 +392,6 @@ class FakeHost:
 
         _host.bind(runtime=self.runtime, messaging=self.messaging, store=self.store,
                    model=self.model, kv=self.kv, forward=self.forward)  # fmt: skip
-        PAGES.refs.clear()
+        PAGES.reset()
         get_model()._reset()
         return self
