@@ -1,0 +1,211 @@
+"""SDK pieces without KV logic: BRLE, samplers and stop conditions, streaming, the export glue."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "inferlets"))
+
+import inferlet  # noqa: E402
+from inferlet import AnyOf, Context, MaxTokens, Sampler, UntilSequence, UntilText, UntilTokens  # noqa: E402
+from inferlet import _host  # noqa: E402
+from inferlet.entry import make_world  # noqa: E402
+from inferlet.mask import brle, pass_rows  # noqa: E402
+from inferlet.testing import FakeHost  # noqa: E402
+
+
+@pytest.fixture
+def host() -> FakeHost:
+    return FakeHost(page_size=4, num_pages=64).install()
+
+
+def byte_tokens(text: str) -> list[int]:
+    return [b + 3 for b in text.encode()]
+
+
+# ---- BRLE ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "runs"),
+    [([], [0]), ([False] * 3, [3]), ([True, True], [0, 2]), ([False, True, True, False], [1, 2, 1])],
+)
+def test_brle(flags: list[bool], runs: list[int]) -> None:
+    assert brle(flags) == runs
+
+
+def test_pass_rows_cover_context_plus_prefix_and_attend_self() -> None:
+    rows = pass_rows([False, True], [True, False, False])
+    assert rows == [[1, 1, 1], [1, 2, 1], [1, 2, 2]]
+    for i, row in enumerate(rows):
+        assert sum(row) == 2 + i + 1
+        assert len(row) % 2 == 1  # ends with an attend run: the token itself
+
+
+# ---- samplers and stops ----------------------------------------------------------------------
+
+
+def test_sampler_validation_and_wit_record(host: FakeHost) -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        Sampler(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        Sampler(temperature=-1)
+    rec = Sampler(0.7, 40, 0.9, 0.05, seed=-1).to_wit()
+    assert (rec.temperature, rec.top_k, rec.top_p, rec.min_p) == pytest.approx((0.7, 40, 0.9, 0.05))
+    assert rec.seed == (1 << 64) - 1  # u64
+    assert Sampler.greedy() == Sampler() and Sampler().to_wit().seed is None
+
+
+def test_stop_conditions() -> None:
+    def dec(ids: list[int]) -> str:
+        return bytes(t - 3 for t in ids).decode(errors="replace")
+
+    assert MaxTokens(2).check([5], dec) is None and MaxTokens(2).check([5, 6], dec) == 0
+    assert UntilTokens([9]).check([5, 9], dec) == 1 and UntilTokens([9]).check([9, 5], dec) is None
+    assert UntilSequence([7, 8]).check([1, 7, 8], dec) == 2 and UntilSequence([7, 8]).check([7, 8, 1], dec) is None
+    assert UntilText("END").check(byte_tokens("x" * 50 + "EN"), dec) is None
+    assert UntilText("END").check(byte_tokens("x" * 50 + "END"), dec) == 0
+    assert AnyOf(MaxTokens(10), UntilTokens([9])).check([9], dec) == 1
+
+
+def test_seeded_generation_varies_seed_per_step(host: FakeHost) -> None:
+    with Context() as ctx:
+        ctx.fill("ab")
+        ctx.generate(Sampler(temperature=1.0, seed=10), max_tokens=3)
+    seeds = [r.outputs[0].sample.seed for r in host.forward.requests if r.outputs]
+    assert seeds == [10, 11, 12]
+
+
+def test_generate_trims_sequence_stop(host: FakeHost) -> None:
+    host.forward.script = byte_tokens("hi###more")
+    with Context() as ctx:
+        ctx.fill("q")
+        assert ctx.generate(stop=UntilSequence(byte_tokens("###"))) == "hi"
+
+
+# ---- streaming ------------------------------------------------------------------------------
+
+
+def test_streaming_emits_whole_characters(host: FakeHost) -> None:
+    text = "é€😀 ok"
+    host.forward.script = byte_tokens(text) + [2]
+    chunks: list[str] = []
+    with Context() as ctx:
+        ctx.fill("q")
+        out = ctx.generate(on_text=chunks.append)
+    assert out == text and "".join(chunks) == text
+    assert all("\ufffd" not in c for c in chunks)
+    assert chunks[:3] == ["é", "€", "😀"]  # a 4-byte character arrives once, whole
+
+
+def test_streaming_respects_trimmed_stop_token(host: FakeHost) -> None:
+    host.forward.script = byte_tokens("ab") + [2]
+    chunks: list[str] = []
+    with Context() as ctx:
+        ctx.fill("q")
+        ctx.generate(on_text=chunks.append)
+    assert chunks == ["a", "b"]  # "<|im_end|>" is never streamed
+
+
+# ---- runtime wrappers and model --------------------------------------------------------------
+
+
+def test_runtime_wrappers(host: FakeHost) -> None:
+    host.runtime.args = ["--x", "1"]
+    host.messaging.inbox.append("hello")
+    assert inferlet.args() == ["--x", "1"] and inferlet.receive(10) == "hello" and inferlet.receive() is None
+    inferlet.send("out")
+    inferlet.subscribe("t")
+    inferlet.publish("t", "m")
+    assert host.messaging.sent == ["out"] and inferlet.receive_published() == ("t", "m")
+    inferlet.store_set("k", "v")
+    assert inferlet.store_get("k") == "v" and inferlet.store_exists("k") and inferlet.store_keys() == ["k"]
+    inferlet.store_delete("k")
+    assert inferlet.store_get("k") is None
+
+
+def test_model_wrappers(host: FakeHost) -> None:
+    m = inferlet.get_model()
+    assert m.page_size == 4 and m.stop_tokens == (1, 2) and m.name == "fake"
+    assert m.decode(m.encode("héllo<|im_end|>")) == "héllo<|im_end|>"
+    assert m.apply_chat_template([("user", "hi")]) == "<s>user\nhi<|im_end|>\n<s>assistant\n"
+    with pytest.raises(ValueError, match="role"):
+        m.apply_chat_template([{"content": "x"}])
+    with pytest.raises(inferlet.ModelError, match="available: fake"):
+        inferlet.get_model("nope")
+
+
+def test_unbound_host_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    if _host.IN_GUEST:
+        pytest.skip("bindings present")
+    monkeypatch.setattr(_host, "runtime", _host._Unbound("runtime"))
+    with pytest.raises(RuntimeError, match="FakeHost"):
+        inferlet.args()
+
+
+# ---- the export glue and text_completion -------------------------------------------------------
+
+
+def _world(source: str) -> object:
+    mod = type(sys)("user_app")
+    exec(source, mod.__dict__)
+    return make_world(mod)()
+
+
+def test_run_sets_return_value(host: FakeHost) -> None:
+    host.runtime.args = ["a", "b"]
+    _world("def main(args):\n    return '|'.join(args)").run()
+    assert host.runtime.returned == "a|b"
+
+
+def test_run_turns_exceptions_into_err_with_traceback(host: FakeHost) -> None:
+    with pytest.raises(_host.Err) as err:
+        _world("def main(args):\n    return 1 / 0").run()
+    assert "ZeroDivisionError" in err.value.value and "Traceback" in err.value.value
+    with pytest.raises(_host.Err, match="must return str"):
+        _world("def main(args):\n    return 5").run()
+    with pytest.raises(_host.Err) as err:
+        _world("import sys\ndef main(args):\n    sys.exit(3)").run()
+    assert "SystemExit" in err.value.value
+    with pytest.raises(TypeError, match="must define"):
+        _world("x = 1")
+
+
+def _text_completion() -> object:
+    spec = importlib.util.spec_from_file_location("tc_app", ROOT / "inferlets" / "text_completion" / "app.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_text_completion_uses_chat_template_and_stops(host: FakeHost) -> None:
+    app = _text_completion()
+    host.forward.script = byte_tokens("Paris.") + [2]
+    assert app.main(["--prompt", "capital?"]) == "Paris."
+    prompt = host.model.apply_chat_template([host.model.Message("user", "capital?")], True)
+    first = host.forward.requests[0]
+    assert first.tokens == host.model.encode(prompt)[:-1] and not host.kv.held
+
+
+def test_text_completion_raw_max_tokens_and_stream(host: FakeHost) -> None:
+    app = _text_completion()
+    out = app.main(["-p", "abc", "--raw", "--max-tokens", "5", "--stream"])
+    assert len(out) == 5 and "".join(host.messaging.sent) == out
+    assert host.forward.requests[0].tokens == byte_tokens("ab")
+
+
+def test_text_completion_bad_arguments(host: FakeHost) -> None:
+    app = _text_completion()
+    with pytest.raises(inferlet.InferletError, match="unrecognized arguments: --bogus"):
+        app.main(["-p", "x", "--bogus"])
+    with pytest.raises(inferlet.InferletError, match="--prompt is required"):
+        app.main([])
+    with pytest.raises(inferlet.InferletError, match="invalid float value"):
+        app.main(["-p", "x", "--temperature", "hot"])
+    assert "usage: text_completion" in app.main(["--help"])
