@@ -1,0 +1,122 @@
+"""beam_search: beam search over top-k distributions, beams forked from one shared prompt.
+
+Every beam is a `Context.fork()` of its parent: full KV pages are shared, only the partial last
+page is copied. Each step submits one `next_dist` pass per live beam (they run batched, at once),
+expands every beam into its `--beam-width` most probable continuations (score += ln p), and keeps
+the best `--beam-width` candidates overall (ties: lower beam index, then higher-ranked token).
+A candidate ending in a stop token is finished. The search ends when no beam is live, when
+`--beam-width` hypotheses are finished, or after `--max-tokens` steps. The result is the
+hypothesis (finished or live) with the best `logprob / len ** length_penalty`.
+
+Returns the text; with `--json`, {"text", "tokens", "logprob", "score"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from inferlet import Context, InferletError, get_model, send, wait_any
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
+
+    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
+        raise InferletError(message or f"argument parser exited with status {status}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="beam_search", add_help=False, exit_on_error=False,
+                description="Beam search; the best hypothesis is the return value.")  # fmt: skip
+    p.add_argument("-p", "--prompt", default="Write one sentence about the sea.", help="the user prompt")
+    p.add_argument("-w", "--beam-width", type=int, default=3, help="beams kept per step (3)")
+    p.add_argument("-n", "--max-tokens", type=int, default=24, help="most tokens to generate (24)")
+    p.add_argument("--length-penalty", type=float, default=1.0,
+                   help="final ranking by logprob / len**penalty (1.0; 0 = raw logprob)")
+    p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    p.add_argument("--json", action="store_true", help="return a JSON object with tokens and scores")
+    p.add_argument("-h", "--help", action="store_true", help="return this help text")
+    return p
+
+
+PARSER = parser()
+
+
+def normalized(logprob: float, length: int, penalty: float) -> float:
+    return logprob / (max(length, 1) ** penalty)
+
+
+def main(args: list[str]) -> str | None:
+    p = PARSER
+    try:
+        opts = p.parse_args(args)
+    except argparse.ArgumentError as e:
+        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    if opts.help:
+        return p.format_help()
+    if opts.beam_width < 1 or opts.max_tokens < 1:
+        raise InferletError("--beam-width and --max-tokens must be >= 1")
+    model = get_model()
+    stops = set(model.stop_tokens)
+    width = opts.beam_width
+
+    root = Context(model)
+    if opts.raw:
+        root.fill(opts.prompt)
+    else:
+        root.fill_user(opts.prompt)
+    root.flush()
+    # A beam: (context, logprob, generated tokens)
+    beams: list[tuple[Context, float, list[int]]] = [(root, 0.0, [])]
+    finished: list[tuple[float, list[int]]] = []
+    try:
+        for _step in range(opts.max_tokens):
+            passes = [ctx.submit_dist(width) for ctx, _, _ in beams]
+            pending = list(passes)
+            while pending:
+                pending.remove(wait_any(pending))
+            cands: list[tuple[float, int, int, int]] = []
+            for bi, (f, (_ctx, score, _toks)) in enumerate(zip(passes, beams)):
+                ids, probs = f.result
+                for rank, (tok, prob) in enumerate(zip(ids, probs)):
+                    if prob > 0.0:
+                        cands.append((score + math.log(prob), bi, rank, tok))
+            cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+            top = cands[:width]
+            left: dict[int, int] = {}
+            for _score, bi, _rank, tok in top:
+                if tok not in stops:
+                    left[bi] = left.get(bi, 0) + 1
+            new: list[tuple[Context, float, list[int]]] = []
+            for score, bi, _rank, tok in top:
+                parent, _, toks = beams[bi]
+                if tok in stops:
+                    finished.append((score, toks + [tok]))
+                    continue
+                left[bi] -= 1
+                # Fork for all children but the last, which continues in the parent's context.
+                child = parent if left[bi] == 0 else parent.fork()
+                child.fill_tokens([tok])
+                new.append((child, score, toks + [tok]))
+            for bi, (ctx, _score, _toks) in enumerate(beams):
+                if bi not in left:
+                    ctx.release()
+            beams = new
+            if not beams or len(finished) >= width:
+                break
+        hyps = finished + [(score, toks) for _ctx, score, toks in beams]
+        best_logprob, best = max(hyps, key=lambda h: normalized(h[0], len(h[1]), opts.length_penalty))
+    finally:
+        for ctx, _, _ in beams:
+            ctx.release()
+    text = model.decode([t for t in best if t not in stops])
+    if opts.json:
+        return json.dumps({"text": text, "tokens": best, "logprob": best_logprob,
+                           "score": normalized(best_logprob, len(best), opts.length_penalty)})
+    send(text)
+    return text
