@@ -303,11 +303,12 @@ class SyncPieClient:
     def events(self, instance_id: str) -> Iterator[Event]:
         """The instance's events, blocking, ending with its terminal event."""
         stream = self._client.events(instance_id)
-        while True:
-            try:
-                yield self._call(stream.__anext__())
-            except StopAsyncIteration:
-                return
+
+        async def step() -> Event | None:
+            return await anext(stream, None)
+
+        while (event := self._call(step())) is not None:
+            yield event
 
 
 def run_remote(url: str, wasm_path: Path, args: list[str], *, token: str | None = None,
