@@ -82,7 +82,7 @@ def test_run_remote_with_closed_stdin_sends_nothing_more(server, wasm_file, host
     result: list[tuple[int, str, str]] = []
     t = threading.Thread(target=lambda: result.append(_run(server, wasm_file, ["chat"], stdin_lines=["x"])))
     t.start()
-    wait_for(lambda: len(host.running) == 1)
+    wait_for(lambda: len(host.running) == 1 and next(iter(host.running.values())).sent == ["got:x"])
     (iid,) = host.running
     host.terminate(iid, "stopped by the test")
     t.join(10)

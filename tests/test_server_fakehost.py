@@ -45,10 +45,13 @@ class _FakeInstance:
         self.stop_reason: str | None = None
         self.cond = threading.Condition()
         self.started_at = time.time()
+        self.sent: list[str] = []
         self.thread = threading.Thread(target=self._main, daemon=True)
 
     def emit(self, event: str, message: str) -> None:
         from host.runtime import InstanceEvent
+
+        self.sent.append(message)
 
         self.on_event(InstanceEvent(self.id, event, message))
 

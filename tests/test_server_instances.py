@@ -97,7 +97,7 @@ def test_detached_instance_survives_and_buffers_until_attached(server, host) -> 
         async with await PieClient.connect(server.url) as client:
             h = await client.upload_program(WASM)
             chat = await client.launch(h, ["chat"], detached=True)
-            done = await client.launch(h, ["later", "0.3", "x", "y"], detached=True)
+            done = await client.launch(h, ["later", "1.0", "x", "y"], detached=True)
             return chat, done
 
     chat, done = asyncio.run(launch_and_leave())
