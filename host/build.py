@@ -115,10 +115,17 @@ def build_inferlet(src: Path, out: Path | None = None, quiet: bool = False) -> P
     user = _source_files(src)
     key = _digest(_wit_files() + _sdk_files() + user)
     cached = cache_root() / "builds" / f"{key}.wasm"
+    failed = cached.with_suffix(".error")  # a failed build is cached too: same source, same error
     if cached.is_file():
         log.info("pie-build: %s is cached at %s", src, cached)
+    elif failed.is_file():
+        raise BuildError(failed.read_text())
     else:
-        _componentize(src, user, cached, quiet)
+        try:
+            _componentize(src, user, cached, quiet)
+        except BuildError as e:
+            failed.write_text(str(e))
+            raise
     if out is None:
         return cached
     out = Path(out)
@@ -145,9 +152,24 @@ def _componentize(src: Path, user: list[tuple[str, Path]], dest: Path, quiet: bo
         start = time.monotonic()
         res = _run_with_progress(cmd, env, f"pie-build {src.name}", quiet)
         if res.returncode != 0 or not part.is_file():
-            raise BuildError(f"componentize-py failed building {src} (exit {res.returncode}):\n{res.stdout.strip()}")
+            raise BuildError(f"building {src} failed (componentize-py exit {res.returncode}):\n{_guest_error(res.stdout)}")
         os.replace(part, dest) if part.stat().st_dev == dest.parent.stat().st_dev else shutil.move(part, dest)
         log.info("pie-build: built %s in %.1f s (%.1f MB)", src, time.monotonic() - start, dest.stat().st_size / 1e6)
+
+
+def _guest_error(output: str) -> str:
+    """The useful part of componentize-py's output: the guest's Python traceback if there is one.
+
+    componentize-py imports the app while building; an exception there (a syntax error, a
+    failing import) is reported as `AssertionError: <traceback>` followed by a Rust backtrace.
+    """
+    marker = "AssertionError: "
+    if marker in output:
+        text = output.split(marker, 1)[1]
+        for end in ("\n\nCaused by:", "\nStack backtrace:"):
+            text = text.split(end, 1)[0]
+        return text.strip()
+    return output.strip()
 
 
 def standard_inferlets() -> list[str]:

@@ -1,0 +1,171 @@
+"""pie-build: text_completion builds into a component that instantiates and runs on stub imports."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from wasmtime import Engine, Store, WasiConfig
+from wasmtime.component import Component, Linker, Record
+
+from host.build import BuildError, build_inferlet, main, resolve_inferlet
+
+ROOT = Path(__file__).resolve().parents[1]
+WIT = (ROOT / "wit" / "inferlet.wit").read_text()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pie-cache")
+
+
+@pytest.fixture(scope="module")
+def built(cache: Path) -> tuple[Path, float]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PIE_CACHE_DIR", str(cache))
+    t0 = time.monotonic()
+    path = build_inferlet(ROOT / "inferlets" / "text_completion", quiet=True)
+    yield path, time.monotonic() - t0
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def component(built: tuple[Path, float]) -> tuple[Engine, Component]:
+    engine = Engine()
+    return engine, Component.from_file(engine, str(built[0]))
+
+
+def wit_functions() -> dict[str, list[str]]:
+    """interface -> function names, read from the WIT so a new import cannot go unnoticed."""
+    out: dict[str, list[str]] = {}
+    for m in re.finditer(r"interface ([\w-]+) \{(.*?)\n\}", WIT, re.S):
+        out[m.group(1)] = re.findall(r"^\s*([\w-]+): func", m.group(2), re.M)
+    return out
+
+
+def _record(**fields: object) -> Record:
+    r = Record()
+    for k, v in fields.items():
+        setattr(r, k, v)
+    return r
+
+
+class StubHost:
+    """Just enough of a host: fixed tokens from the 'model', pages from a counter."""
+
+    def __init__(self, args: list[str], script: list[int]) -> None:
+        self.args, self.script = args, list(script)
+        self.returned: str | None = None
+        self.calls: list[str] = []
+        self.next_page = 0
+        self.impl = {
+            ("runtime", "arguments"): lambda: self.args,
+            ("runtime", "set-return"): self._set_return,
+            ("model", "apply-chat-template"): lambda msgs, gen: "".join(
+                f"<{getattr(m, 'role')}>{getattr(m, 'content')}" for m in msgs) + ("<assistant>" if gen else ""),
+            ("model", "encode"): lambda text: [ord(c) for c in text],
+            ("model", "decode"): lambda ids: "".join(chr(i) for i in ids if i != 0),
+            ("model", "stop-tokens"): lambda: [0],
+            ("kv", "page-size"): lambda: 16,
+            ("kv", "allocate"): self._allocate,
+            ("kv", "release"): lambda pages: None,
+            ("forward", "run"): self._run,
+        }
+
+    def _set_return(self, value: str) -> None:
+        self.returned = value
+
+    def _allocate(self, n: int) -> list[int]:
+        self.next_page += n
+        return list(range(self.next_page - n, self.next_page))
+
+    def _run(self, pages, last_len, tokens, positions, mask, outputs):  # noqa: ANN001
+        return [_record(token=self.script.pop(0) if getattr(o, "sample") else None, ids=[], probs=[])
+                for o in outputs]  # fmt: skip
+
+    def linker(self, engine: Engine) -> Linker:
+        linker = Linker(engine)
+        linker.add_wasip2()
+        with linker.root() as root:
+            for iface, funcs in wit_functions().items():
+                with root.add_instance(f"pie:inferlet/{iface}@0.1.0") as inst:
+                    for name in funcs:
+                        inst.add_func(name, self._stub(iface, name))
+        return linker
+
+    def _stub(self, iface: str, name: str):  # noqa: ANN202
+        fn = self.impl.get((iface, name))
+
+        def call(store: object, *args: object) -> object:
+            self.calls.append(f"{iface}.{name}")
+            if fn is None:
+                raise RuntimeError(f"unexpected import call {iface}.{name}{args}")
+            return fn(*args)
+
+        return call
+
+
+def run_component(engine: Engine, comp: Component, host: StubHost) -> object:
+    store = Store(engine)
+    store.set_wasi(WasiConfig())
+    inst = host.linker(engine).instantiate(store, comp)
+    return inst.get_func(store, "run")(store)
+
+
+def test_build_produces_a_component(built: tuple[Path, float], component: tuple[Engine, Component]) -> None:
+    path, _ = built
+    assert path.suffix == ".wasm" and path.stat().st_size > 1_000_000
+    assert path.read_bytes()[:4] == b"\0asm"
+
+
+def test_component_runs_on_stub_imports(component: tuple[Engine, Component]) -> None:
+    engine, comp = component
+    host = StubHost(["--prompt", "hi", "--max-tokens", "8"], [ord(c) for c in "Paris."] + [0])
+    assert run_component(engine, comp, host) is None  # result<_, string>: ok is None
+    assert host.returned == "Paris."
+    assert host.calls.count("forward.run") == 1 + 7  # flush + one per generated token
+    assert host.calls[-2:] == ["kv.release", "runtime.set-return"]
+
+
+def test_component_reports_bad_arguments_as_err(component: tuple[Engine, Component]) -> None:
+    engine, comp = component
+    err = run_component(engine, comp, StubHost(["--max-tokens", "lots"], []))
+    assert isinstance(err, str) and "--max-tokens" in err and "invalid int value" in err
+
+
+def test_cache_hit_is_fast_and_cli_writes_output(built: tuple[Path, float], cache: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("PIE_CACHE_DIR", str(cache))
+    path, first = built
+    t0 = time.monotonic()
+    again = build_inferlet(ROOT / "inferlets" / "text_completion", quiet=True)
+    assert again == path and time.monotonic() - t0 < 0.5 < first
+    out = tmp_path / "tc.wasm"
+    assert main(["text_completion", "-o", str(out), "-q"]) == 0
+    assert out.read_bytes() == path.read_bytes()
+    assert resolve_inferlet("text_completion", quiet=True) == path
+    assert resolve_inferlet(str(out)) == out
+
+
+def test_syntax_error_gives_a_clear_error(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch.setenv("PIE_CACHE_DIR", str(cache))
+    (tmp_path / "app.py").write_text("def main(args):\n    return (\n")
+    with pytest.raises(BuildError, match="SyntaxError") as err:
+        build_inferlet(tmp_path, quiet=True)
+    assert "app.py" in str(err.value) and "Stack backtrace" not in str(err.value)
+    t0 = time.monotonic()
+    assert main([str(tmp_path), "-q"]) == 1  # the failure is cached: no second componentize-py run
+    assert time.monotonic() - t0 < 0.5
+    assert "SyntaxError: '(' was never closed" in capsys.readouterr().err
+
+
+def test_bad_sources_are_named(tmp_path: Path) -> None:
+    with pytest.raises(BuildError, match="needs an app.py"):
+        build_inferlet(tmp_path)
+    with pytest.raises(BuildError, match="standard: .*text_completion"):
+        resolve_inferlet("no_such_inferlet")
+    with pytest.raises(BuildError, match="no such component"):
+        resolve_inferlet(tmp_path / "missing.wasm")
