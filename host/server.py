@@ -14,6 +14,7 @@ import hmac
 import logging
 import os
 import signal
+import sys
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -39,8 +40,11 @@ MAX_AUTH_FAILURES = 3
 
 
 def default_data_dir() -> Path:
-    """`$PIE_DATA_DIR`, else `~/.cache/pie`."""
-    return Path(os.environ.get("PIE_DATA_DIR") or Path.home() / ".cache" / "pie")
+    """`$PIE_DATA_DIR`, else the host's cache dir (`$PIE_CACHE_DIR` or ~/.cache/pie-python)."""
+    from host.config import default_cache_dir
+
+    env = os.environ.get("PIE_DATA_DIR")
+    return Path(env) if env else default_cache_dir()
 
 
 @dataclass(frozen=True)
@@ -447,7 +451,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8080, help="port (0 picks a free one; default 8080)")
     ap.add_argument("--auth-token", default=os.environ.get("PIE_AUTH_TOKEN"),
                     help="require this token (default: $PIE_AUTH_TOKEN; none = no authentication)")
-    ap.add_argument("--model", help="model name or path (default: the host's default model)")
+    ap.add_argument("--model", help="GGUF file or HF safetensors dir (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--page-size", type=int, help="tokens per KV page")
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--num-pages", type=int, help="KV pages to preallocate")
@@ -458,7 +463,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--wall-budget-s", type=float, help="wall-clock budget per instance (seconds)")
     ap.add_argument("--max-pages-per-instance", type=int, help="KV pages one instance may hold")
     ap.add_argument("--data-dir", type=Path, default=default_data_dir(),
-                    help="program store and compile cache (default: $PIE_DATA_DIR or ~/.cache/pie)")
+                    help="program store and key-value store (default: $PIE_DATA_DIR or the host cache dir)")
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return ap.parse_args(argv)
 
@@ -469,12 +474,12 @@ def host_config_from_args(args: argparse.Namespace) -> Any:
 
     mib = 1024 * 1024
     given: dict[str, Any] = {
-        "model": args.model, "page_size": args.page_size, "num_pages": args.num_pages,
+        "model": args.model, "device": args.device, "page_size": args.page_size, "num_pages": args.num_pages,
         "kv_memory_bytes": args.kv_memory * mib if args.kv_memory is not None else None,
         "policy": args.policy, "max_batch_tokens": args.max_batch_tokens,
         "memory_limit_bytes": args.memory_limit_mb * mib if args.memory_limit_mb is not None else None,
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
-        "cache_dir": args.data_dir / "compiled",
+        "data_dir": args.data_dir,
     }
     return HostConfig(**{k: v for k, v in given.items() if v is not None})
 
@@ -485,7 +490,12 @@ def serve_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from host.runtime import Host
 
-    host = Host(host_config_from_args(args))
+    try:
+        config = host_config_from_args(args)
+    except ValueError as exc:
+        print(f"pie-serve: {exc}", file=sys.stderr)
+        return 2
+    host = Host(config)
     server = Server(host, ServerConfig(host=args.host, port=args.port, auth_token=args.auth_token or None,
                                        data_dir=args.data_dir))
 
