@@ -464,6 +464,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-pages-per-instance", type=int, help="KV pages one instance may hold")
     ap.add_argument("--data-dir", type=Path, default=default_data_dir(),
                     help="program store and key-value store (default: $PIE_DATA_DIR or the host cache dir)")
+    ap.add_argument("--max-frame-bytes", type=int, default=p.MAX_FRAME_BYTES,
+                    help=f"largest accepted WebSocket frame (default {p.MAX_FRAME_BYTES})")
+    ap.add_argument("--max-program-mb", type=int, default=DEFAULT_MAX_PROGRAM_BYTES // 2**20,
+                    help=f"largest accepted program (default {DEFAULT_MAX_PROGRAM_BYTES // 2**20} MiB)")
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return ap.parse_args(argv)
 
@@ -497,7 +501,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 2
     host = Host(config)
     server = Server(host, ServerConfig(host=args.host, port=args.port, auth_token=args.auth_token or None,
-                                       data_dir=args.data_dir))
+                                       data_dir=args.data_dir, max_frame_bytes=args.max_frame_bytes,
+                                       max_program_bytes=args.max_program_mb * 2**20))
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
