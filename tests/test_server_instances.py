@@ -160,3 +160,43 @@ def test_many_clients_many_instances(server, host) -> None:
 
     asyncio.run(main())
     assert host.free_pages() == 64
+
+
+def test_soak_mixed_clients_leave_nothing_behind(server, host) -> None:
+    """Waves of clients that finish, vanish mid-run, send garbage or detach: no page, record or
+    connection is left over, and the server still answers."""
+    from websockets.asyncio.client import connect
+
+    async def well_behaved(n: int) -> None:
+        async with await PieClient.connect(server.url) as client:
+            iid = await client.launch(await client.ensure_program(WASM), ["echo", str(n)])
+            assert (await _events(client, iid))[-1] == ("completed", "done")
+
+    async def vanishes() -> None:
+        client = await PieClient.connect(server.url)
+        h = await client.ensure_program(WASM)
+        await client.launch(h, ["hold"])
+        await client.launch(h, ["chat"])
+        await client.close()
+
+    async def garbage() -> None:
+        async with connect(server.url) as ws:
+            await ws.send(b"\xc1garbage")
+            await ws.wait_closed()
+
+    async def detaches_then_attaches() -> None:
+        async with await PieClient.connect(server.url) as client:
+            iid = await client.launch(await client.ensure_program(WASM), ["chat"], detached=True)
+        async with await PieClient.connect(server.url) as client:
+            await client.attach(iid)
+            await client.signal(iid, "quit")
+            assert (await _events(client, iid))[-1] == ("completed", "bye")
+
+    async def main() -> None:
+        for _wave in range(3):
+            await asyncio.gather(*(well_behaved(n) for n in range(20)), *(vanishes() for _ in range(10)),
+                                 *(garbage() for _ in range(5)), *(detaches_then_attaches() for _ in range(5)))
+
+    asyncio.run(main())
+    wait_for(lambda: host.free_pages() == 64 and not host.running)
+    wait_for(lambda: server._instances == {} and server._connections == set())
