@@ -84,13 +84,17 @@ def _wit_files() -> list[tuple[str, Path]]:
     return [(f"wit/{p.relative_to(WIT_DIR).as_posix()}", p) for p in sorted(WIT_DIR.rglob("*.wit"))]
 
 
-def _run_with_progress(cmd: list[str], env: dict[str, str], label: str, quiet: bool) -> subprocess.CompletedProcess:
+def _run_with_progress(
+    cmd: list[str], env: dict[str, str], label: str, quiet: bool
+) -> subprocess.CompletedProcess:
     """Run componentize-py, showing a live elapsed-time line unless quiet."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(proc.stdout or []), daemon=True)
     reader.start()
-    if quiet:
+    if not quiet:
+        log.info("%s: running componentize-py (about 10 s)", label)
+    if quiet or not sys.stderr.isatty():
         proc.wait()
     else:
         from tqdm import tqdm
@@ -136,7 +140,9 @@ def build_inferlet(src: Path, out: Path | None = None, quiet: bool = False) -> P
 
 def _componentize(src: Path, user: list[tuple[str, Path]], dest: Path, quiet: bool) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    exe = shutil.which("componentize-py", path=os.path.dirname(sys.executable)) or shutil.which("componentize-py")
+    exe = shutil.which("componentize-py", path=os.path.dirname(sys.executable)) or shutil.which(
+        "componentize-py"
+    )
     if exe is None:
         raise BuildError("componentize-py not found: pip install componentize-py==0.25.1")
     with tempfile.TemporaryDirectory(prefix="pie-build-") as tmp:
@@ -146,15 +152,34 @@ def _componentize(src: Path, user: list[tuple[str, Path]], dest: Path, quiet: bo
             shutil.copyfile(path, stage / name)
         (stage / f"{ENTRY_MODULE}.py").write_text(_ENTRY_SOURCE)
         part = Path(tmp) / "out.wasm"
-        cmd = [exe, "-d", str(WIT_DIR), "-w", WORLD, "componentize", "-p", str(stage), ENTRY_MODULE, "-o", str(part)]
+        cmd = [
+            exe,
+            "-d",
+            str(WIT_DIR),
+            "-w",
+            WORLD,
+            "componentize",
+            "-p",
+            str(stage),
+            ENTRY_MODULE,
+            "-o",
+            str(part),
+        ]
         # Without VIRTUAL_ENV, componentize-py does not add the host venv's site-packages to the guest.
         env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
         start = time.monotonic()
         res = _run_with_progress(cmd, env, f"pie-build {src.name}", quiet)
         if res.returncode != 0 or not part.is_file():
-            raise BuildError(f"building {src} failed (componentize-py exit {res.returncode}):\n{_guest_error(res.stdout)}")
+            raise BuildError(
+                f"building {src} failed (componentize-py exit {res.returncode}):\n{_guest_error(res.stdout)}"
+            )
         os.replace(part, dest) if part.stat().st_dev == dest.parent.stat().st_dev else shutil.move(part, dest)
-        log.info("pie-build: built %s in %.1f s (%.1f MB)", src, time.monotonic() - start, dest.stat().st_size / 1e6)
+        log.info(
+            "pie-build: built %s in %.1f s (%.1f MB)",
+            src,
+            time.monotonic() - start,
+            dest.stat().st_size / 1e6,
+        )
 
 
 def _guest_error(output: str) -> str:
@@ -197,9 +222,17 @@ def resolve_inferlet(name_or_path: str | Path, quiet: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """`pie-build SRC [-o OUT.wasm] [-q]`."""
-    p = argparse.ArgumentParser(prog="pie-build", description="Build a Python inferlet into a .wasm component.")
+    p = argparse.ArgumentParser(
+        prog="pie-build", description="Build a Python inferlet into a .wasm component."
+    )
     p.add_argument("src", help="inferlet folder with app.py, a .py file, or a standard inferlet name")
-    p.add_argument("-o", "--output", type=Path, default=None, help="where to write the .wasm (default: print the cached path)")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        help="where to write the .wasm (default: print the cached path)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")

@@ -63,8 +63,9 @@ class StubHost:
         self.impl = {
             ("runtime", "arguments"): lambda: self.args,
             ("runtime", "set-return"): self._set_return,
-            ("model", "apply-chat-template"): lambda msgs, gen: "".join(
-                f"<{getattr(m, 'role')}>{getattr(m, 'content')}" for m in msgs) + ("<assistant>" if gen else ""),
+            ("model", "apply-chat-template"): lambda msgs, gen: (
+                "".join(f"<{m.role}>{m.content}" for m in msgs) + ("<assistant>" if gen else "")
+            ),
             ("model", "encode"): lambda text: [ord(c) for c in text],
             ("model", "decode"): lambda ids: "".join(chr(i) for i in ids if i != 0),
             ("model", "stop-tokens"): lambda: [0],
@@ -82,7 +83,7 @@ class StubHost:
         return list(range(self.next_page - n, self.next_page))
 
     def _run(self, pages, last_len, tokens, positions, mask, outputs):  # noqa: ANN001
-        return [_record(token=self.script.pop(0) if getattr(o, "sample") else None, ids=[], probs=[])
+        return [_record(token=self.script.pop(0) if o.sample else None, ids=[], probs=[])
                 for o in outputs]  # fmt: skip
 
     def linker(self, engine: Engine) -> Linker:

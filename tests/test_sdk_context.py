@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inferlets"))
 
-from inferlet import Context, OutOfPages, PAGES, Sampler, wait_any  # noqa: E402
+from inferlet import PAGES, Context, OutOfPages, wait_any  # noqa: E402
 from inferlet.testing import FakeHost, FakeTrap  # noqa: E402
 
 PS = 4

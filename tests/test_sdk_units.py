@@ -12,8 +12,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "inferlets"))
 
 import inferlet  # noqa: E402
-from inferlet import AnyOf, Context, MaxTokens, Sampler, UntilSequence, UntilText, UntilTokens  # noqa: E402
-from inferlet import _host  # noqa: E402
+from inferlet import (  # noqa: E402
+    AnyOf,
+    Context,
+    MaxTokens,
+    Sampler,
+    UntilSequence,
+    UntilText,
+    UntilTokens,
+    _host,  # noqa: E402
+)
 from inferlet.entry import make_world  # noqa: E402
 from inferlet.mask import brle, pass_rows  # noqa: E402
 from inferlet.testing import FakeHost  # noqa: E402
@@ -67,7 +75,10 @@ def test_stop_conditions() -> None:
 
     assert MaxTokens(2).check([5], dec) is None and MaxTokens(2).check([5, 6], dec) == 0
     assert UntilTokens([9]).check([5, 9], dec) == 1 and UntilTokens([9]).check([9, 5], dec) is None
-    assert UntilSequence([7, 8]).check([1, 7, 8], dec) == 2 and UntilSequence([7, 8]).check([7, 8, 1], dec) is None
+    assert (
+        UntilSequence([7, 8]).check([1, 7, 8], dec) == 2
+        and UntilSequence([7, 8]).check([7, 8, 1], dec) is None
+    )
     assert UntilText("END").check(byte_tokens("x" * 50 + "EN"), dec) is None
     assert UntilText("END").check(byte_tokens("x" * 50 + "END"), dec) == 0
     assert AnyOf(MaxTokens(10), UntilTokens([9])).check([9], dec) == 1

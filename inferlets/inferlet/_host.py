@@ -51,4 +51,3 @@ def bind(**interfaces: Any) -> None:
         if name not in ("forward", "kv", "messaging", "model", "runtime", "store"):
             raise ValueError(f"unknown host interface {name!r}")
         g[name] = impl
-

@@ -240,7 +240,7 @@ class Context:
         ps = self.model.page_size
         keep: list[int] = []
         drop: list[int] = []
-        for j, page in enumerate(self.pages):
+        for j in range(len(self.pages)):
             lo = j * ps
             if lo + ps <= self.kv_len and all(self.masked[lo : lo + ps]):
                 drop.append(j)
@@ -335,7 +335,11 @@ class Context:
     def __del__(self) -> None:
         # Garbage collection releases forgotten contexts; not while a pass is in flight (its
         # pages must stay until the host is done) nor after the page table was reset.
-        if not getattr(self, "_released", True) and self._inflight is None and self._generation == PAGES.generation:
+        if (
+            not getattr(self, "_released", True)
+            and self._inflight is None
+            and self._generation == PAGES.generation
+        ):
             self.release()
 
     # ---- internals -------------------------------------------------------------------------
@@ -356,7 +360,9 @@ class Context:
     def _spec(self, sampler: Sampler | None, dist: int) -> Any:
         """The output spec for the last pending token (call before `_prepare` moves `kv_len`)."""
         index = len(self.tokens) - self.kv_len - 1
-        return _host.forward.OutputSpec(index=index, sample=None if sampler is None else sampler.to_wit(), dist=dist)
+        return _host.forward.OutputSpec(
+            index=index, sample=None if sampler is None else sampler.to_wit(), dist=dist
+        )
 
     def _prepare_all(self, call: str) -> tuple[list[int], int, list[int], list[int], list[list[int]]]:
         n = len(self.tokens) - self.kv_len
@@ -380,5 +386,9 @@ class Context:
 
     def _copy_state(self, other: Context) -> None:
         self.kv_len, self.next_pos = other.kv_len, other.next_pos
-        self.tokens, self.positions, self.masked = other.tokens.copy(), other.positions.copy(), other.masked.copy()
+        self.tokens, self.positions, self.masked = (
+            other.tokens.copy(),
+            other.positions.copy(),
+            other.masked.copy(),
+        )
         self.messages, self._chat_text = [dict(m) for m in other.messages], other._chat_text

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import traceback
-
 # Modules an inferlet may import lazily that componentize-py would otherwise leave out: only
 # modules imported while the component is pre-initialized at build time are in its snapshot
 # (argparse imports gettext -> locale only when a parser is created).
 import gettext  # noqa: F401
 import locale  # noqa: F401
+import traceback
 from collections.abc import Callable
 from types import ModuleType
 
@@ -52,8 +51,10 @@ def make_world(module: ModuleType) -> type:
             f"inferlet module {module.__name__!r} must define `def main(args: list[str]) -> str | None`"
         )
 
+    user_main: Main = main
+
     class WitWorld:
         def run(self) -> None:
-            run_main(main)
+            run_main(user_main)
 
     return WitWorld

@@ -29,7 +29,9 @@ class Sampler:
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
-            raise ValueError(f"invalid sampler {self!r}: need temperature>=0, top_k>=0, 0<top_p<=1, 0<=min_p<=1")
+            raise ValueError(
+                f"invalid sampler {self!r}: need temperature>=0, top_k>=0, 0<top_p<=1, 0<=min_p<=1"
+            )
 
     @staticmethod
     def greedy() -> Sampler:

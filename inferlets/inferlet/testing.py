@@ -29,7 +29,7 @@ class FakeTrap(Exception):
 
 
 @dataclass
-class Sampler:
+class WitSampler:
     temperature: float
     top_k: int
     top_p: float
@@ -38,21 +38,21 @@ class Sampler:
 
 
 @dataclass
-class OutputSpec:
+class WitOutputSpec:
     index: int
-    sample: Sampler | None
+    sample: WitSampler | None
     dist: int
 
 
 @dataclass
-class Output:
+class WitOutput:
     token: int | None
     ids: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
 
 
 @dataclass
-class Message:
+class WitMessage:
     role: str
     content: str
 
@@ -66,7 +66,7 @@ class Request:
     tokens: list[int]
     positions: list[int]
     mask: list[list[int]]
-    outputs: list[OutputSpec]
+    outputs: list[WitOutputSpec]
 
 
 def _trap(call: str, why: str) -> FakeTrap:
@@ -75,7 +75,9 @@ def _trap(call: str, why: str) -> FakeTrap:
 
 class _Runtime:
     def __init__(self, args: list[str]) -> None:
-        self.args, self.returned, self.logs = args, None, []
+        self.args = args
+        self.returned: str | None = None
+        self.logs: list[str] = []
 
     def version(self) -> str:
         return "0.1.0-fake"
@@ -144,7 +146,7 @@ class _Store:
 
 
 class _Model:
-    Message = Message
+    Message = WitMessage
 
     def available_models(self) -> list[str]:
         return ["fake"]
@@ -165,7 +167,7 @@ class _Model:
     def chat_template(self) -> str:
         return "chatml"
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool) -> str:
+    def apply_chat_template(self, messages: list[WitMessage], add_generation_prompt: bool) -> str:
         text = "".join(f"<s>{m.role}\n{m.content}<|im_end|>\n" for m in messages)
         return text + ("<s>assistant\n" if add_generation_prompt else "")
 
@@ -288,21 +290,25 @@ class _Kv:
             raise _trap("kv.copy-tokens", f"destination page {dst_page} is not owned")
         if src_offset + count > self.ps or dst_offset + count > self.ps:
             raise _trap("kv.copy-tokens", f"{count} slots do not fit at offsets {src_offset}/{dst_offset}")
-        self.slots[dst_page][dst_offset : dst_offset + count] = self.slots[src_page][src_offset : src_offset + count]
+        self.slots[dst_page][dst_offset : dst_offset + count] = self.slots[src_page][
+            src_offset : src_offset + count
+        ]
 
 
 class _Forward:
-    Sampler, OutputSpec, Output = Sampler, OutputSpec, Output
+    Sampler, OutputSpec, Output = WitSampler, WitOutputSpec, WitOutput
 
     def __init__(self, kv: _Kv) -> None:
         self.kv = kv
         self.requests: list[Request] = []
-        self.results: dict[int, list[Output]] = {}
+        self.results: dict[int, list[WitOutput]] = {}
         self.next_handle = 1
         self.script: list[int] = []  # when set, sampled tokens are taken from here in order
 
-    def run(self, pages, last_page_len, tokens, positions, mask, outputs) -> list[Output]:  # noqa: ANN001
-        req = Request(list(pages), last_page_len, list(tokens), list(positions), [list(r) for r in mask], list(outputs))
+    def run(self, pages, last_page_len, tokens, positions, mask, outputs) -> list[WitOutput]:  # noqa: ANN001
+        req = Request(
+            list(pages), last_page_len, list(tokens), list(positions), [list(r) for r in mask], list(outputs)
+        )
         self.requests.append(req)
         ps, kv = self.kv.ps, self.kv
         if not pages or not 1 <= last_page_len <= ps:
@@ -310,7 +316,9 @@ class _Forward:
         total = (len(pages) - 1) * ps + last_page_len
         ctx = total - len(tokens)
         if ctx < 0 or len(positions) != len(tokens):
-            raise _trap("forward", f"{len(tokens)} tokens / {len(positions)} positions do not fit {total} slots")
+            raise _trap(
+                "forward", f"{len(tokens)} tokens / {len(positions)} positions do not fit {total} slots"
+            )
         for p in pages:
             if p not in kv.held:
                 raise _trap("forward", f"page {p} is not held by this instance")
@@ -335,7 +343,7 @@ class _Forward:
             token = _next_token(visible) if not (self.script and spec.sample) else self.script.pop(0)
             ids = [(token + k) % VOCAB for k in range(spec.dist)]
             probs = [0.5 / (k + 1) for k in range(spec.dist)]
-            result.append(Output(token if spec.sample is not None else None, ids, probs))
+            result.append(WitOutput(token if spec.sample is not None else None, ids, probs))
         return result
 
     @staticmethod
@@ -355,12 +363,12 @@ class _Forward:
         self.results[h] = self.run(*args)
         return h
 
-    def wait(self, handle: int) -> list[Output]:
+    def wait(self, handle: int) -> list[WitOutput]:
         if handle not in self.results:
             raise _trap("forward.wait", f"unknown handle {handle}")
         return self.results.pop(handle)
 
-    def wait_any(self, handles: list[int]) -> tuple[int, list[Output]]:
+    def wait_any(self, handles: list[int]) -> tuple[int, list[WitOutput]]:
         h = max(handles)  # the newest: callers must not rely on submission order
         return h, self.wait(h)
 
