@@ -124,6 +124,7 @@ class Host:
                 fut.wait()
             del inst.forwards[h]
         self.pages.release_all(inst.pages)
+        self.scheduler.forget(inst.id)
 
     def instances(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -2,7 +2,10 @@
 
 One scheduler thread owns the backend. Policies:
 - adaptive (default): one batch in flight; when the backend returns, everything queued is
-  fired at once, capped by `max_batch_tokens`.
+  fired at once, capped by `max_batch_tokens`. The instances of the batch that just returned
+  need a moment (guest code, host calls) to submit their next step; firing at the first
+  arrival would split them into many small batches, so the scheduler waits until each of
+  them has resubmitted (or ended), at most a grace of half the last batch's time (<= 20 ms).
 - k-or-t: fire when `k` forwards are queued or the oldest has waited `t_ms`.
 Forwards of one instance keep their order: a forward is never batched together with, or
 ahead of, an earlier queued forward whose pages it reads or writes.
@@ -116,6 +119,8 @@ class Scheduler:
         self._cv = threading.Condition()
         self.backend_lock = threading.Lock()  # held while the backend runs; other backend calls take it too
         self._stopped = False
+        self._expect: set[str] = set()  # owners of the last batch, not yet resubmitted
+        self._expect_until = 0.0
         self._thread = threading.Thread(target=self._loop, name="pie-scheduler", daemon=True)
         self._thread.start()
 
@@ -125,8 +130,16 @@ class Scheduler:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
             self._queue.append(fut)
+            self._expect.discard(owner)
             self._cv.notify()
         return fut
+
+    def forget(self, owner: str) -> None:
+        """An instance ended: don't wait for its next forward."""
+        with self._cv:
+            if owner in self._expect:
+                self._expect.discard(owner)
+                self._cv.notify()
 
     def stop(self) -> None:
         with self._cv:
@@ -140,9 +153,19 @@ class Scheduler:
     def _ready(self) -> bool:
         if not self._queue:
             return False
-        if self.policy == "adaptive" or len(self._queue) >= self.k:
+        if self.policy == "adaptive":
+            return not self._expect or time.perf_counter() >= self._expect_until
+        if len(self._queue) >= self.k:
             return True
         return time.perf_counter() - self._queue[0].submitted >= self.t_s
+
+    def _wait_s(self) -> float | None:
+        """How long the loop may sleep before _ready() can change without a submit."""
+        if not self._queue:
+            return None
+        if self.policy == "adaptive":
+            return max(self._expect_until - time.perf_counter(), 0.0002)
+        return max(self.t_s - (time.perf_counter() - self._queue[0].submitted), 0.0005)
 
     def _take_batch(self) -> list[ForwardFuture]:
         """Pick queued forwards that can run together; the rest stay queued, in order."""
@@ -171,10 +194,7 @@ class Scheduler:
         while True:
             with self._cv:
                 while not self._stopped and not self._ready():
-                    if self._queue:  # k-or-t: sleep until the oldest forward's deadline
-                        self._cv.wait(max(self.t_s - (time.perf_counter() - self._queue[0].submitted), 0.0005))
-                    else:
-                        self._cv.wait()
+                    self._cv.wait(self._wait_s())
                 if self._stopped:
                     return
                 batch = self._take_batch()
@@ -200,5 +220,8 @@ class Scheduler:
         st.max_batch_size = max(st.max_batch_size, len(batch))
         st.queue_wait_s += sum(start - f.submitted for f in batch)
         st.backend_s += end - start
+        with self._cv:
+            self._expect = {f.owner for f in batch}
+            self._expect_until = end + min(0.5 * (end - start), 0.02)
         for f, r in zip(batch, results, strict=True):
             f._finish(r, None)

@@ -124,3 +124,24 @@ def test_backend_failure_fails_that_batch_only() -> None:
     assert s.submit(req([1], 1, 1), "b").wait(5)[0].token == 7
     assert s.stats.errors == 1
     s.stop()
+
+
+def test_adaptive_waits_for_the_last_batch_to_resubmit() -> None:
+    """Instances of a finished batch that come back a few ms apart still share the next batch."""
+    rec = Recorder(delay=0.04)
+    s = Scheduler(rec, page_size=4)
+    owners = [f"i{i}" for i in range(4)]
+    rec.gate.clear()
+    firsts = [s.submit(req([i], 1, 1, tag=i), o) for i, o in enumerate(owners)]
+    rec.gate.set()
+    for f in firsts:
+        f.wait(5)
+    seconds = []
+    for i, o in enumerate(owners):  # staggered like guests doing work between steps
+        time.sleep(0.003)
+        seconds.append(s.submit(req([i], 2, 1, tag=10 + i), o))
+    for f in seconds:
+        f.wait(5)
+    assert rec.batches[-1] == [10, 11, 12, 13]
+    s.forget("i0")  # an ended instance is not waited for
+    s.stop()

@@ -1,0 +1,148 @@
+"""Host overhead: host-call cost, programmability tax, scaling with instances, launch time.
+
+Usage: python bench/host_overhead.py --json OUT [--max-tokens 32]
+
+- call_us.empty: an empty import round trip (runtime.elapsed-ms) timed inside the guest.
+- call_us.forward: forward.run of a 1-token pass (submit + batch + wait) timed inside the guest.
+- tax: wall time of text_completion through the host / the backend's own greedy loop
+  (Backend.generate_batch) on the same prompts, 1 and 16 at once (same tokens: both greedy).
+- scaling_tok_s: aggregate generated tokens/s with 1, 4, 16, 64 concurrent text_completion instances.
+- launch_ms: median time from Host.launch to the instance's first forward submit (cached program).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gpu_backend import load_backend  # noqa: E402
+from gpu_backend.types import SamplerParams  # noqa: E402
+from host.build import build_inferlet, resolve_inferlet  # noqa: E402
+from host.config import HostConfig  # noqa: E402
+from host.runtime import Host  # noqa: E402
+
+TOPICS = ["the ocean", "mountains", "computers", "music", "cooking", "trains", "the moon", "gardens"]
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Write a long story about {TOPICS[i % len(TOPICS)]} number {i}." for i in range(n)]
+
+
+def run_host(host: Host, program: str, texts: list[str], max_tokens: int) -> tuple[float, list[str]]:
+    import queue
+
+    q: queue.Queue = queue.Queue()
+    t0 = time.perf_counter()
+    ids = [host.launch(program, ["--prompt", p, "--max-tokens", str(max_tokens)], q.put) for p in texts]
+    ends = {}
+    while len(ends) < len(ids):
+        ev = q.get(timeout=600)
+        if ev.event in ("completed", "exception", "aborted", "out_of_resources"):
+            if ev.event != "completed":
+                raise RuntimeError(f"instance failed: {ev.message}")
+            ends[ev.instance_id] = ev.message
+    return time.perf_counter() - t0, [ends[i] for i in ids]
+
+
+def run_direct(backend, texts: list[str], max_tokens: int) -> tuple[float, int]:
+    tok = backend.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
+           for p in texts]
+    t0 = time.perf_counter()
+    outs = backend.generate_batch(ids, max_tokens, SamplerParams())
+    return time.perf_counter() - t0, sum(len(o) for o in outs)
+
+
+def guest_call(host: Host, program: str, args: list[str]) -> float:
+    import queue
+
+    q: queue.Queue = queue.Queue()
+    host.launch(program, args, q.put)
+    while True:
+        ev = q.get(timeout=120)
+        if ev.event == "completed":
+            return float(ev.message)
+        if ev.event != "message":
+            raise RuntimeError(ev.message)
+
+
+def launch_ms(host: Host, program: str, reps: int = 15) -> float:
+    sched = host.scheduler
+    orig = sched.submit
+    first: dict[str, float] = {}
+
+    def spy(req, owner):
+        first.setdefault(owner, time.perf_counter())
+        return orig(req, owner)
+
+    sched.submit = spy  # type: ignore[method-assign]
+    times = []
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            iid = host.launch(program, ["forward", "1"])
+            host.wait(iid, 60)
+            times.append(1000 * (first[iid] - t0))
+    finally:
+        sched.submit = orig  # type: ignore[method-assign]
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, required=True, help="write results here")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each tax measurement (median)")
+    opts = ap.parse_args()
+
+    backend = load_backend(None, device=opts.device, num_pages=4096)
+    host = Host(HostConfig(), backend=backend)
+    tc = host.compile(resolve_inferlet("text_completion").read_bytes())
+    calls = host.compile(build_inferlet(ROOT / "bench" / "inferlets" / "hostcalls").read_bytes())
+
+    res: dict = {"call_us": {}, "tax": {}, "scaling_tok_s": {}, "device": str(backend.info.device)}
+    res["call_us"]["empty"] = statistics.median(guest_call(host, calls, ["empty", "2000"]) for _ in range(3))
+    res["call_us"]["forward"] = statistics.median(guest_call(host, calls, ["forward", "200"]) for _ in range(3))
+    res["launch_ms"] = launch_ms(host, calls)
+
+    run_host(host, tc, prompts(2), 4)  # warm-up
+    for n in (1, 16):
+        ratios = []
+        for _ in range(opts.reps):
+            t_direct, _ = run_direct(backend, prompts(n), opts.max_tokens)
+            t_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
+            ratios.append(t_host / t_direct)
+        res["tax"][str(n)] = statistics.median(ratios)
+        print(f"tax at {n}: {res['tax'][str(n)]:.3f} (runs {', '.join(f'{r:.3f}' for r in ratios)})", flush=True)
+    for n in (1, 4, 16, 64):
+        _, tokens = run_direct(backend, prompts(n), opts.max_tokens)  # same greedy outputs: same token count
+        t_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
+        res["scaling_tok_s"][str(n)] = tokens / t_host
+        print(f"scaling {n}: {tokens / t_host:.1f} tok/s", flush=True)
+    res["scheduler"] = host.scheduler.stats.as_dict()
+    host.shutdown()
+
+    opts.json.parent.mkdir(parents=True, exist_ok=True)
+    opts.json.write_text(json.dumps(res, indent=2))
+    print("\n| metric | value |\n|---|---|")
+    print(f"| empty import call | {res['call_us']['empty']:.1f} us |")
+    print(f"| forward submit+wait (1 token) | {res['call_us']['forward']:.1f} us |")
+    print(f"| launch to first forward | {res['launch_ms']:.1f} ms |")
+    for k, v in res["tax"].items():
+        print(f"| tax at {k} concurrent (host/direct) | {v:.3f} |")
+    for k, v in res["scaling_tok_s"].items():
+        print(f"| aggregate tok/s at {k} instances | {v:.1f} |")
+    s1 = res["scaling_tok_s"]["1"]
+    print(f"| scaling 16 vs 1 | {res['scaling_tok_s']['16'] / s1:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
