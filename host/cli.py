@@ -8,6 +8,7 @@ import os
 import queue
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from host.instance import TERMINAL_EVENTS, InstanceEvent
@@ -41,7 +42,7 @@ def _split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def _pump_stdin(send: callable, close: callable) -> None:  # type: ignore[valid-type]
+def _pump_stdin(send: Callable[[str], None], close: Callable[[], None]) -> None:
     """Forward stdin lines to the instance; at EOF tell it no more input will come."""
     try:
         for line in sys.stdin:
