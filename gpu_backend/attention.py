@@ -107,11 +107,16 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan) -> torch
     """
     n, h, d = q.shape
     b, t = plan.batch, plan.max_tokens
-    g = kv[plan.gather]  # [B, L, 2, KVH, D]
+    kvh = kv.shape[2]
+    # index_select on a flat index is far faster on CPU than advanced indexing with a 2-D index
+    g = kv.index_select(0, plan.gather.view(-1)).view(b, -1, 2, kvh, d)  # [B, L, 2, KVH, D]
+    if kvh != h:
+        # SDPA's enable_gqa path is ~100x slower on CPU than attending over repeated K/V
+        g = g.unsqueeze(4).expand(-1, -1, -1, -1, h // kvh, -1).reshape(b, -1, 2, h, d)
     k = g[:, :, 0].transpose(1, 2)
     v = g[:, :, 1].transpose(1, 2)
     qp = q if plan.q_index is None else q[plan.q_index]
     qp = qp.view(b, t, h, d).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.mask, enable_gqa=k.shape[1] != h)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.mask)
     o = o.transpose(1, 2).reshape(b * t, h * d)
     return o if plan.o_index is None else o[plan.o_index]

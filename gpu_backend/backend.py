@@ -92,15 +92,16 @@ class Backend:
                 )
             seen = np.concatenate([seen, w])
 
-    def logits(self, req: ForwardRequest) -> torch.Tensor:
-        """Float32 logits [len(outputs), vocab] at the output rows of one request (for tests/debugging).
+    def logits(self, reqs: list[ForwardRequest]) -> list[torch.Tensor]:
+        """Float32 logits [len(outputs), vocab] of each request's output rows, from one batched pass.
 
-        Writes the request's K/V like `forward`.
+        For tests and debugging: writes K/V like `forward` but samples nothing.
         """
-        req = self._checked(req)
+        checked = [self._checked(r) for r in reqs]
         with torch.inference_mode():
-            plan = build_plan([req], self.info.page_size, self.model.device)
-            return self.model.forward(plan, self.cache)
+            plan = build_plan(checked, self.info.page_size, self.model.device)
+            logits = self.model.forward(plan, self.cache)
+        return list(logits.split([len(r.outputs) for r in checked]))
 
     # -- pages --------------------------------------------------------------------------------
 
