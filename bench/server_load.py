@@ -1,7 +1,8 @@
 """Load on `pie-serve`: throughput and latency of short text_completion requests at 1/16/64 clients.
 
 Starts the real host (default model) and a server in this process, then for each client count
-runs that many WebSocket clients, each sending `--requests-per-client` requests one after another
+runs that many WebSocket clients (in a child process, so they do not share the server's GIL),
+each sending `--requests-per-client` requests one after another
 (`text_completion --max-tokens N --stream`). Time to first message (TTFM) is from sending the
 launch to the first streamed piece; latency is from the launch to `completed`. The baseline runs
 the same requests on the same host without the server (direct `Host.launch` from threads), so the
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import platform
 import queue
 import statistics
@@ -23,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,13 +70,19 @@ async def _client(url: str, program: str, index: int, rounds: int, max_tokens: i
     return samples
 
 
-def run_server_level(url: str, program: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[Sample], float]:
+def _drive_clients(url: str, program: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[Sample], float]:
     async def main() -> list[list[Sample]]:
         return await asyncio.gather(*(_client(url, program, i, rounds, max_tokens) for i in range(clients)))
 
     t0 = time.perf_counter()
     results = asyncio.run(main())
     return [s for per_client in results for s in per_client], time.perf_counter() - t0
+
+
+def run_server_level(url: str, program: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[Sample], float]:
+    """The clients run in a child process, as real clients would: they do not share the server's GIL."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_drive_clients, url, program, clients, rounds, max_tokens).result()
 
 
 def run_direct_level(host: Host, program: str, clients: int, rounds: int, max_tokens: int) -> tuple[list[Sample], float]:
