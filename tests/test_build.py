@@ -170,3 +170,16 @@ def test_bad_sources_are_named(tmp_path: Path) -> None:
         resolve_inferlet("no_such_inferlet")
     with pytest.raises(BuildError, match="no such component"):
         resolve_inferlet(tmp_path / "missing.wasm")
+
+
+def test_entry_preloads_lazy_imports_but_not_local_modules(tmp_path: Path) -> None:
+    from host.build import _entry_source, _source_files
+
+    (tmp_path / "app.py").write_text(
+        "import helper\nfrom . import x\ndef main(args):\n    import csv, xml.dom\n"
+        "    from statistics import mean\n    from inferlet import Context\n    return ''\n"
+    )
+    (tmp_path / "helper.py").write_text("import json\n")
+    entry = _entry_source(_source_files(tmp_path))
+    assert "['csv', 'json', 'statistics', 'xml.dom']" in entry
+    assert "helper" not in entry.split("make_world(app)")[1]
