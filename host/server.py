@@ -59,6 +59,8 @@ class ServerConfig:
     max_program_bytes: int = DEFAULT_MAX_PROGRAM_BYTES
     # Events kept for a detached instance while no connection is attached; older ones are dropped.
     event_buffer_limit: int = 10_000
+    # Frames queued for a client that does not read; past this the connection is dropped.
+    max_queued_frames: int = 65_536
 
 
 class RequestError(Exception):
@@ -66,8 +68,9 @@ class RequestError(Exception):
 
 
 class _Connection:
-    def __init__(self, ws: ServerConnection, authenticated: bool) -> None:
+    def __init__(self, ws: ServerConnection, authenticated: bool, max_queued: int) -> None:
         self.ws = ws
+        self.max_queued = max_queued
         self.authenticated = authenticated
         self.auth_failures = 0
         self.upload: Upload | None = None
@@ -77,8 +80,17 @@ class _Connection:
         self.outbox: asyncio.Queue[bytes | tuple[int, str] | None] = asyncio.Queue()
 
     def send(self, frame: bytes) -> None:
-        if not self.closing:
-            self.outbox.put_nowait(frame)
+        if self.closing:
+            return
+        if self.outbox.qsize() >= self.max_queued:
+            # The client stopped reading: a close frame would wait behind the backlog, so drop
+            # the TCP connection; the reader then ends and the instances are released as usual.
+            log.warning("connection %s: %d frames queued, client not reading; dropping it", self.ws.id,
+                        self.outbox.qsize())
+            self.closing = True
+            self.ws.transport.abort()
+            return
+        self.outbox.put_nowait(frame)
 
     def close(self, code: int, reason: str) -> None:
         if not self.closing:
@@ -191,7 +203,7 @@ class Server:
     # ---- connections -----------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        conn = _Connection(ws, authenticated=self.config.auth_token is None)
+        conn = _Connection(ws, self.config.auth_token is None, self.config.max_queued_frames)
         self._connections.add(conn)
         self._counters["connections_total"] += 1
         sender = asyncio.create_task(self._send_loop(conn))

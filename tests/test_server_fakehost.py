@@ -4,6 +4,7 @@ Programs are any bytes starting with the wasm magic. An instance runs the script
 first argument, on its own thread, emitting events through `on_event` like the real host:
   echo W...   send each word, complete with "done"
   later S W.. sleep S seconds, then like echo
+  flood N S   send N messages of S bytes
   chat        reply "got:<m>" to each signal; "quit" completes "bye"; closed input completes "eof"
   hold        hold its pages until terminated
   crash       end with an exception;  oom: end out_of_resources
@@ -83,6 +84,10 @@ class _FakeInstance:
             time.sleep(float(rest[0]))
             for word in rest[1:]:
                 self.emit("message", word)
+            return "completed", "done"
+        if cmd == "flood":  # many large messages, as fast as possible
+            for _ in range(int(rest[0])):
+                self.emit("message", "x" * int(rest[1]))
             return "completed", "done"
         if cmd == "chat":
             while (msg := self.receive()) is not None:

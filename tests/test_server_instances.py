@@ -200,3 +200,23 @@ def test_soak_mixed_clients_leave_nothing_behind(server, host) -> None:
     asyncio.run(main())
     wait_for(lambda: host.free_pages() == 64 and not host.running)
     wait_for(lambda: server._instances == {} and server._connections == set())
+
+
+def test_client_that_stops_reading_is_dropped(tmp_path) -> None:
+    from websockets.asyncio.client import connect
+
+    from host.protocol import pack
+
+    host = FakeHost()
+
+    async def main(srv) -> None:
+        async with await PieClient.connect(srv.url) as bystander:
+            h = await bystander.upload_program(WASM)
+            async with connect(srv.url, max_queue=1, close_timeout=0.5) as ws:  # reads nothing
+                await ws.send(pack({"type": "launch_instance", "corr_id": 1, "program_hash": h,
+                                    "arguments": ["flood", "4000", "4000"]}))
+                await asyncio.to_thread(wait_for, lambda: len(srv._connections) == 1, 30)
+            assert await bystander.ping() >= 0
+
+    with running_server(tmp_path, host=host, max_queued_frames=100) as srv:
+        asyncio.run(main(srv))
