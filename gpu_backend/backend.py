@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 
 import numpy as np
@@ -204,8 +203,6 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
     dev = _resolve_device(device)
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if dev.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
     files = load_model_files(model, progress=progress)
     cfg = files.config
     if page_size < 1:
