@@ -69,7 +69,8 @@ def run_main(argv: list[str] | None = None) -> int:
     if opts.server:
         from host.client import run_remote
 
-        return run_remote(opts.server, Path(wasm_path), inferlet_args, token=opts.token)
+        return run_remote(opts.server, Path(wasm_path), inferlet_args, token=opts.token,
+                          stdin_lines=None if sys.stdin.isatty() else sys.stdin)
     return _run_embedded(opts, Path(wasm_path), inferlet_args)
 
 
