@@ -84,3 +84,55 @@ def test_react_kv_kept_across_turns_and_client_tool_unavailable(host) -> None:
     prompt_tokens = ours["prefill_tokens"] - transcript_tokens
     assert prompt_tokens > 100
     assert base_out["prefill_tokens"] > ours["prefill_tokens"] + 2 * prompt_tokens
+
+
+def test_codeact_runs_code_from_the_input_and_consumes_its_output(host) -> None:
+    task = "What does this program print?\n```python\nx = [3, 4, 5]\nprint(sum(v * v for v in x))\n```"
+    ev, messages = run_with_client(host, "agent_codeact", ["--task", task, "--max-turns", "1",
+                                                           "--code-tokens", "24", "--json"], answer=None)
+    assert ev.event == "completed", ev.message
+    out = json.loads(ev.message)
+    assert out["steps"][0]["code"] == "x = [3, 4, 5]\nprint(sum(v * v for v in x))\n"
+    assert out["steps"][0]["output"] == "50\n"  # executed inside the guest
+    # the output went back into the transcript and the model went on from it
+    idx = out["transcript"].index("Output:\n```\n50\n```\n")
+    assert len(out["transcript"]) > idx + len("Output:\n```\n50\n```\n") or out["answer"] == ""
+    assert json.loads(messages[0]) == {"type": "execution", "code": out["steps"][0]["code"], "output": "50\n"}
+
+
+def test_codeact_time_limit_and_errors(host) -> None:
+    task = "Run this.\n```python\nimport math\nprint(math.sqrt(16))\nwhile True:\n    pass\n```"
+    ev, _ = run_with_client(host, "agent_codeact", ["--task", task, "--max-turns", "1", "--code-tokens", "8",
+                                                    "--time-limit-ms", "300", "--json"], answer=None)
+    assert ev.event == "completed", ev.message
+    out = json.loads(ev.message)["steps"][0]["output"]
+    assert out.startswith("4.0\n") and "time limit of 300 ms exceeded" in out
+    task = "Run this.\n```python\nprint(1 / 0)\n```"
+    ev, _ = run_with_client(host, "agent_codeact", ["--task", task, "--max-turns", "1", "--code-tokens", "8",
+                                                    "--json"], answer=None)
+    assert "ZeroDivisionError" in json.loads(ev.message)["steps"][0]["output"]
+
+
+def test_swarm_every_role_contributes_in_order(host) -> None:
+    import uuid
+
+    prog = host.compile(wasm_bytes("agent_swarm"))
+    swarm = uuid.uuid4().hex
+    roles = ["planner", "writer", "critic", "editor"]
+    common = ["--swarm", swarm, "--roles", ",".join(roles), "--max-tokens", "12", "--json"]
+    # launched last role first: each waits for its predecessor's chain
+    runs = {i: Run(host, prog, [*common, "--role", str(i)]) for i in reversed(range(len(roles)))}
+    ends = {i: r.finish(180) for i, r in runs.items()}
+    for i, ev in ends.items():
+        assert ev.event == "completed", (i, ev.message)
+    final = json.loads(ends[3].message)
+    contribs = final["contributions"]
+    assert [c["role"] for c in contribs] == roles and [c["index"] for c in contribs] == [0, 1, 2, 3]
+    assert all(c["text"] for c in contribs)
+    assert [c["instance"] for c in contribs] == [runs[i].id for i in range(4)]  # four different instances
+    # only the last one talks to its client, with the whole chain
+    assert [json.loads(m) for m in runs[3].messages] == [final]
+    assert all(not runs[i].messages for i in range(3))
+    # each role saw the chain so far: the chain a role returns is a prefix of the final one
+    for i in range(3):
+        assert json.loads(ends[i].message)["contributions"] == contribs[: i + 1]

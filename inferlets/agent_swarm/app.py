@@ -1,0 +1,143 @@
+"""agent_swarm: instances with roles, chained by publish/subscribe; the last one answers the client.
+
+Launch one instance per role with the same --swarm id and --role 0, 1, ... (any launch order).
+Role i > 0 subscribes to `swarm/<id>/<i>`, marks itself ready in the host's key-value store and
+waits for the chain; it adds its contribution (generated from the task and every earlier
+contribution) and publishes the chain to role i + 1 once that one is ready. The last role sends the
+finished chain to its client. With --role all (the default) one instance plays every role in turn,
+still passing the chain through publish/subscribe.
+
+Returns the last contribution; with --json the chain {"task", "contributions": [{"role", "index",
+"instance", "text"}]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from inferlet import (
+    Context,
+    InferletError,
+    Sampler,
+    get_model,
+    instance_id,
+    publish,
+    receive_published,
+    send,
+    store_delete,  # fmt: skip
+    store_exists,
+    store_set,
+    subscribe,
+)
+from inferlet.sampler import AnyOf, MaxTokens, UntilTokens
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
+
+    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
+        raise InferletError(message or f"argument parser exited with status {status}")
+
+
+ROLE_PROMPTS = {
+    "planner": "You are the planner. List the two or three key points the answer must cover.",
+    "writer": "You are the writer. Write a short answer to the task, using the plan.",
+    "critic": "You are the critic. Name one concrete way to improve the draft.",
+    "editor": "You are the editor. Write the final short answer, applying the critique.",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="agent_swarm", add_help=False, exit_on_error=False,
+                description="Role-playing instances chained by publish/subscribe.")  # fmt: skip
+    p.add_argument("--task", default="Explain why the sky is blue in two sentences.")
+    p.add_argument("--roles", default="planner,writer,critic,editor", help="comma-separated roles, in order")
+    p.add_argument("--role", default="all", help="this instance's role index, or 'all' (default)")
+    p.add_argument(
+        "--swarm", default=None, help="swarm id shared by its instances (default: this instance's id)"
+    )
+    p.add_argument("-n", "--max-tokens", type=int, default=40, help="most tokens per contribution (40)")
+    p.add_argument("--timeout-ms", type=int, default=300000, help="wait for the previous role (300000)")
+    p.add_argument("--json", action="store_true", help="return the whole chain as JSON")
+    p.add_argument("-h", "--help", action="store_true", help="return this help text")
+    return p
+
+
+PARSER = parser()
+
+
+def contribute(role: str, chain: dict, max_tokens: int) -> str:
+    model = get_model()
+    earlier = "".join(f"\n\n{c['role'].capitalize()}: {c['text']}" for c in chain["contributions"])
+    prompt = f"Task: {chain['task']}{earlier}"
+    system = ROLE_PROMPTS.get(role, f"You are the {role}. Contribute to the task in a few sentences.")
+    with Context(model) as ctx:
+        ctx.fill_chat([{"role": "system", "content": system}, {"role": "user", "content": prompt}])
+        ctx.flush()
+        stop = AnyOf(MaxTokens(max_tokens), UntilTokens(model.stop_tokens))
+        return ctx.generate(Sampler.greedy(), stop=stop).strip()
+
+
+def wait_ready(key: str, timeout_ms: int) -> None:
+    deadline = time.monotonic() + timeout_ms / 1000
+    while not store_exists(key):
+        if time.monotonic() > deadline:
+            raise InferletError(f"the next role did not get ready within {timeout_ms} ms ({key})")
+        time.sleep(0.01)
+    store_delete(key)
+
+
+def receive_chain(topic: str, timeout_ms: int) -> dict:
+    got = receive_published(timeout_ms)
+    if got is None:
+        raise InferletError(f"no chain arrived on {topic} within {timeout_ms} ms")
+    return json.loads(got[1])
+
+
+def main(args: list[str]) -> str | None:
+    p = PARSER
+    try:
+        opts = p.parse_args(args)
+    except argparse.ArgumentError as e:
+        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    if opts.help:
+        return p.format_help()
+    roles = [r.strip() for r in opts.roles.split(",") if r.strip()]
+    if not roles or opts.max_tokens < 1:
+        raise InferletError("--roles needs at least one role and --max-tokens must be >= 1")
+    swarm = opts.swarm or instance_id()
+    me = instance_id()
+    if opts.role == "all":
+        mine = list(range(len(roles)))
+        for i in mine[1:]:
+            subscribe(f"swarm/{swarm}/{i}")
+    else:
+        try:
+            i = int(opts.role)
+        except ValueError:
+            raise InferletError(f"--role must be an index or 'all', got {opts.role!r}") from None
+        if not 0 <= i < len(roles):
+            raise InferletError(f"--role {i} outside 0..{len(roles) - 1}")
+        mine = [i]
+        if i > 0:
+            subscribe(f"swarm/{swarm}/{i}")
+            store_set(f"swarm/{swarm}/ready/{i}", me)
+    chain: dict = {"task": opts.task, "contributions": []}
+    text = ""
+    for i in mine:
+        if i > 0:
+            chain = receive_chain(f"swarm/{swarm}/{i}", opts.timeout_ms)
+        text = contribute(roles[i], chain, opts.max_tokens)
+        chain["contributions"].append({"role": roles[i], "index": i, "instance": me, "text": text})
+        if i == len(roles) - 1:
+            send(json.dumps(chain))
+            break
+        if opts.role != "all":
+            wait_ready(f"swarm/{swarm}/ready/{i + 1}", opts.timeout_ms)
+        publish(f"swarm/{swarm}/{i + 1}", json.dumps(chain))
+    return json.dumps(chain) if opts.json else text
