@@ -47,8 +47,8 @@ import importlib as _importlib
 for _name in {names!r}:
     try:
         _importlib.import_module(_name)
-    except ImportError:
-        pass  # not available to the guest: the app's own import raises where it is made
+    except Exception:  # noqa: BLE001 - e.g. a C extension that cannot load in the guest
+        pass  # not usable in the guest: the app's own import raises there, where it is made
 """
 _SKIP = {"__pycache__", ".git", ".venv", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
