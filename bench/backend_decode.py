@@ -159,7 +159,7 @@ def main() -> None:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    print(f"\n| batch | ours tok/s | transformers tok/s | speedup |\n|---|---|---|---|")
+    print("\n| batch | ours tok/s | transformers tok/s | speedup |\n|---|---|---|---|")
     for b in batches:
         o, h = results["ours"][str(b)], results["transformers"][str(b)]
         print(f"| {b} | {o:.1f} | {h:.1f} | {o / h:.2f}x |")

@@ -22,6 +22,7 @@ from .validate import as_sampler, check_request
 log = logging.getLogger(__name__)
 
 DEFAULT_NUM_PAGES = 1024
+GREEDY = SamplerParams()  # frozen, safe as a default
 
 
 class Backend:
@@ -125,13 +126,13 @@ class Backend:
 
     # -- plain generation loop (baseline and demo) --------------------------------------------
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, sampler: SamplerParams = SamplerParams(),
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampler: SamplerParams = GREEDY,
                  stop_tokens: list[int] | None = None, pages: list[int] | None = None) -> list[int]:
         """Generate up to `max_tokens` tokens after `prompt_ids`; see `generate_batch`."""
         return self.generate_batch([prompt_ids], max_tokens, sampler, stop_tokens,
                                    None if pages is None else [pages])[0]
 
-    def generate_batch(self, prompts: list[list[int]], max_tokens: int, sampler: SamplerParams = SamplerParams(),
+    def generate_batch(self, prompts: list[list[int]], max_tokens: int, sampler: SamplerParams = GREEDY,
                        stop_tokens: list[int] | None = None, pages: list[list[int]] | None = None) -> list[list[int]]:
         """Prefill all prompts in one pass, then decode them in lock step, one batched forward per step.
 

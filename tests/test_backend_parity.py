@@ -37,10 +37,11 @@ def _pages_for(start_page: int, total: int, page_size: int) -> list[int]:
     return list(range(start_page, start_page + math.ceil(total / page_size)))
 
 
-def run_parity(backend, hf_model, prompts: list[str], steps: int, tol: float) -> float:
+def run_parity(backend, hf_model, prompts: list[str], steps: int, tol: float, min_top1: float = 1.0) -> float:
     """Decode `steps` greedy tokens per prompt through pages (all prompts in one ragged batch per
     pass), then check every step's logits against one transformers pass over the whole sequence.
-    Top-1 equal at every position means transformers' greedy decode yields the same tokens."""
+    Top-1 equal at every position means transformers' greedy decode yields the same tokens.
+    `min_top1` < 1 allows a fraction of top-1 disagreements (bfloat16 near-ties)."""
     tok = backend.tokenizer
     ps = backend.info.page_size
     ids = [tok.encode(p) for p in prompts]
@@ -52,7 +53,7 @@ def run_parity(backend, hf_model, prompts: list[str], steps: int, tol: float) ->
     seqs = [list(s) for s in ids]
     ours: list[list[torch.Tensor]] = [[] for _ in ids]
     new = [list(s) for s in ids]
-    for step in range(steps + 1):
+    for _ in range(steps + 1):
         reqs = []
         for i, seq_new in enumerate(new):
             total = len(seqs[i])
@@ -66,16 +67,19 @@ def run_parity(backend, hf_model, prompts: list[str], steps: int, tol: float) ->
             ours[i].append(lg[0].float().cpu())
             seqs[i].append(int(lg[0].argmax()))
         new = [[s[-1]] for s in seqs]
-    worst = 0.0
+    worst, agree, total = 0.0, 0, 0
     with torch.inference_mode():
         for i, seq in enumerate(seqs):
-            ref = hf_model(torch.tensor([seq[:-1]])).logits[0].float()
+            ref = hf_model(torch.tensor([seq[:-1]], device=hf_model.device)).logits[0].float().cpu()
             for step, lg in enumerate(ours[i]):
                 r = ref[lens[i] - 1 + step]
                 diff = (lg - r).abs().max().item()
                 worst = max(worst, diff)
                 assert diff < tol, f"prompt {i} step {step}: max |logit diff| {diff}"
-                assert lg.argmax().item() == r.argmax().item(), f"prompt {i} step {step}: top-1 differs"
+                same = lg.argmax().item() == r.argmax().item()
+                assert same or min_top1 < 1, f"prompt {i} step {step}: top-1 differs"
+                agree, total = agree + same, total + 1
+    assert agree >= min_top1 * total, f"top-1 agreed at {agree}/{total} steps"
     return worst
 
 

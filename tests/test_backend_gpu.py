@@ -1,0 +1,100 @@
+"""The CUDA path (SDPA; bf16 and fp32) against transformers on the GPU. Skipped without CUDA.
+
+The model is $PIE_TEST_MODEL (a .gguf or HF dir) if set, else the default SmolLM2 GGUF.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import test_backend_batch as batch_tests
+import torch
+from test_backend_parity import PROMPTS, run_parity
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def model_arg() -> str | None:
+    return os.environ.get("PIE_TEST_MODEL")
+
+
+def load_hf(dtype: torch.dtype):
+    transformers = pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from gpu_backend.loader import default_model_path
+
+    arg = model_arg()
+    path = default_model_path() if arg is None else Path(arg)
+    if path.suffix == ".gguf":
+        m = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    else:
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return m.to("cuda", dtype).eval()
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def cuda_pair(request):
+    from gpu_backend import load_backend
+
+    be = load_backend(model_arg(), device="cuda", dtype=request.param, page_size=16, num_pages=512, progress=False)
+    return be, load_hf(request.param)
+
+
+@pytest.mark.slow
+def test_cuda_logits_match_transformers(cuda_pair):
+    be, hf = cuda_pair
+    if be.model.dtype == torch.float32:
+        # fp32 on both sides: as tight as on CPU (relative to the logits' scale, random test models
+        # have flat logits)
+        worst = run_parity(be, hf, PROMPTS, 32, 1e-2)
+    else:
+        # bf16 (8-bit mantissa): logits of magnitude ~20 carry ~0.1 of rounding per op; the two
+        # implementations round differently, so allow near-ties to flip at a few steps.
+        worst = run_parity(be, hf, PROMPTS, 32, 1.5, min_top1=0.9)
+    print(f"{be.model.dtype}: max |logit diff| {worst:.3g}")
+
+
+@pytest.fixture(scope="module")
+def cuda_backend():
+    from gpu_backend import load_backend
+
+    return load_backend(model_arg(), device="cuda", dtype=torch.float32, page_size=16, num_pages=512,
+                        progress=False)
+
+
+@pytest.fixture(scope="module")
+def cuda_texts(cuda_backend):
+    enc = cuda_backend.tokenizer.encode
+    return {
+        "a": enc("The quick brown fox jumps over the lazy dog."),
+        "b": enc("In 1492, Columbus sailed the ocean blue; in 1969, humans walked on the Moon. Later,"),
+        "c": enc("def add(a, b):\n    return a + b\n\nprint(add(2, 3))"),
+    }
+
+
+def test_cuda_ragged_batch(cuda_backend, cuda_texts):
+    batch_tests.test_ragged_batch_equals_each_alone(cuda_backend, cuda_texts)
+
+
+def test_cuda_tree_mask(cuda_backend, cuda_texts):
+    batch_tests.test_tree_mask_equals_separate_branches(cuda_backend, cuda_texts)
+
+
+def test_cuda_seeded_sampling_matches_itself(cuda_backend):
+    from gpu_backend import ForwardRequest, OutputSpec, SamplerParams
+
+    ids = cuda_backend.tokenizer.encode("Tell me a story")
+    sp = SamplerParams(temperature=1.0, top_k=50, top_p=0.9, seed=3)
+
+    def req(page: int) -> ForwardRequest:
+        return ForwardRequest(pages=[page], last_page_len=len(ids), tokens=ids, positions=list(range(len(ids))),
+                              outputs=[OutputSpec(index=len(ids) - 1, sample=sp, dist=5)])
+
+    a = cuda_backend.forward([req(0)])[0][0]
+    b = cuda_backend.forward([req(1), req(2)])[1][0]
+    assert a.token == b.token and a.ids == b.ids
