@@ -55,8 +55,8 @@ def reference_beam_search(host: Host, prompt_ids: list[int], width: int, max_tok
                                        outputs=[OutputSpec(index=0, dist=width)]))
         outs = forward(reqs)
         cands = []
-        for bi, (b, out) in enumerate(zip(beams, outs)):
-            for rank, (tok, prob) in enumerate(zip(out[0].ids, out[0].probs)):
+        for bi, (b, out) in enumerate(zip(beams, outs, strict=False)):
+            for rank, (tok, prob) in enumerate(zip(out[0].ids, out[0].probs, strict=False)):
                 if prob > 0.0:
                     cands.append((b["score"] + math.log(prob), bi, rank, tok))
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
@@ -69,7 +69,7 @@ def reference_beam_search(host: Host, prompt_ids: list[int], width: int, max_tok
             child = {"pages": [pool.pop() for _ in parent["pages"]], "kv": parent["kv"], "pending": tok,
                      "score": score, "toks": parent["toks"] + [tok]}
             with host.scheduler.backend_lock:
-                for src, dst in zip(parent["pages"], child["pages"]):
+                for src, dst in zip(parent["pages"], child["pages"], strict=False):
                     be.copy_tokens(src, 0, dst, 0, ps)
             new.append(child)
         for b in beams:

@@ -185,7 +185,7 @@ class Agent:
     def choose(self, names: tuple[str, ...]) -> str:
         """The tool name whose first token the model finds most probable next."""
         ids, probs = self._context().next_dist(64)
-        prob = dict(zip(ids, probs))
+        prob = dict(zip(ids, probs, strict=False))
         scored = [(prob.get(self.model.encode(" " + n)[0], 0.0), -i, n) for i, n in enumerate(names)]
         return max(scored)[2]
 

@@ -2,7 +2,7 @@
 
 Launch one instance per role with the same --swarm id and --role 0, 1, ... (any launch order).
 Role i > 0 subscribes to `swarm/<id>/<i>`, marks itself ready in the host's key-value store and
-waits for the chain; it adds its contribution (generated from the task and every earlier
+waits for the chain; it adds its contribution (generated from the task and the previous
 contribution) and publishes the chain to role i + 1 once that one is ready. The last role sends the
 finished chain to its client. With --role all (the default) one instance plays every role in turn,
 still passing the chain through publish/subscribe.
@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
 ROLE_PROMPTS = {
     "planner": "You are the planner. List the two or three key points the answer must cover.",
     "writer": "You are the writer. Write a short answer to the task, using the plan.",
-    "critic": "You are the critic. Name one concrete way to improve the draft.",
+    "critic": "You are the critic. Name one concrete way to improve the answer above.",
     "editor": "You are the editor. Write the final short answer, applying the critique.",
 }
 
@@ -73,11 +73,13 @@ PARSER = parser()
 
 def contribute(role: str, chain: dict, max_tokens: int) -> str:
     model = get_model()
-    earlier = "".join(f"\n\n{c['role'].capitalize()}: {c['text']}" for c in chain["contributions"])
-    prompt = f"Task: {chain['task']}{earlier}"
     system = ROLE_PROMPTS.get(role, f"You are the {role}. Contribute to the task in a few sentences.")
+    prompt = f"{system}\n\nTask: {chain['task']}"
+    if chain["contributions"]:
+        last = chain["contributions"][-1]
+        prompt += f"\n\nThe {last['role']} wrote:\n{last['text']}"
     with Context(model) as ctx:
-        ctx.fill_chat([{"role": "system", "content": system}, {"role": "user", "content": prompt}])
+        ctx.fill_chat([{"role": "user", "content": prompt}])
         ctx.flush()
         stop = AnyOf(MaxTokens(max_tokens), UntilTokens(model.stop_tokens))
         return ctx.generate(Sampler.greedy(), stop=stop).strip()

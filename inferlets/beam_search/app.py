@@ -17,7 +17,7 @@ import argparse
 import json
 import math
 
-from inferlet import Context, InferletError, get_model, send, wait_any
+from inferlet import Context, InferletError, get_model, wait_any
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,9 +81,9 @@ def main(args: list[str]) -> str | None:
             while pending:
                 pending.remove(wait_any(pending))
             cands: list[tuple[float, int, int, int]] = []
-            for bi, (f, (_ctx, score, _toks)) in enumerate(zip(passes, beams)):
+            for bi, (f, (_ctx, score, _toks)) in enumerate(zip(passes, beams, strict=False)):
                 ids, probs = f.result
-                for rank, (tok, prob) in enumerate(zip(ids, probs)):
+                for rank, (tok, prob) in enumerate(zip(ids, probs, strict=False)):
                     if prob > 0.0:
                         cands.append((score + math.log(prob), bi, rank, tok))
             cands.sort(key=lambda c: (-c[0], c[1], c[2]))
@@ -118,5 +118,4 @@ def main(args: list[str]) -> str | None:
     if opts.json:
         return json.dumps({"text": text, "tokens": best, "logprob": best_logprob,
                            "score": normalized(best_logprob, len(best), opts.length_penalty)})
-    send(text)
     return text

@@ -17,7 +17,7 @@ import math
 import random
 import re
 
-from inferlet import Context, InferletError, get_model, send
+from inferlet import Context, InferletError, get_model
 
 
 class _Parser(argparse.ArgumentParser):
@@ -192,7 +192,7 @@ def main(args: list[str]) -> str | None:
                 break
             ids, probs = ctx.next_dist(opts.top_k)
             valid: list[tuple[int, float, State]] = []
-            for t, pr in zip(ids, probs):
+            for t, pr in zip(ids, probs, strict=False):
                 piece = pieces.get(t)
                 if piece is None:
                     piece = pieces[t] = model.decode([t])
@@ -213,5 +213,4 @@ def main(args: list[str]) -> str | None:
     text += suffix
     if opts.json:
         return json.dumps({"text": text, "forced_suffix": suffix, "tokens": len(tokens)})
-    send(text)
     return text

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from inferlet import Context, InferletError, Sampler, get_model, send, wait_any
+from inferlet import Context, InferletError, Sampler, get_model, wait_any
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,6 +96,4 @@ def main(args: list[str]) -> str | None:
                 "forwarded_tokens": forwarded,
             }
         )
-    for i, a in enumerate(answers):
-        send(f"[{i}] {a}")
-    return "\n\n".join(answers)
+    return "\n\n".join(f"[{i}] {a}" for i, a in enumerate(answers))

@@ -91,7 +91,7 @@ def judge_all(ctxs: list[Context], model) -> list[float]:
             pending.remove(wait_any(pending))
         scores = []
         for p in passes:
-            dist = dict(zip(*p.result))
+            dist = dict(zip(*p.result, strict=False))
             y, n = dist.get(yes, 0.0), dist.get(no, 0.0)
             scores.append(y / (y + n) if y + n > 0 else 0.0)
         return scores
@@ -138,11 +138,11 @@ def main(args: list[str]) -> str | None:
                 Sampler(opts.temperature, 0, 0.95, 0.0, opts.seed * 7919 + c.id * 104729) for c in children
             ]
             steps = decode_all([c.ctx for c in children], samplers, step_stop, model)
-            for c, s in zip(children, steps):
+            for c, s in zip(children, steps, strict=False):
                 c.step = s.strip()
                 if not s.endswith("\n"):
                     c.ctx.fill("\n")
-            for c, s in zip(children, judge_all([c.ctx for c in children], model)):
+            for c, s in zip(children, judge_all([c.ctx for c in children], model), strict=False):
                 c.scores.append(s)
             ranked = sorted(range(len(children)), key=lambda i: (-children[i].score, i))
             kept = set(ranked[: opts.keep])
