@@ -225,7 +225,7 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
     cfg = _gguf_config(reader)
     weights: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", disable=not progress):
-        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        arr = dequantize(t.data, t.tensor_type)
         arr = arr.reshape([int(x) for x in reversed(t.shape)])
         name = t.name
         if name == "token_embd.weight":
@@ -243,7 +243,7 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
                 arr = _reverse_permute(arr, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
         else:
             raise ValueError(f"unexpected GGUF tensor {name}")
-        weights[hf] = torch.from_numpy(np.ascontiguousarray(arr))
+        weights[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # own, writable copy
     name = str(_field(reader, "general.name", path.stem))
     return LoadedModel(name, cfg, weights, _gguf_tokenizer(reader))
 
