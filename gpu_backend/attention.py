@@ -22,7 +22,7 @@ class BatchPlan:
     positions: torch.Tensor  # [N]
     write_slots: torch.Tensor  # [N] cache slot of each new token
     gather: torch.Tensor  # [B, L] cache slots each request attends over (padding -> slot 0)
-    mask: torch.Tensor | None  # [B, 1, T, L] True = attend; None = attend to all L slots
+    mask: torch.Tensor | None  # [B, 1, G*T, L] True = attend; None = attend to all L slots
     q_index: torch.Tensor | None  # [B*T] token row for each padded query row; None if no padding
     o_index: torch.Tensor | None  # [N] padded query row of each token; None if no padding
     batch: int
@@ -37,8 +37,11 @@ def brle_row(runs: list[int]) -> np.ndarray:
     return np.repeat(flags, runs)
 
 
-def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device) -> BatchPlan:
-    """Index tensors and the mask for a batch of validated requests."""
+def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device, group: int = 1) -> BatchPlan:
+    """Index tensors and the mask for a batch of validated requests.
+
+    `group` = query heads per KV head: mask rows are repeated to match paged_attention's layout.
+    """
     n_tok = [len(r.tokens) for r in reqs]
     ctx = [(len(r.pages) - 1) * page_size + r.last_page_len - len(r.tokens) for r in reqs]
     lens = [c + t for c, t in zip(ctx, n_tok, strict=True)]
@@ -66,7 +69,9 @@ def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device)
             if r.mask is not None:
                 for row, runs in enumerate(r.mask):
                     mask[i, row, : ctx[i] + row + 1] = brle_row(runs)
-        mask_t = torch.from_numpy(mask[:, None]).to(device)
+        # rows ordered (query head in group, token), as paged_attention folds them
+        mask = np.repeat(mask[:, None], group, axis=1).reshape(b, 1, group * t_max, l_max)
+        mask_t = torch.from_numpy(mask).to(device)
 
     q_index = o_index = None
     if min(n_tok) != t_max:
@@ -103,20 +108,21 @@ def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device)
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
     """q: [N, H, D]; kv: one layer of the cache [slots, 2, KVH, D] (new tokens already written).
 
-    Returns [N, H * D].
+    Returns [N, H * D]. Grouped-query attention without repeating K/V: the `H / KVH` query heads
+    sharing a KV head are folded into the query-length axis, so SDPA sees KVH heads of
+    `group * T` query rows each (the mask was expanded to match when the plan was built).
     """
     n, h, d = q.shape
     b, t = plan.batch, plan.max_tokens
     kvh = kv.shape[2]
+    group = h // kvh
     # index_select on a flat index is far faster on CPU than advanced indexing with a 2-D index
     g = kv.index_select(0, plan.gather.view(-1)).view(b, -1, 2, kvh, d)  # [B, L, 2, KVH, D]
-    if kvh != h:
-        # SDPA's enable_gqa path is ~100x slower on CPU than attending over repeated K/V
-        g = g.unsqueeze(4).expand(-1, -1, -1, -1, h // kvh, -1).reshape(b, -1, 2, h, d)
     k = g[:, :, 0].transpose(1, 2)
     v = g[:, :, 1].transpose(1, 2)
     qp = q if plan.q_index is None else q[plan.q_index]
-    qp = qp.view(b, t, h, d).transpose(1, 2)
+    # [B, T, KVH, G, D] -> [B, KVH, G * T, D]
+    qp = qp.view(b, t, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, d)
     o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.mask)
-    o = o.transpose(1, 2).reshape(b * t, h * d)
+    o = o.view(b, kvh, group, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, h * d)
     return o if plan.o_index is None else o[plan.o_index]

@@ -63,7 +63,7 @@ class Backend:
                 raise ForwardError(i, str(e)) from None
         self._check_write_conflicts(checked)
         with torch.inference_mode():
-            plan = build_plan(checked, self.info.page_size, self.model.device)
+            plan = build_plan(checked, self.info.page_size, self.model.device, self.model.group)
             specs = [o for r in checked for o in r.outputs]
             logits = self.model.forward(plan, self.cache)
             flat = self.sampler(logits, specs) if specs else []
@@ -99,7 +99,7 @@ class Backend:
         """
         checked = [self._checked(r) for r in reqs]
         with torch.inference_mode():
-            plan = build_plan(checked, self.info.page_size, self.model.device)
+            plan = build_plan(checked, self.info.page_size, self.model.device, self.model.group)
             logits = self.model.forward(plan, self.cache)
         return list(logits.split([len(r.outputs) for r in checked]))
 

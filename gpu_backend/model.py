@@ -35,6 +35,7 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype) -> None:
         self.cfg = cfg
+        self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.device, self.dtype = device, dtype
 
         def w(name: str) -> torch.Tensor:
