@@ -3,8 +3,10 @@
     python bench/backend_decode.py --json bench/results/backend_decode.json
 
 Measures decode tokens/s (prefill excluded: the clock starts when the first token is out) at each
-batch size, alternating ours / transformers `--repeats` times and keeping each side's best, so load
-from other processes hurts both alike. Prints a markdown table, the bytes of weights a decode step
+batch size, alternating all series `--repeats` times and keeping each one's best, so load from other
+processes hurts all alike. The headline pair is ours in `--dtype` (default bfloat16: this CPU has
+native bf16) against transformers in `--hf-dtype` (default float32 on CPU, the issue's baseline);
+the equal-dtype pairs (ours fp32, transformers bf16) are measured too and reported beside it. Prints a markdown table, the bytes of weights a decode step
 reads and the machine's measured copy bandwidth (the batch-1 bound is bandwidth / weight bytes).
 """
 
@@ -121,7 +123,11 @@ def main() -> None:
     ap.add_argument("--json", required=True, help="write results here")
     ap.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M GGUF)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    ap.add_argument("--dtype", default="bfloat16", help="our compute dtype (the JSON's 'ours')")
+    ap.add_argument("--hf-dtype", default=None,
+                    help="transformers' dtype (the JSON's 'transformers'); default float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--no-same-dtype", action="store_true",
+                    help="skip the equal-dtype series (ours at the baseline's dtype and vice versa)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
@@ -129,43 +135,73 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
-                                                           else torch.float32)
+    cuda = args.device.startswith("cuda")
+    ours_dt = getattr(torch, args.dtype)
+    hf_dt = getattr(torch, args.hf_dtype or ("bfloat16" if cuda else "float32"))
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    # series: key -> (kind, dtype); "ours" and "transformers" are the headline pair
+    series = {"ours": ("ours", ours_dt), "transformers": ("hf", hf_dt)}
+    if not args.no_same_dtype and ours_dt != hf_dt:
+        series[f"ours_{name[hf_dt]}"] = ("ours", hf_dt)
+        series[f"transformers_{name[ours_dt]}"] = ("hf", ours_dt)
     t = time.perf_counter()
-    backend = load_backend(args.model, device=args.device, dtype=dtype, num_pages=4096, progress=False)
+    backends = {ours_dt: load_backend(args.model, device=args.device, dtype=ours_dt, num_pages=4096,
+                                      progress=False)}
     load_s = time.perf_counter() - t
-    hf = load_hf(args.model, args.device, dtype)
+    for _, dt in series.values():
+        if dt not in backends:
+            backends[dt] = load_backend(args.model, device=args.device, dtype=dt, num_pages=4096, progress=False)
+    hf = {dt: load_hf(args.model, args.device, dt) for kind, dt in series.values() if kind == "hf"}
+    main_backend = backends[ours_dt]
     batches = [int(b) for b in args.batches.split(",")]
-    results: dict = {"ours": {}, "transformers": {}}
+    results: dict = {key: {} for key in series}
+
+    def measure(key: str, seqs: list[list[int]], n: int) -> float:
+        kind, dt = series[key]
+        if kind == "ours":
+            return ours_decode(backends[dt], seqs, n)
+        return hf_decode(hf[dt], seqs, n, args.device)
+
     for b in batches:
-        seqs = prompts(backend, b)
-        ours_decode(backend, seqs, 3)  # warm-up
-        hf_decode(hf, seqs, 3, args.device)
-        best_o = best_h = 0.0
-        for _ in range(args.repeats):
-            best_o = max(best_o, ours_decode(backend, seqs, args.new_tokens))
-            best_h = max(best_h, hf_decode(hf, seqs, args.new_tokens, args.device))
-        results["ours"][str(b)] = round(best_o, 2)
-        results["transformers"][str(b)] = round(best_h, 2)
-        print(f"batch {b}: ours {best_o:.1f} tok/s, transformers {best_h:.1f} tok/s", flush=True)
-    wbytes = backend.model.weight_bytes()
+        seqs = prompts(main_backend, b)
+        for key in series:
+            measure(key, seqs, 3)  # warm-up
+        best = dict.fromkeys(series, 0.0)
+        for _ in range(args.repeats):  # alternate, so load from other processes hits all series alike
+            for key in series:
+                best[key] = max(best[key], measure(key, seqs, args.new_tokens))
+        for key in series:
+            results[key][str(b)] = round(best[key], 2)
+        print(f"batch {b}: " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()) + " tok/s", flush=True)
+    wbytes = {name[dt]: be.model.weight_bytes() for dt, be in backends.items()}
     bw = copy_bandwidth(args.device)
     results["meta"] = {
-        "model": backend.info.name, "device": args.device, "dtype": str(dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "prompt_tokens": len(prompts(backend, 1)[0]),
+        "model": main_backend.info.name, "device": args.device,
+        "dtypes": {key: name[dt] for key, (_, dt) in series.items()},
+        "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
+        "prompt_tokens": len(prompts(main_backend, 1)[0]),
         "weight_bytes_per_decode_step": wbytes, "copy_bandwidth_bytes_per_s": round(bw),
-        "batch1_bound_steps_per_s": round(bw / 2 / wbytes, 1), "load_seconds": round(load_s, 2),
+        "batch1_bound_steps_per_s": {k: round(bw / 2 / v, 1) for k, v in wbytes.items()},
+        "load_seconds": round(load_s, 2),
     }
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    print("\n| batch | ours tok/s | transformers tok/s | speedup |\n|---|---|---|---|")
+    heads = [f"{k} ({name[dt]})" for k, (_, dt) in series.items()]
+    print("\n| batch | " + " | ".join(heads) + " | ours / transformers |")
+    print("|---" * (len(series) + 2) + "|")
     for b in batches:
-        o, h = results["ours"][str(b)], results["transformers"][str(b)]
-        print(f"| {b} | {o:.1f} | {h:.1f} | {o / h:.2f}x |")
-    print(f"\nweights read per decode step: {wbytes / 1e6:.0f} MB ({results['meta']['dtype']})")
-    print(f"measured copy bandwidth: {bw / 1e9:.1f} GB/s (read+write); batch-1 bound ~{bw / 2 / wbytes:.0f} "
-          "steps/s (each step streams the weights once)")
+        row = [f"{results[k][str(b)]:.1f}" for k in series]
+        ratio = results["ours"][str(b)] / results["transformers"][str(b)]
+        print(f"| {b} | " + " | ".join(row) + f" | {ratio:.2f}x |")
+    if len(series) > 2:
+        print("\nequal dtype: " + ", ".join(
+            f"batch {b}: {name[hf_dt]} {results[f'ours_{name[hf_dt]}'][str(b)] / results['transformers'][str(b)]:.2f}x"
+            f" / {name[ours_dt]} {results['ours'][str(b)] / results[f'transformers_{name[ours_dt]}'][str(b)]:.2f}x"
+            for b in batches))
+    for k, v in wbytes.items():
+        print(f"weights read per decode step ({k}): {v / 1e6:.0f} MB -> batch-1 bound ~{bw / 2 / v:.0f} steps/s")
+    print(f"measured copy bandwidth: {bw / 1e9:.1f} GB/s (read+write; a step reads weights, so bound = bw/2 / bytes)")
     print(f"load_backend: {load_s:.1f} s; wrote {out}")
 
 
