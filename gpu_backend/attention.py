@@ -83,7 +83,8 @@ def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device,
         )
         q_index, o_index = q_index.to(device), o_index.to(device)
 
-    out_rows, start = [], 0
+    out_rows: list[int] = []
+    start = 0
     for r, n in zip(reqs, n_tok, strict=True):
         out_rows.extend(start + o.index for o in r.outputs)
         start += n
