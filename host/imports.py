@@ -17,6 +17,7 @@ import wasmtime
 from wasmtime.component import Linker
 
 from gpu_backend.types import ForwardRequest, OutputResult, OutputSpec, SamplerParams
+from host.fastcall import add_func
 from host.instance import Instance, Terminated
 from host.kv import PageError
 
@@ -99,7 +100,7 @@ def build_linker(host: Host) -> Linker:
         for iface, table in funcs.items():
             with root.add_instance(f"{PACKAGE}/{iface}@{WIT_VERSION}") as li:
                 for fname, fn in table.items():
-                    li.add_func(fname, fn)
+                    add_func(li, fname, fn)
     return linker
 
 
