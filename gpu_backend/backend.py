@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 
 import numpy as np
@@ -34,6 +35,9 @@ class Backend:
         self.info = info
         self.cache = cache
         self.sampler = Sampler(model.device)
+        # forward / copy_tokens / logits may come from different host threads; the cache and the
+        # sampler's generator are shared state, so they run one at a time
+        self._lock = threading.Lock()
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -62,7 +66,7 @@ class Backend:
             except ValueError as e:
                 raise ForwardError(i, str(e)) from None
         self._check_write_conflicts(checked)
-        with torch.inference_mode():
+        with self._lock, torch.inference_mode():
             plan = build_plan(checked, self.info.page_size, self.model.device, self.model.group)
             specs = [o for r in checked for o in r.outputs]
             logits = self.model.forward(plan, self.cache)
@@ -98,7 +102,7 @@ class Backend:
         For tests and debugging: writes K/V like `forward` but samples nothing.
         """
         checked = [self._checked(r) for r in reqs]
-        with torch.inference_mode():
+        with self._lock, torch.inference_mode():
             plan = build_plan(checked, self.info.page_size, self.model.device, self.model.group)
             logits = self.model.forward(plan, self.cache)
         return list(logits.split([len(r.outputs) for r in checked]))
@@ -121,7 +125,7 @@ class Backend:
         dev = self.model.device
         src = torch.arange(count, device=dev) + src_page * ps + src_offset
         dst = torch.arange(count, device=dev) + dst_page * ps + dst_offset
-        with torch.inference_mode():
+        with self._lock, torch.inference_mode():
             self.cache.copy_slots(src, dst)
 
     # -- plain generation loop (baseline and demo) --------------------------------------------
