@@ -234,6 +234,8 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
             hf = "model.norm.weight"
         elif name == "output.weight":
             hf = "lm_head.weight"
+        elif name == "rope_freqs.weight":
+            hf = "rope_freqs"  # Llama 3 RoPE scaling as per-frequency divisors
         elif name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
             if kind not in _GGUF_NAMES:

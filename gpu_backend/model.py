@@ -65,7 +65,8 @@ class LlamaModel:
                 )
             )
         half = cfg.head_dim // 2
-        cos, sin = cos_sin_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position, device, dtype)
+        cos, sin = cos_sin_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position, device, dtype,
+                                 weights.get("rope_freqs"))
         self.cos = cos
         # rotate_half(x) * sin == flip-halves(x) * [-sin_lo, sin_hi]
         self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)

@@ -31,9 +31,17 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
 
 
 def cos_sin_table(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int,
-                  device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [max_position, head_dim], halves repeated (rotate_half convention)."""
-    inv = inv_frequencies(head_dim, theta, scaling).float()
+                  device: torch.device, dtype: torch.dtype,
+                  freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [max_position, head_dim], halves repeated (rotate_half convention).
+
+    `freq_factors` (GGUF `rope_freqs.weight`, how llama.cpp stores Llama 3 scaling) divide the
+    unscaled frequencies and replace `scaling`.
+    """
+    if freq_factors is not None:
+        inv = inv_frequencies(head_dim, theta, None).float() / freq_factors.float().cpu()
+    else:
+        inv = inv_frequencies(head_dim, theta, scaling).float()
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
