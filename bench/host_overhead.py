@@ -100,15 +100,20 @@ def main() -> None:
     ap.add_argument("--json", type=Path, required=True, help="write results here")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: fp32 on CPU")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each tax measurement (median)")
     opts = ap.parse_args()
 
-    backend = load_backend(None, device=opts.device, num_pages=4096)
+    import torch
+
+    dtype = None if opts.dtype is None else getattr(torch, opts.dtype)
+    backend = load_backend(None, device=opts.device, dtype=dtype, num_pages=4096)
     host = Host(HostConfig(), backend=backend)
     tc = host.compile(resolve_inferlet("text_completion").read_bytes())
     calls = host.compile(build_inferlet(ROOT / "bench" / "inferlets" / "hostcalls").read_bytes())
 
-    res: dict = {"call_us": {}, "tax": {}, "scaling_tok_s": {}, "device": str(backend.info.device)}
+    res: dict = {"call_us": {}, "tax": {}, "scaling_tok_s": {}, "device": str(backend.info.device),
+                 "dtype": backend.info.dtype}
     res["call_us"]["empty"] = statistics.median(guest_call(host, calls, ["empty", "2000"]) for _ in range(3))
     res["call_us"]["forward"] = statistics.median(guest_call(host, calls, ["forward", "200"]) for _ in range(3))
     res["launch_ms"] = launch_ms(host, calls)

@@ -27,6 +27,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", default=None, metavar="URL", help="run on a pie-serve server (ws://host:port)")
     p.add_argument("--token", default=os.environ.get("PIE_AUTH_TOKEN"), help="auth token for --server")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights/KV dtype (default: float32 on CPU, bfloat16 on CUDA; bfloat16 is ~2x faster on CPUs with bf16)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from a 256 MiB budget)")
     p.add_argument("--wall-budget-s", type=float, default=None, help="wall-clock limit for the instance")
@@ -80,7 +82,7 @@ def _run_embedded(opts: argparse.Namespace, wasm_path: Path, args: list[str]) ->
     from host.runtime import Host
 
     try:
-        config = HostConfig(model=opts.model, device=opts.device, page_size=opts.page_size,
+        config = HostConfig(model=opts.model, device=opts.device, dtype=opts.dtype, page_size=opts.page_size,
                             num_pages=opts.num_pages, wall_budget_s=opts.wall_budget_s,
                             memory_limit_bytes=opts.memory_limit_mb * 2**20)
     except ValueError as e:

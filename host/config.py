@@ -26,6 +26,7 @@ class HostConfig:
 
     model: str | None = None
     device: str | None = None
+    dtype: str | None = None  # "float32" / "bfloat16" / "float16"; None = fp32 on CPU, bf16 on CUDA
     page_size: int = 16
     num_pages: int | None = None
     kv_memory_bytes: int | None = 256 * 2**20
@@ -43,6 +44,8 @@ class HostConfig:
     def __post_init__(self) -> None:
         if self.policy not in ("adaptive", "k-or-t"):
             raise ValueError(f"unknown batching policy {self.policy!r}: use 'adaptive' or 'k-or-t'")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}: use float32, bfloat16 or float16")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if self.batch_k < 1 or self.batch_t_ms < 0:

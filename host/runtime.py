@@ -31,9 +31,12 @@ class Host:
     def __init__(self, config: HostConfig | None = None, backend: Any = None, progress: bool = True) -> None:
         self.config = config = config or HostConfig()
         if backend is None:
+            import torch
+
             from gpu_backend import load_backend
 
-            backend = load_backend(config.model, device=config.device, page_size=config.page_size,
+            dtype = None if config.dtype is None else getattr(torch, config.dtype)
+            backend = load_backend(config.model, device=config.device, dtype=dtype, page_size=config.page_size,
                                    num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes,
                                    progress=progress)
         self.backend = backend

@@ -465,6 +465,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="require this token (default: $PIE_AUTH_TOKEN; none = no authentication)")
     ap.add_argument("--model", help="GGUF file or HF safetensors dir (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="weights/KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--page-size", type=int, help="tokens per KV page")
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--num-pages", type=int, help="KV pages to preallocate")
@@ -490,7 +492,7 @@ def host_config_from_args(args: argparse.Namespace) -> Any:
 
     mib = 1024 * 1024
     given: dict[str, Any] = {
-        "model": args.model, "device": args.device, "page_size": args.page_size, "num_pages": args.num_pages,
+        "model": args.model, "device": args.device, "dtype": args.dtype, "page_size": args.page_size, "num_pages": args.num_pages,
         "kv_memory_bytes": args.kv_memory * mib if args.kv_memory is not None else None,
         "policy": args.policy, "max_batch_tokens": args.max_batch_tokens,
         "memory_limit_bytes": args.memory_limit_mb * mib if args.memory_limit_mb is not None else None,
