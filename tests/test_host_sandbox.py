@@ -159,3 +159,25 @@ def test_adaptive_batching_merges_instances(host: Host, misbehave: str) -> None:
     forwards = after["forwards"] - before["forwards"]
     batches = after["batches"] - before["batches"]
     assert forwards / batches > 1.5, (forwards, batches)
+
+
+def test_out_of_pages_is_a_condition_and_the_sdk_waits(tmp_path) -> None:
+    """A full cache makes allocation fail softly: the SDK waits, nobody is killed, all finish."""
+    h = Host(HostConfig(data_dir=tmp_path), backend=FakeBackend(page_size=4, num_pages=8))
+    try:
+        prog = h.compile(wasm_bytes("misbehave"))
+        hog = Run(h, prog, ["hog", "7"])
+        hog.messages.append(hog.events.get(timeout=60).message)
+        assert hog.messages == ["holding"]
+        assert h.free_pages() == 1
+        prompt = [10, 11, 12, 13, 14, 15]  # + 8 generated tokens: 4 pages of 4
+        gen = Run(h, prog, ["generate", "8", *map(str, prompt)])
+        time.sleep(0.5)
+        assert gen.end is None and gen.events.empty()  # still waiting for pages, not killed
+        h.signal(hog.id, "done")
+        assert hog.finish(30).message == "released"
+        end = gen.finish(30)
+        assert (end.event, end.message) == ("completed", expected_generation(prompt, 8))
+        assert h.free_pages() == 8
+    finally:
+        h.shutdown()
