@@ -5,7 +5,8 @@ Usage: python bench/host_overhead.py --json OUT [--max-tokens 32]
 - call_us.empty: an empty import round trip (runtime.elapsed-ms) timed inside the guest.
 - call_us.forward: forward.run of a 1-token pass (submit + batch + wait) timed inside the guest.
 - tax: wall time of text_completion through the host / the backend's own greedy loop
-  (Backend.generate_batch) on the same prompts, 1 and 16 at once (same tokens: both greedy).
+  (Backend.generate_batch, run on the host's backend thread) on the same prompts, 1 and 16 at
+  once (same tokens: both greedy, prefill included on both sides).
 - scaling_tok_s: aggregate generated tokens/s with 1, 4, 16, 64 concurrent text_completion instances.
 - launch_ms: median time from Host.launch to the instance's first forward submit (cached program).
 """
@@ -22,7 +23,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpu_backend import load_backend  # noqa: E402
 from gpu_backend.types import SamplerParams  # noqa: E402
 from host.build import build_inferlet, resolve_inferlet  # noqa: E402
 from host.config import HostConfig  # noqa: E402
@@ -104,11 +104,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each tax measurement (median)")
     opts = ap.parse_args()
 
-    import torch
+    # The host loads the model on its scheduler thread, where all its forwards run; the direct
+    # baseline runs there too (torch on CPU is ~15-20% slower on a thread other than the loader's).
+    host = Host(HostConfig(device=opts.device, dtype=opts.dtype, num_pages=4096))
+    backend = host.backend
 
-    dtype = None if opts.dtype is None else getattr(torch, opts.dtype)
-    backend = load_backend(None, device=opts.device, dtype=dtype, num_pages=4096)
-    host = Host(HostConfig(), backend=backend)
+    def direct(texts: list[str], max_tokens: int) -> tuple[float, int]:
+        return host.scheduler.call(lambda: run_direct(backend, texts, max_tokens))
+
     tc = host.compile(resolve_inferlet("text_completion").read_bytes())
     calls = host.compile(build_inferlet(ROOT / "bench" / "inferlets" / "hostcalls").read_bytes())
 
@@ -122,13 +125,13 @@ def main() -> None:
     for n in (1, 16):
         ratios = []
         for _ in range(opts.reps):
-            t_direct, _ = run_direct(backend, prompts(n), opts.max_tokens)
+            t_direct, _ = direct(prompts(n), opts.max_tokens)
             t_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
             ratios.append(t_host / t_direct)
         res["tax"][str(n)] = statistics.median(ratios)
         print(f"tax at {n}: {res['tax'][str(n)]:.3f} (runs {', '.join(f'{r:.3f}' for r in ratios)})", flush=True)
     for n in (1, 4, 16, 64):
-        _, tokens = run_direct(backend, prompts(n), opts.max_tokens)  # same greedy outputs: same token count
+        _, tokens = direct(prompts(n), opts.max_tokens)  # same greedy outputs: same token count
         t_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
         res["scaling_tok_s"][str(n)] = tokens / t_host
         print(f"scaling {n}: {tokens / t_host:.1f} tok/s", flush=True)

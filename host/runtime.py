@@ -25,28 +25,36 @@ __all__ = ["Host", "HostConfig", "InstanceEvent", "CompileError", "TERMINAL_EVEN
 log = logging.getLogger(__name__)
 
 
+def _load_backend(config: HostConfig, progress: bool) -> Any:
+    import torch
+
+    from gpu_backend import load_backend
+
+    dtype = None if config.dtype is None else getattr(torch, config.dtype)
+    return load_backend(config.model, device=config.device, dtype=dtype, page_size=config.page_size,
+                        num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, progress=progress)
+
+
 class Host:
     """One backend, one wasm engine, many sandboxed instances."""
 
     def __init__(self, config: HostConfig | None = None, backend: Any = None, progress: bool = True) -> None:
         self.config = config = config or HostConfig()
-        if backend is None:
-            import torch
-
-            from gpu_backend import load_backend
-
-            dtype = None if config.dtype is None else getattr(torch, config.dtype)
-            backend = load_backend(config.model, device=config.device, dtype=dtype, page_size=config.page_size,
-                                   num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes,
-                                   progress=progress)
+        self.scheduler = Scheduler(None if backend is None else backend.forward, config.page_size,
+                                   policy=config.policy, max_batch_tokens=config.max_batch_tokens,
+                                   k=config.batch_k, t_ms=config.batch_t_ms)
+        if backend is None:  # loaded on the scheduler thread, where its forwards will run
+            try:
+                backend = self.scheduler.call(lambda: _load_backend(config, progress))
+            except BaseException:
+                self.scheduler.stop()
+                raise
         self.backend = backend
         info = backend.info
+        self.scheduler.bind(backend.forward, info.page_size)
         self.model_name: str = info.name
         self.pages = PageManager(info.num_pages, config.max_pages_per_instance)
         self.total_pages: int = info.num_pages
-        self.scheduler = Scheduler(backend.forward, info.page_size, policy=config.policy,
-                                   max_batch_tokens=config.max_batch_tokens, k=config.batch_k,
-                                   t_ms=config.batch_t_ms)
         self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms)
         data_dir = config.data_dir or config.cache_dir
         self.kvstore = KeyValueStore(data_dir / "kvstore.sqlite3")
