@@ -145,3 +145,19 @@ def test_adaptive_waits_for_the_last_batch_to_resubmit() -> None:
     assert rec.batches[-1] == [10, 11, 12, 13]
     s.forget("i0")  # an ended instance is not waited for
     s.stop()
+
+
+def test_call_runs_on_the_scheduler_thread_and_propagates_errors() -> None:
+    s = Scheduler(None, page_size=4)
+    with pytest.raises(RuntimeError, match="no backend yet"):
+        s.submit(req([0], 1, 1), "a")
+    assert s.call(lambda: threading.current_thread().name) == "pie-scheduler"
+
+    def boom() -> None:
+        raise FileNotFoundError("no such model")
+
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        s.call(boom)
+    s.bind(Recorder(), 4)
+    assert s.submit(req([0], 1, 1, tag=3), "a").wait(5)[0].token == 3
+    s.stop()
