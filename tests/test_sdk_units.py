@@ -211,12 +211,19 @@ def test_text_completion_raw_max_tokens_and_stream(host: FakeHost) -> None:
     assert host.forward.requests[0].tokens == byte_tokens("ab")
 
 
+def test_text_completion_default_prompt(host: FakeHost) -> None:
+    app = _text_completion()
+    app.main(["--max-tokens", "2"])
+    toks, want = list(host.forward.requests[0].tokens), byte_tokens("What is the capital of France?")
+    assert any(toks[i : i + len(want)] == want for i in range(len(toks)))
+
+
 def test_text_completion_bad_arguments(host: FakeHost) -> None:
     app = _text_completion()
     with pytest.raises(inferlet.InferletError, match="unrecognized arguments: --bogus"):
         app.main(["-p", "x", "--bogus"])
-    with pytest.raises(inferlet.InferletError, match="--prompt is required"):
-        app.main([])
+    with pytest.raises(inferlet.InferletError, match="--prompt must not be empty"):
+        app.main(["--prompt", ""])
     with pytest.raises(inferlet.InferletError, match="invalid float value"):
         app.main(["-p", "x", "--temperature", "hot"])
     assert "usage: text_completion" in app.main(["--help"])

@@ -10,6 +10,8 @@ import argparse
 
 from inferlet import Context, InferletError, Sampler, get_model, send
 
+DEFAULT_PROMPT = "What is the capital of France?"
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
@@ -24,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="text_completion", add_help=False, exit_on_error=False,
                 description="Complete one prompt; the text is the return value.")  # fmt: skip
-    p.add_argument("-p", "--prompt", default=None, help="the user prompt (required)")
+    p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help=f"the user prompt (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--system", default=None, help="a system message (default: the template's own)")
     p.add_argument("-n", "--max-tokens", type=int, default=128, help="most tokens to generate (128)")
     p.add_argument("-t", "--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -51,8 +53,8 @@ def main(args: list[str]) -> str | None:
         raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
     if opts.help:
         return p.format_help()
-    if opts.prompt is None:
-        raise InferletError(f"--prompt is required\n{p.format_usage().rstrip()}")
+    if not opts.prompt:
+        raise InferletError(f"--prompt must not be empty\n{p.format_usage().rstrip()}")
     if opts.max_tokens < 1:
         raise InferletError(f"--max-tokens must be >= 1, got {opts.max_tokens}")
     try:
