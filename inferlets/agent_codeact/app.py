@@ -12,7 +12,6 @@ Returns the final answer; with --json {"answer", "transcript", "steps": [{"code"
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import re
@@ -21,19 +20,8 @@ import time
 import traceback
 from collections.abc import Sequence
 
-from inferlet import Context, InferletError, Sampler, get_model, send
+from inferlet import ArgumentParser, Context, InferletError, Sampler, get_model, send
 from inferlet.sampler import AnyOf, MaxTokens, UntilTokens
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
-
-    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
-        raise InferletError(message or f"argument parser exited with status {status}")
-
 
 SYSTEM = (
     "You solve tasks by writing Python code. Write the code in one ```python block and stop. "
@@ -43,16 +31,14 @@ DEFAULT_TASK = "What is the sum of the squares of the numbers from 1 to 10?\n```
 _BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="agent_codeact", add_help=False, exit_on_error=False,
-                description="A CodeAct agent: generated Python runs inside the inferlet's sandbox.")  # fmt: skip
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="agent_codeact", description="A CodeAct agent: generated Python runs inside the inferlet's sandbox.")  # fmt: skip
     p.add_argument("--task", default=DEFAULT_TASK, help="the task (a ```python block in it is run first)")
     p.add_argument("--max-turns", type=int, default=2, help="most code executions (2)")
     p.add_argument("--code-tokens", type=int, default=96, help="most tokens per model turn (96)")
     p.add_argument("--time-limit-ms", type=int, default=1000, help="time limit per execution (1000)")
     p.add_argument("--max-output", type=int, default=2000, help="characters of output kept (2000)")
     p.add_argument("--json", action="store_true", help="return a JSON object with the transcript")
-    p.add_argument("-h", "--help", action="store_true", help="return this help text")
     return p
 
 
@@ -109,10 +95,7 @@ class _UntilBlock:
 
 def main(args: list[str]) -> str | None:
     p = PARSER
-    try:
-        opts = p.parse_args(args)
-    except argparse.ArgumentError as e:
-        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    opts = p.parse(args)
     if opts.help:
         return p.format_help()
     if opts.max_turns < 0 or opts.code_tokens < 1 or opts.time_limit_ms < 1:

@@ -22,24 +22,12 @@ Returns the final answer; with --json, {"answer", "transcript", "turns", "prefil
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import operator
 
-from inferlet import Context, InferletError, Sampler, UntilText, get_model, receive, send
+from inferlet import ArgumentParser, Context, InferletError, Sampler, UntilText, get_model, receive, send
 from inferlet.sampler import AnyOf, MaxTokens, UntilTokens
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
-
-    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
-        raise InferletError(message or f"argument parser exited with status {status}")
-
 
 TOOLS = ("calculator", "lookup", "ask_user", "finish")
 
@@ -69,9 +57,8 @@ Action: finish
 Final Answer: About 1082 feet."""
 
 
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="agent_react", add_help=False, exit_on_error=False,
-                description="A ReAct agent with a calculator, a document lookup and a client tool.")  # fmt: skip
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="agent_react", description="A ReAct agent with a calculator, a document lookup and a client tool.")  # fmt: skip
     p.add_argument("-q", "--question", default="How many years ago was the Eiffel Tower completed, from 2024?")
     p.add_argument("--doc", action="append", default=None, help="a document for lookup (repeatable)")
     p.add_argument("--max-turns", type=int, default=3, help="most tool calls (3)")
@@ -83,7 +70,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--client-timeout-ms", type=int, default=10000, help="wait for the client tool (10000)")
     p.add_argument("--stateless", action="store_true", help="baseline: re-prefill the transcript every turn")
     p.add_argument("--json", action="store_true", help="return a JSON object with the transcript")
-    p.add_argument("-h", "--help", action="store_true", help="return this help text")
     return p
 
 
@@ -196,10 +182,7 @@ class Agent:
 
 def main(args: list[str]) -> str | None:
     p = PARSER
-    try:
-        opts = p.parse_args(args)
-    except argparse.ArgumentError as e:
-        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    opts = p.parse(args)
     if opts.help:
         return p.format_help()
     choices = [c.strip() for c in opts.tool_choice.split(",") if c.strip()]

@@ -13,11 +13,11 @@ Returns the last contribution; with --json the chain {"task", "contributions": [
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 from inferlet import (
+    ArgumentParser,
     Context,
     InferletError,
     Sampler,
@@ -33,17 +33,6 @@ from inferlet import (
 )
 from inferlet.sampler import AnyOf, MaxTokens, UntilTokens
 
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
-
-    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
-        raise InferletError(message or f"argument parser exited with status {status}")
-
-
 ROLE_PROMPTS = {
     "planner": "You are the planner. List the two or three key points the answer must cover.",
     "writer": "You are the writer. Write a short answer to the task, using the plan.",
@@ -52,9 +41,8 @@ ROLE_PROMPTS = {
 }
 
 
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="agent_swarm", add_help=False, exit_on_error=False,
-                description="Role-playing instances chained by publish/subscribe.")  # fmt: skip
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="agent_swarm", description="Role-playing instances chained by publish/subscribe.")  # fmt: skip
     p.add_argument("--task", default="Explain why the sky is blue in two sentences.")
     p.add_argument("--roles", default="planner,writer,critic,editor", help="comma-separated roles, in order")
     p.add_argument("--role", default="all", help="this instance's role index, or 'all' (default)")
@@ -64,7 +52,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--max-tokens", type=int, default=40, help="most tokens per contribution (40)")
     p.add_argument("--timeout-ms", type=int, default=300000, help="wait for the previous role (300000)")
     p.add_argument("--json", action="store_true", help="return the whole chain as JSON")
-    p.add_argument("-h", "--help", action="store_true", help="return this help text")
     return p
 
 
@@ -103,10 +90,7 @@ def receive_chain(topic: str, timeout_ms: int) -> dict:
 
 def main(args: list[str]) -> str | None:
     p = PARSER
-    try:
-        opts = p.parse_args(args)
-    except argparse.ArgumentError as e:
-        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    opts = p.parse(args)
     if opts.help:
         return p.format_help()
     roles = [r.strip() for r in opts.roles.split(",") if r.strip()]

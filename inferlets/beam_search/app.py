@@ -13,26 +13,14 @@ Returns the text; with `--json`, {"text", "tokens", "logprob", "score"}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
-from inferlet import Context, InferletError, get_model, wait_any
+from inferlet import ArgumentParser, Context, InferletError, get_model, wait_any
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
-
-    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
-        raise InferletError(message or f"argument parser exited with status {status}")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="beam_search", add_help=False, exit_on_error=False,
-                description="Beam search; the best hypothesis is the return value.")  # fmt: skip
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="beam_search", description="Beam search; the best hypothesis is the return value.")  # fmt: skip
     p.add_argument("-p", "--prompt", default="Write one sentence about the sea.", help="the user prompt")
     p.add_argument("-w", "--beam-width", type=int, default=3, help="beams kept per step (3)")
     p.add_argument("-n", "--max-tokens", type=int, default=24, help="most tokens to generate (24)")
@@ -40,7 +28,6 @@ def parser() -> argparse.ArgumentParser:
                    help="final ranking by logprob / len**penalty (1.0; 0 = raw logprob)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true", help="return a JSON object with tokens and scores")
-    p.add_argument("-h", "--help", action="store_true", help="return this help text")
     return p
 
 
@@ -53,10 +40,7 @@ def normalized(logprob: float, length: int, penalty: float) -> float:
 
 def main(args: list[str]) -> str | None:
     p = PARSER
-    try:
-        opts = p.parse_args(args)
-    except argparse.ArgumentError as e:
-        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    opts = p.parse(args)
     if opts.help:
         return p.format_help()
     if opts.beam_width < 1 or opts.max_tokens < 1:

@@ -11,28 +11,16 @@ Returns the JSON text; with --json {"text", "forced_suffix", "tokens"}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
 import re
 
-from inferlet import Context, InferletError, get_model
+from inferlet import ArgumentParser, Context, InferletError, get_model
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
-
-    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
-        raise InferletError(message or f"argument parser exited with status {status}")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="constrained_json", add_help=False, exit_on_error=False,
-                description="Generate a JSON object; the output always parses.")  # fmt: skip
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="constrained_json", description="Generate a JSON object; the output always parses.")  # fmt: skip
     p.add_argument(
         "-p", "--prompt", default="Describe a person as a JSON object with the keys name, age and city."
     )
@@ -43,7 +31,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-k", "--top-k", type=int, default=40, help="candidates checked per step (40)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     p.add_argument("--json", action="store_true", help="return a JSON object with details")
-    p.add_argument("-h", "--help", action="store_true", help="return this help text")
     return p
 
 
@@ -172,10 +159,7 @@ def closing(st: State) -> str:
 
 def main(args: list[str]) -> str | None:
     p = PARSER
-    try:
-        opts = p.parse_args(args)
-    except argparse.ArgumentError as e:
-        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    opts = p.parse(args)
     if opts.help:
         return p.format_help()
     if opts.max_tokens < 1 or opts.top_k < 1 or opts.temperature < 0:

@@ -12,6 +12,7 @@ An inferlet is a module with `def main(args: list[str]) -> str | None`, built wi
 Do not call the host at import time: `pie-build` imports the module while building.
 """
 
+from inferlet.args import ArgumentParser
 from inferlet.context import ChatError, Context, Forward, wait_any
 from inferlet.entry import InferletError, make_world
 from inferlet.model import Model, ModelError, available_models, get_model
@@ -38,7 +39,7 @@ from inferlet.runtime import (
 from inferlet.sampler import AnyOf, MaxTokens, Sampler, Stop, UntilSequence, UntilText, UntilTokens
 
 __all__ = [
-    "Context", "Forward", "wait_any", "ChatError", "InferletError", "make_world",
+    "ArgumentParser", "Context", "Forward", "wait_any", "ChatError", "InferletError", "make_world",
     "Model", "ModelError", "get_model", "available_models", "PAGES", "OutOfPages",
     "Sampler", "Stop", "MaxTokens", "UntilTokens", "UntilSequence", "UntilText", "AnyOf",
     "args", "version", "instance_id", "set_return", "log", "elapsed_ms",

@@ -12,25 +12,13 @@ sent through a forward pass.
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from inferlet import Context, InferletError, Sampler, get_model, wait_any
+from inferlet import ArgumentParser, Context, InferletError, Sampler, get_model, wait_any
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
-
-    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
-        raise InferletError(message or f"argument parser exited with status {status}")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="parallel_generation", add_help=False, exit_on_error=False,
-                description="N sampled answers to one prompt, decoded together.")  # fmt: skip
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="parallel_generation", description="N sampled answers to one prompt, decoded together.")  # fmt: skip
     p.add_argument("-p", "--prompt", default="Give me a name for a pet cat.", help="the user prompt")
     p.add_argument("-N", "--num", type=int, default=4, help="number of answers (4)")
     p.add_argument("-n", "--max-tokens", type=int, default=24, help="most tokens per answer (24)")
@@ -38,7 +26,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus threshold (0.95)")
     p.add_argument("--seed", type=int, default=0, help="branch i samples with seed + i (0)")
     p.add_argument("--json", action="store_true", help="return a JSON object with token counts")
-    p.add_argument("-h", "--help", action="store_true", help="return this help text")
     return p
 
 
@@ -47,10 +34,7 @@ PARSER = parser()
 
 def main(args: list[str]) -> str | None:
     p = PARSER
-    try:
-        opts = p.parse_args(args)
-    except argparse.ArgumentError as e:
-        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    opts = p.parse(args)
     if opts.help:
         return p.format_help()
     if opts.num < 1 or opts.max_tokens < 1:

@@ -13,37 +13,23 @@ Returns the text; with --json {"text", "tokens", "passes", "drafted", "accepted"
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from inferlet import PAGES, InferletError, Sampler, _host, get_model, send
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
-
-    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
-        raise InferletError(message or f"argument parser exited with status {status}")
-
+from inferlet import PAGES, ArgumentParser, InferletError, Sampler, _host, get_model, send
 
 DEFAULT_PROMPT = (
     "Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, lemons, oranges, peaches."
 )
 
 
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="speculative_decoding", add_help=False, exit_on_error=False,
-                description="Greedy decoding with an n-gram drafter verified in one pass.")  # fmt: skip
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="speculative_decoding", description="Greedy decoding with an n-gram drafter verified in one pass.")  # fmt: skip
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="the user prompt")
     p.add_argument("-n", "--max-tokens", type=int, default=64, help="most tokens to generate (64)")
     p.add_argument("-d", "--draft", type=int, default=6, help="most drafted tokens per pass (6)")
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram the drafter matches (3)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true", help="return a JSON object with pass counts")
-    p.add_argument("-h", "--help", action="store_true", help="return this help text")
     return p
 
 
@@ -93,10 +79,7 @@ class Sequence:
 
 def main(args: list[str]) -> str | None:
     p = PARSER
-    try:
-        opts = p.parse_args(args)
-    except argparse.ArgumentError as e:
-        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    opts = p.parse(args)
     if opts.help:
         return p.format_help()
     if opts.max_tokens < 1 or opts.draft < 0 or opts.ngram < 1:

@@ -6,26 +6,13 @@ sent to the client piece by piece as it is produced.
 
 from __future__ import annotations
 
-import argparse
-
-from inferlet import Context, InferletError, Sampler, get_model, send
+from inferlet import ArgumentParser, Context, InferletError, Sampler, get_model, send
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
-
-    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
-        raise InferletError(message or f"argument parser exited with status {status}")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="text_completion", add_help=False, exit_on_error=False,
-                description="Complete one prompt; the text is the return value.")  # fmt: skip
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="text_completion", description="Complete one prompt; the text is the return value.")  # fmt: skip
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help=f"the user prompt (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--system", default=None, help="a system message (default: the template's own)")
     p.add_argument("-n", "--max-tokens", type=int, default=128, help="most tokens to generate (128)")
@@ -36,7 +23,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--stream", action="store_true", help="also send text pieces as they are generated")
-    p.add_argument("-h", "--help", action="store_true", help="return this help text")
     return p
 
 
@@ -47,10 +33,7 @@ PARSER = parser()
 
 def main(args: list[str]) -> str | None:
     p = PARSER
-    try:
-        opts = p.parse_args(args)
-    except argparse.ArgumentError as e:
-        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    opts = p.parse(args)
     if opts.help:
         return p.format_help()
     if not opts.prompt:

@@ -13,26 +13,14 @@ Returns the answer; with --json {"answer", "levels": [[{"id", "parent", "step", 
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from inferlet import Context, InferletError, Sampler, get_model, send, wait_any
+from inferlet import ArgumentParser, Context, InferletError, Sampler, get_model, send, wait_any
 from inferlet.sampler import AnyOf, MaxTokens, UntilText, UntilTokens
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
-
-    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
-        raise InferletError(message or f"argument parser exited with status {status}")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tree_of_thought", add_help=False, exit_on_error=False,
-                description="Tree of thought: branch, score, prune.")  # fmt: skip
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="tree_of_thought", description="Tree of thought: branch, score, prune.")  # fmt: skip
     p.add_argument(
         "-q", "--question", default="Tom has 3 apples and buys 4 more. How many apples does he have?"
     )
@@ -44,7 +32,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--temperature", type=float, default=0.9, help="sampling temperature of steps (0.9)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     p.add_argument("--json", action="store_true", help="return the whole tree as JSON")
-    p.add_argument("-h", "--help", action="store_true", help="return this help text")
     return p
 
 
@@ -102,10 +89,7 @@ def judge_all(ctxs: list[Context], model) -> list[float]:
 
 def main(args: list[str]) -> str | None:
     p = PARSER
-    try:
-        opts = p.parse_args(args)
-    except argparse.ArgumentError as e:
-        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    opts = p.parse(args)
     if opts.help:
         return p.format_help()
     if min(opts.depth, opts.branch, opts.keep, opts.step_tokens, opts.answer_tokens) < 1:

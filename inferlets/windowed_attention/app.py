@@ -10,25 +10,13 @@ Returns the text; with --json {"text", "tokens", "max_pages", "pages_per_step"}.
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from inferlet import PAGES, Context, InferletError, Sampler, get_model, send
+from inferlet import PAGES, ArgumentParser, Context, InferletError, Sampler, get_model, send
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting (sys.exit would end the guest without a reason)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise InferletError(f"{message}\n{self.format_usage().rstrip()}")
-
-    def exit(self, status: int = 0, message: str | None = None):  # type: ignore[override]
-        raise InferletError(message or f"argument parser exited with status {status}")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="windowed_attention", add_help=False, exit_on_error=False,
-                description="Long generation with an attention sink and a sliding window.")  # fmt: skip
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="windowed_attention", description="Long generation with an attention sink and a sliding window.")  # fmt: skip
     p.add_argument("-p", "--prompt", default="Tell me a long story about a dragon who learns to cook.")
     p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate (128)")
     p.add_argument("--sink", type=int, default=4, help="first tokens always attended (4)")
@@ -38,7 +26,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-stop", action="store_true", help="keep going past stop tokens")
     p.add_argument("--stream", action="store_true", help="send text pieces as they are generated")
     p.add_argument("--json", action="store_true", help="return a JSON object with page counts")
-    p.add_argument("-h", "--help", action="store_true", help="return this help text")
     return p
 
 
@@ -47,10 +34,7 @@ PARSER = parser()
 
 def main(args: list[str]) -> str | None:
     p = PARSER
-    try:
-        opts = p.parse_args(args)
-    except argparse.ArgumentError as e:
-        raise InferletError(f"{e}\n{p.format_usage().rstrip()}") from None
+    opts = p.parse(args)
     if opts.help:
         return p.format_help()
     if opts.max_tokens < 1 or opts.sink < 0 or opts.window < 1:
