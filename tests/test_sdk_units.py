@@ -200,15 +200,17 @@ def test_text_completion_uses_chat_template_and_stops(host: FakeHost) -> None:
     host.forward.script = byte_tokens("Paris.") + [2]
     assert app.main(["--prompt", "capital?"]) == "Paris."
     prompt = host.model.apply_chat_template([host.model.Message("user", "capital?")], True)
-    first = host.forward.requests[0]
-    assert first.tokens == host.model.encode(prompt)[:-1] and not host.kv.held
+    first = host.forward.requests[0]  # prefill and the first sample in one pass
+    assert first.tokens == host.model.encode(prompt) and not host.kv.held
+    assert [o.index for o in first.outputs] == [len(first.tokens) - 1]
+    assert len(host.forward.requests) == len(byte_tokens("Paris.")) + 1  # one pass per sampled token
 
 
 def test_text_completion_raw_max_tokens_and_stream(host: FakeHost) -> None:
     app = _text_completion()
     out = app.main(["-p", "abc", "--raw", "--max-tokens", "5", "--stream"])
     assert len(out) == 5 and "".join(host.messaging.sent) == out
-    assert host.forward.requests[0].tokens == byte_tokens("ab")
+    assert host.forward.requests[0].tokens == byte_tokens("abc")  # the raw prompt, prefilled with the first sample
 
 
 def test_text_completion_default_prompt(host: FakeHost) -> None:

@@ -52,5 +52,4 @@ def main(args: list[str]) -> str | None:
             messages = [{"role": "system", "content": opts.system}] if opts.system is not None else []
             messages.append({"role": "user", "content": opts.prompt})
             ctx.fill_chat(messages, add_generation_prompt=True)
-        ctx.flush()
         return ctx.generate(sampler, max_tokens=opts.max_tokens, on_text=send if opts.stream else None)
