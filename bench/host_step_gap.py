@@ -1,0 +1,102 @@
+"""Where the host's per-step time goes between batches (diagnosis for the 16-instance tax).
+
+Usage: python bench/host_step_gap.py --json OUT [--step-ms 80]
+
+Runs N instances against a fake backend that sleeps `step-ms` per batch (no model), with two
+guests: `raw` (bench/inferlets/hostcalls: one forward.run per step, nothing else) and `sdk`
+(tests/fixtures/misbehave `generate`: the SDK's decode loop). Reports the gap per batch beyond the
+backend's own time, at 1 and 16 instances, and for one instance the latency from a forward's
+completion to the instance's wake-up and from the wake-up to its next submit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from fakes import FakeBackend  # noqa: E402
+from helpers import Run, wasm_bytes  # noqa: E402
+
+import host.instance as instance_mod  # noqa: E402
+import host.scheduler as scheduler_mod  # noqa: E402
+from host.build import build_inferlet  # noqa: E402
+from host.runtime import Host, HostConfig  # noqa: E402
+
+STEPS = 30
+
+
+def gap_ms(host: Host, fb: FakeBackend, program: str, args: list[str], n: int, step_s: float) -> float:
+    fb.batches.clear()
+    t0 = time.perf_counter()
+    runs = [Run(host, program, args) for _ in range(n)]
+    for r in runs:
+        if r.finish(300).event != "completed":
+            raise RuntimeError(r.end)
+    return 1000 * ((time.perf_counter() - t0) / len(fb.batches) - step_s)
+
+
+def wake_latency_us(host: Host, program: str) -> tuple[float, float]:
+    marks: dict[str, list[float]] = {"fin": [], "woke": [], "sub": []}
+    finish, wait_until, submit = (scheduler_mod.ForwardFuture._finish, instance_mod.Instance.wait_until,
+                                  host.scheduler.submit)
+
+    def fin(self, r, e):  # type: ignore[no-untyped-def]
+        marks["fin"].append(time.perf_counter())
+        finish(self, r, e)
+
+    def woke(self, ready, timeout_s=None):  # type: ignore[no-untyped-def]
+        r = wait_until(self, ready, timeout_s)
+        marks["woke"].append(time.perf_counter())
+        return r
+
+    def sub(req, owner):  # type: ignore[no-untyped-def]
+        marks["sub"].append(time.perf_counter())
+        return submit(req, owner)
+
+    scheduler_mod.ForwardFuture._finish = fin  # type: ignore[method-assign]
+    instance_mod.Instance.wait_until = woke  # type: ignore[method-assign]
+    host.scheduler.submit = sub  # type: ignore[method-assign]
+    try:
+        Run(host, program, ["forward", str(STEPS)]).finish(120)
+    finally:
+        scheduler_mod.ForwardFuture._finish = finish  # type: ignore[method-assign]
+        instance_mod.Instance.wait_until = wait_until  # type: ignore[method-assign]
+        host.scheduler.submit = submit  # type: ignore[method-assign]
+    f, w, s = marks["fin"], marks["woke"], marks["sub"]
+    idx = range(5, min(len(f), len(w), len(s) - 1))
+    return (1e6 * statistics.median(w[i] - f[i] for i in idx), 1e6 * statistics.median(s[i + 1] - w[i] for i in idx))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--step-ms", type=float, default=80.0, help="fake backend time per batch")
+    opts = ap.parse_args()
+    step_s = opts.step_ms / 1000
+    fb = FakeBackend(page_size=16, num_pages=4096, delay_s=step_s)
+    host = Host(HostConfig(), backend=fb)
+    raw = host.compile(build_inferlet(ROOT / "bench" / "inferlets" / "hostcalls", quiet=True).read_bytes())
+    sdk = host.compile(wasm_bytes("misbehave"))
+    res: dict = {"step_ms": opts.step_ms, "gap_ms": {}}
+    for name, prog, args in [("raw", raw, ["forward", str(STEPS)]), ("sdk", sdk, ["generate", str(STEPS), "5", "6"])]:
+        res["gap_ms"][name] = {str(n): gap_ms(host, fb, prog, args, n, step_s) for n in (1, 16)}
+    res["one_instance_us"] = dict(zip(("finish_to_wake", "wake_to_next_submit"), wake_latency_us(host, raw),
+                                      strict=True))
+    fb.delay_s = 0.0
+    res["one_instance_us_no_wait"] = dict(zip(("finish_to_wake", "wake_to_next_submit"),
+                                              wake_latency_us(host, raw), strict=True))
+    host.shutdown()
+    opts.json.parent.mkdir(parents=True, exist_ok=True)
+    opts.json.write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
