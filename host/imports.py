@@ -280,7 +280,7 @@ def _functions(host: Host) -> dict[str, dict[str, Callable[..., Any]]]:
         pm.check_writable(inst.pages, dst_page)
         if src_off + count > page_size or dst_off + count > page_size:
             raise GuestError(f"copy of {count} tokens at offsets {src_off}/{dst_off} runs past the page size {page_size}")
-        host.run_on_backend(lambda: backend.copy_tokens(src_page, src_off, dst_page, dst_off, count))
+        backend.copy_tokens(src_page, src_off, dst_page, dst_off, count)  # the backend serializes it with forwards
 
     # ---- forward ----
     def _submit(inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],

@@ -98,8 +98,6 @@ class Instance:
         self.trap_reason: str | None = None  # set by an import before it traps the guest
         self.stop_reason: str | None = None  # set by terminate()
         self.stop_event = "aborted"
-        self.model_name = host.model_name
-        self.store: Store | None = None
         self._stderr = bytearray()
         self._epoch_key = 0
         self._thread = threading.Thread(target=self._main, name=f"inferlet-{self.id[:8]}", daemon=True)
@@ -181,7 +179,6 @@ class Instance:
             wasi.stdout_custom = self._capture_stdout
             wasi.stderr_custom = self._capture_stderr
             store.set_wasi(wasi)
-            self.store = store
             self.check_alive()
             component = host.wasm.get(self.program)
             inst = host.linker.instantiate(store, component)
@@ -209,7 +206,6 @@ class Instance:
                 self.finished.set()
             self.state = event
             host.instance_ended(self)
-            self.store = None
         self.emit(event, message)
 
     def _classify_trap(self, e: wasmtime.WasmtimeError) -> tuple[str, str]:

@@ -167,11 +167,6 @@ class Host:
     def unbind_thread(self) -> None:
         bind(None)
 
-    def run_on_backend(self, fn: Callable[[], Any]) -> Any:
-        """Run a backend call that must not overlap a batch (e.g. a KV copy)."""
-        with self.scheduler.backend_lock:
-            return fn()
-
     # ---- introspection ----
     def model_names(self) -> list[str]:
         return [self.model_name]
