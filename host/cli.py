@@ -72,7 +72,7 @@ def run_main(argv: list[str] | None = None) -> int:
         from host.client import run_remote
 
         return run_remote(opts.server, Path(wasm_path), inferlet_args, token=opts.token,
-                          stdin_lines=None if sys.stdin.isatty() else sys.stdin)
+                          stdin_lines=sys.stdin)
     return _run_embedded(opts, Path(wasm_path), inferlet_args)
 
 

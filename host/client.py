@@ -173,6 +173,10 @@ class PieClient:
         else:
             await self._send(msg)
 
+    async def close_input(self, instance_id: str) -> None:
+        """Tell the instance no more signals will come: its receive() then returns none."""
+        await self._request({"type": "close_input", "instance_id": instance_id})
+
     async def terminate(self, instance_id: str) -> None:
         """Ask the server to end the instance; its `aborted` event follows."""
         await self._request({"type": "terminate_instance", "instance_id": instance_id})
@@ -373,9 +377,9 @@ async def _forward_lines(client: PieClient, instance_id: str, lines: Iterable[st
             return
 
     threading.Thread(target=pump, name="pie-run-stdin", daemon=True).start()
-    while (line := await queue.get()) is not None:
-        try:
+    try:
+        while (line := await queue.get()) is not None:
             await client.signal(instance_id, line)
-        except PieError as exc:  # typically: the instance finished while input was still coming
-            log.info("stopped forwarding input: %s", exc)
-            return
+        await client.close_input(instance_id)  # EOF: receive() returns none, like the embedded pie-run
+    except PieError as exc:  # typically: the instance finished while input was still coming
+        log.info("stopped forwarding input: %s", exc)

@@ -28,6 +28,7 @@ __all__ = [
     "UploadProgram",
     "LaunchInstance",
     "SignalInstance",
+    "CloseInput",
     "TerminateInstance",
     "AttachInstance",
     "Request",
@@ -110,6 +111,14 @@ class SignalInstance:
 
 
 @dataclass(frozen=True)
+class CloseInput:
+    """Extension of v1: the client will send no more signals; receive() returns none once drained."""
+
+    corr_id: int
+    instance_id: str
+
+
+@dataclass(frozen=True)
 class TerminateInstance:
     corr_id: int
     instance_id: str
@@ -122,7 +131,8 @@ class AttachInstance:
 
 
 Request = (
-    Authenticate | Ping | Query | UploadProgram | LaunchInstance | SignalInstance | TerminateInstance | AttachInstance
+    Authenticate | Ping | Query | UploadProgram | LaunchInstance | SignalInstance | CloseInput | TerminateInstance
+    | AttachInstance
 )
 
 
@@ -173,6 +183,7 @@ _SCHEMAS: dict[str, tuple[type, tuple[_Field, ...]]] = {
         _IID,
         _Field("message", lambda v: isinstance(v, str), "a string"),
     )),
+    "close_input": (CloseInput, (_CORR, _IID)),
     "terminate_instance": (TerminateInstance, (_CORR, _IID)),
     "attach_instance": (AttachInstance, (_CORR, _IID)),
 }

@@ -132,7 +132,7 @@ class Server:
         self._counters = {"connections_total": 0, "requests": 0, "errors": 0, "launched": 0, "uploads": 0}
         self._handlers: dict[type, Callable[[_Connection, Any], Awaitable[Any]]] = {
             p.Authenticate: self._authenticate, p.Ping: self._ping, p.Query: self._query,
-            p.UploadProgram: self._upload, p.LaunchInstance: self._launch, p.SignalInstance: self._signal,
+            p.UploadProgram: self._upload, p.LaunchInstance: self._launch, p.SignalInstance: self._signal, p.CloseInput: self._close_input,
             p.TerminateInstance: self._terminate, p.AttachInstance: self._attach,
         }
 
@@ -432,6 +432,13 @@ class Server:
             self.host.signal(req.instance_id, req.message)
         except KeyError as exc:
             raise RequestError(f"signal_instance: instance {req.instance_id} has finished") from exc
+
+    async def _close_input(self, conn: _Connection, req: p.CloseInput) -> None:
+        self._owned(conn, "close_input", req.instance_id)
+        try:
+            self.host.close_input(req.instance_id)
+        except KeyError as exc:
+            raise RequestError(f"close_input: instance {req.instance_id} has finished") from exc
 
     async def _terminate(self, conn: _Connection, req: p.TerminateInstance) -> None:
         self._owned(conn, "terminate_instance", req.instance_id)

@@ -75,19 +75,20 @@ def test_run_remote_forwards_stdin_lines(server, wasm_file) -> None:
     assert (code, out) == (0, "got:a\ngot:b\nbye\n")
 
 
-def test_run_remote_with_closed_stdin_sends_nothing_more(server, wasm_file, host) -> None:
-    # After the lines run out nothing is sent: the instance keeps waiting until terminated.
-    import threading
+def test_run_remote_closes_input_at_end_of_stdin(server, wasm_file, host) -> None:
+    # When the lines run out the client sends close_input: the inferlet's receive() returns none.
+    code, out, _ = _run(server, wasm_file, ["chat"], stdin_lines=["x"])
+    assert (code, out) == (0, "got:x\neof\n")
+    assert not host.running
 
-    result: list[tuple[int, str, str]] = []
-    t = threading.Thread(target=lambda: result.append(_run(server, wasm_file, ["chat"], stdin_lines=["x"])))
-    t.start()
-    wait_for(lambda: len(host.running) == 1 and next(iter(host.running.values())).sent == ["got:x"])
-    (iid,) = host.running
-    host.terminate(iid, "stopped by the test")
-    t.join(10)
-    code, out, err = result[0]
-    assert (code, out) == (130, "got:x\n") and "aborted: stopped by the test" in err
+
+def test_close_input_needs_an_owned_instance(server) -> None:
+    async def main() -> None:
+        async with await PieClient.connect(server.url) as client:
+            with pytest.raises(PieError, match="close_input: unknown or finished instance"):
+                await client.close_input("no-such-instance")
+
+    asyncio.run(main())
 
 
 def test_run_remote_with_token_and_unreachable_server(tmp_path, wasm_file) -> None:
