@@ -4,10 +4,14 @@ Usage: python bench/host_overhead.py --json OUT [--max-tokens 32]
 
 - call_us.empty: an empty import round trip (runtime.elapsed-ms) timed inside the guest.
 - call_us.forward: forward.run of a 1-token pass (submit + batch + wait) timed inside the guest;
-  call_us.forward_host_overhead: the same minus the backend's own time for those batches.
-- tax: wall time of text_completion through the host / the backend's own greedy loop
+  call_us.forward_host_overhead: the same minus the backend's own time for those batches;
+  call_us.decode: the same pass through forward.decode-step (what the SDK's decode loop uses).
+- tax: time per output token (TPOT: (end - first token) / (tokens - 1), mean over requests) of
+  text_completion through the host / the same for the backend's own greedy loop
   (Backend.generate_batch, run on the host's backend thread) on the same prompts, 1 and 16 at
-  once (same tokens: both greedy, prefill included on both sides).
+  once (same tokens: both greedy). The host's end is the instance's end event, so finishing the
+  instance counts. Also reported: tax_e2e (whole wall time incl. launch and prefill, host /
+  direct) and tax_no_gate (TPOT ratio with the run gate off, host/gate.py, same run).
 - scaling_tok_s: aggregate generated tokens/s with 1, 4, 16, 64 concurrent text_completion instances.
 - launch_ms: median time from Host.launch to the instance's first forward submit (cached program).
 """
@@ -36,29 +40,90 @@ def prompts(n: int) -> list[str]:
     return [f"Write a long story about {TOPICS[i % len(TOPICS)]} number {i}." for i in range(n)]
 
 
-def run_host(host: Host, program: str, texts: list[str], max_tokens: int) -> tuple[float, list[str]]:
+class Timeline:
+    """Per request: when its first token came out and when it ended, and how many tokens it had.
+
+    Host side: the completion of an instance's first forward (text_completion prefills and
+    samples the first token in one pass) and its end event. Direct side: the completion of the
+    first and the last forward that carried the sequence. TPOT = (end - first) / (tokens - 1).
+    """
+
+    def __init__(self) -> None:
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}  # completion of the request's last forward
+        self.end: dict[str, float] = {}  # the request's end event, where there is one
+        self.count: dict[str, int] = {}
+
+    def forward_done(self, keys: list[str]) -> None:
+        now = time.perf_counter()
+        for k in keys:
+            self.first.setdefault(k, now)
+            self.count[k] = self.count.get(k, 0) + 1
+            self.last[k] = now
+
+    def tpot_s(self) -> float:
+        """Mean time per output token over the requests (after the first token)."""
+        vals = [(self.end.get(k, self.last[k]) - self.first[k]) / (self.count[k] - 1)
+                for k in self.first if self.count[k] > 1]
+        if not vals:
+            raise RuntimeError("no request produced more than one token: raise --max-tokens")
+        return statistics.fmean(vals)
+
+
+def run_host(host: Host, program: str, texts: list[str], max_tokens: int) -> tuple[float, Timeline, list[str]]:
     import queue
 
     q: queue.Queue = queue.Queue()
-    t0 = time.perf_counter()
-    ids = [host.launch(program, ["--prompt", p, "--max-tokens", str(max_tokens)], q.put) for p in texts]
-    ends = {}
-    while len(ends) < len(ids):
-        ev = q.get(timeout=600)
+    tl = Timeline()
+    sched = host.scheduler
+    run_batch = sched._run
+
+    def spy(batch):  # type: ignore[no-untyped-def]
+        run_batch(batch)
+        tl.forward_done([f.owner for f in batch])
+
+    def on_event(ev) -> None:  # type: ignore[no-untyped-def]
         if ev.event in ("completed", "exception", "aborted", "out_of_resources"):
-            if ev.event != "completed":
-                raise RuntimeError(f"instance failed: {ev.message}")
-            ends[ev.instance_id] = ev.message
-    return time.perf_counter() - t0, [ends[i] for i in ids]
+            tl.end[ev.instance_id] = time.perf_counter()  # the request's end: its result is out
+        q.put(ev)
+
+    sched._run = spy  # type: ignore[method-assign]
+    try:
+        t0 = time.perf_counter()
+        ids = [host.launch(program, ["--prompt", p, "--max-tokens", str(max_tokens)], on_event) for p in texts]
+        ends = {}
+        while len(ends) < len(ids):
+            ev = q.get(timeout=600)
+            if ev.event in ("completed", "exception", "aborted", "out_of_resources"):
+                if ev.event != "completed":
+                    raise RuntimeError(f"instance failed: {ev.message}")
+                ends[ev.instance_id] = ev.message
+        wall = time.perf_counter() - t0
+    finally:
+        sched._run = run_batch  # type: ignore[method-assign]
+    return wall, tl, [ends[i] for i in ids]
 
 
-def run_direct(backend, texts: list[str], max_tokens: int) -> tuple[float, int]:
+def run_direct(backend, texts: list[str], max_tokens: int) -> tuple[float, Timeline, int]:
     tok = backend.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
            for p in texts]
-    t0 = time.perf_counter()
-    outs = backend.generate_batch(ids, max_tokens, SamplerParams())
-    return time.perf_counter() - t0, sum(len(o) for o in outs)
+    tl = Timeline()
+    forward = backend.forward
+
+    def spy(reqs):  # type: ignore[no-untyped-def]
+        out = forward(reqs)
+        tl.forward_done([r.name for r in reqs])  # "generate[i]"
+        return out
+
+    backend.forward = spy
+    try:
+        t0 = time.perf_counter()
+        outs = backend.generate_batch(ids, max_tokens, SamplerParams())
+        wall = time.perf_counter() - t0
+    finally:
+        del backend.forward  # back to the class's method
+    return wall, tl, sum(len(o) for o in outs)
 
 
 def guest_call(host: Host, program: str, args: list[str]) -> float:
@@ -102,7 +167,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: fp32 on CPU")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions of each tax measurement (median)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of each tax measurement (median)")
     opts = ap.parse_args()
 
     # The host loads the model on its scheduler thread, where all its forwards run; the direct
@@ -110,7 +175,7 @@ def main() -> None:
     host = Host(HostConfig(device=opts.device, dtype=opts.dtype, num_pages=4096))
     backend = host.backend
 
-    def direct(texts: list[str], max_tokens: int) -> tuple[float, int]:
+    def direct(texts: list[str], max_tokens: int) -> tuple[float, Timeline, int]:
         return host.scheduler.call(lambda: run_direct(backend, texts, max_tokens))
 
     tc = host.compile(resolve_inferlet("text_completion").read_bytes())
@@ -128,20 +193,33 @@ def main() -> None:
         over.append(us - 1e6 * (st.backend_s - s0) / (st.batches - b0))  # minus the backend's own time
     res["call_us"]["forward"] = statistics.median(fwd)
     res["call_us"]["forward_host_overhead"] = statistics.median(over)
+    res["call_us"]["decode"] = statistics.median(guest_call(host, calls, ["decode", "200"]) for _ in range(3))
     res["launch_ms"] = launch_ms(host, calls)
 
     run_host(host, tc, prompts(2), 4)  # warm-up
-    for n in (1, 16):
-        ratios = []
-        for _ in range(opts.reps):
-            t_direct, _ = direct(prompts(n), opts.max_tokens)
-            t_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
-            ratios.append(t_host / t_direct)
-        res["tax"][str(n)] = statistics.median(ratios)
-        print(f"tax at {n}: {res['tax'][str(n)]:.3f} (runs {', '.join(f'{r:.3f}' for r in ratios)})", flush=True)
+    for key, gate in (("tax", True), ("tax_no_gate", False)):
+        host.gate.enabled = gate
+        for n in (1, 16):
+            ratios, e2e = [], []
+            for rep in range(opts.reps):
+                # alternate which side goes first, so a slow drift of the machine cancels out
+                if rep % 2 == 0:
+                    t_direct, tl_direct, _ = direct(prompts(n), opts.max_tokens)
+                    t_host, tl_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
+                else:
+                    t_host, tl_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
+                    t_direct, tl_direct, _ = direct(prompts(n), opts.max_tokens)
+                ratios.append(tl_host.tpot_s() / tl_direct.tpot_s())
+                e2e.append(t_host / t_direct)
+            res.setdefault(key, {})[str(n)] = statistics.median(ratios)
+            if gate:
+                res.setdefault("tax_e2e", {})[str(n)] = statistics.median(e2e)
+            print(f"{key} at {n}: TPOT ratio {statistics.median(ratios):.3f} (runs {', '.join(f'{r:.3f}' for r in ratios)});"
+                  f" end-to-end {statistics.median(e2e):.3f}", flush=True)
+    host.gate.enabled = True
     for n in (1, 4, 16, 64):
-        _, tokens = direct(prompts(n), opts.max_tokens)  # same greedy outputs: same token count
-        t_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
+        _, _, tokens = direct(prompts(n), opts.max_tokens)  # same greedy outputs: same token count
+        t_host, _, _ = run_host(host, tc, prompts(n), opts.max_tokens)
         res["scaling_tok_s"][str(n)] = tokens / t_host
         print(f"scaling {n}: {tokens / t_host:.1f} tok/s", flush=True)
     res["scheduler"] = host.scheduler.stats.as_dict()
@@ -153,9 +231,12 @@ def main() -> None:
     print(f"| empty import call | {res['call_us']['empty']:.1f} us |")
     print(f"| forward submit+wait (1 token) | {res['call_us']['forward']:.1f} us |")
     print(f"| ... of which host overhead (not backend) | {res['call_us']['forward_host_overhead']:.1f} us |")
+    print(f"| forward.decode-step (1 token) | {res['call_us']['decode']:.1f} us |")
     print(f"| launch to first forward | {res['launch_ms']:.1f} ms |")
     for k, v in res["tax"].items():
-        print(f"| tax at {k} concurrent (host/direct) | {v:.3f} |")
+        print(f"| tax at {k} concurrent (TPOT host/direct) | {v:.3f} |")
+        print(f"| ... run gate off | {res['tax_no_gate'][k]:.3f} |")
+        print(f"| ... end to end incl. launch + prefill | {res['tax_e2e'][k]:.3f} |")
     for k, v in res["scaling_tok_s"].items():
         print(f"| aggregate tok/s at {k} instances | {v:.1f} |")
     s1 = res["scaling_tok_s"]["1"]

@@ -22,6 +22,8 @@ class HostConfig:
     memory_limit_bytes: linear memory cap per instance.
     wall_budget_s: wall-clock budget per instance (None = unlimited).
     max_pages_per_instance: KV pages one instance may own at once (None = no cap).
+    run_gate: instance threads take turns running (see host/gate.py); False lets them all
+        contend for the GIL at once (for comparisons).
     """
 
     model: str | None = None
@@ -38,6 +40,7 @@ class HostConfig:
     wall_budget_s: float | None = None
     max_pages_per_instance: int | None = None
     epoch_tick_ms: float = 10.0
+    run_gate: bool = True
     cache_dir: Path = field(default_factory=default_cache_dir)
     data_dir: Path | None = None  # key-value store file lives here; None = cache_dir
 

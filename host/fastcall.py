@@ -8,11 +8,15 @@ bench/inferlets/hostcalls). The types of an import never change, so this module
 - memoizes the type accessors (`ListType.element`, `RecordType.fields`, ...) per type object, and
 - registers host functions through a callback that builds their parameter/result types once.
 
-Values are converted by wasmtime-py's own code, so behaviour is unchanged.
+Values are converted by wasmtime-py's own code, except two hot spots replaced by equivalent
+faster versions: a `list<u32>` argument is read with one C-level slice instead of a Python
+call per element, and a record argument skips decoding each field's name from C (the names
+come from the type, in the same order). Same values, same frees.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 from collections.abc import Callable
@@ -68,7 +72,47 @@ def _patch_types() -> None:
     for cls in (T.VariantType, T.OptionType, T.ResultType):
         _memo_method(cls, "_cases")
     _memo_method(T.VariantLikeType, "_tagged")
+    T.ListType.convert_from_c = _list_from_c  # type: ignore[method-assign]
+    T.RecordType.convert_from_c = _record_from_c  # type: ignore[method-assign]
     _PATCHED = True
+
+
+_LIST_FROM_C = T.ListType.convert_from_c
+_VAL_SIZE = ctypes.sizeof(ffi.wasmtime_component_val_t)
+_U32_OFFSET = ffi.wasmtime_component_val_t.of.offset  # the union's start; u32 sits at its start
+_U32_STRIDE = _VAL_SIZE // 4
+
+
+def _list_from_c(self: T.ListType, c: Any) -> Any:
+    """wasmtime-py's ListType.convert_from_c, with a fast path for list<u32>."""
+    if type(self.element) is not T.U32 or _VAL_SIZE % 4 or _U32_OFFSET % 4:
+        return _LIST_FROM_C(self, c)
+    assert c.kind == ffi.WASMTIME_COMPONENT_LIST.value
+    try:
+        n = c.of.list.size
+        if n == 0:
+            return []
+        words = (ctypes.c_uint32 * (n * _U32_STRIDE)).from_address(ctypes.addressof(c.of.list.data.contents))
+        return words[_U32_OFFSET // 4 :: _U32_STRIDE]  # u32 elements own nothing: no per-element reset
+    finally:
+        ffi.wasmtime_component_valtuple_delete(ctypes.byref(c.of.tuple))
+
+
+def _record_from_c(self: T.RecordType, c: Any) -> Any:
+    """wasmtime-py's RecordType.convert_from_c without decoding every field name from C."""
+    assert c.kind == ffi.WASMTIME_COMPONENT_RECORD.value
+    try:
+        ret = T.Record()
+        d = ret.__dict__
+        data = c.of.record.data
+        for i, (name, ty) in zip(range(c.of.record.size), self.fields, strict=False):
+            raw = data[i].val
+            d[name] = ty.convert_from_c(raw)
+            raw.kind = ffi.WASMTIME_COMPONENT_BOOL
+            raw.of.boolean = False
+        return ret
+    finally:
+        ffi.wasmtime_component_valrecord_delete(c.of.record)
 
 
 _FUNCS: dict[int, Callable[..., Any]] = {}

@@ -280,7 +280,11 @@ def _functions(host: Host) -> dict[str, dict[str, Callable[..., Any]]]:
         pm.check_writable(inst.pages, dst_page)
         if src_off + count > page_size or dst_off + count > page_size:
             raise GuestError(f"copy of {count} tokens at offsets {src_off}/{dst_off} runs past the page size {page_size}")
-        backend.copy_tokens(src_page, src_off, dst_page, dst_off, count)  # the backend serializes it with forwards
+        host.gate.leave()  # the backend serializes the copy with forwards: this may wait a whole batch
+        try:
+            backend.copy_tokens(src_page, src_off, dst_page, dst_off, count)
+        finally:
+            host.gate.enter()
 
     # ---- forward ----
     def _submit(inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
@@ -297,7 +301,7 @@ def _functions(host: Host) -> dict[str, dict[str, Callable[..., Any]]]:
         pm.check_pages(inst.pages, pages, writable_from=(total - len(tokens)) // page_size)
         req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=_u32_list(tokens, "token"),
                              positions=positions, mask=mask or None, outputs=_outputs(outputs),
-                             name=f"instance {inst.id[:8]}")
+                             name=inst.label)
         backend.check_request(req)
         return inst.new_handle(host.scheduler.submit(req, inst.id))
 
@@ -343,6 +347,35 @@ def _functions(host: Host) -> dict[str, dict[str, Callable[..., Any]]]:
     def fwd_run(inst: Instance, *args: Any) -> list[OutputResult]:
         return _take(inst, _submit(inst, *args))
 
+    decode_specs: dict[tuple[Any, ...], list[OutputSpec]] = {}  # sampler fields -> [OutputSpec]
+
+    @_import("forward.decode-step")
+    def fwd_decode_step(inst: Instance, pages: list[int], last_len: int, token: int, position: int,
+                        sampler: Any) -> int:
+        # forward.run(pages, last_len, [token], [position], [], [sample-only spec at 0]), minus
+        # the general path's per-call objects: this is the call made once per generated token.
+        inst.check_alive()
+        key = tuple(sampler.__dict__.values())
+        outputs = decode_specs.get(key)
+        if outputs is None:
+            outputs = [OutputSpec(index=0, sample=_sampler(sampler))]
+            if len(decode_specs) < 1024:
+                decode_specs[key] = outputs
+        if not pages:
+            raise GuestError("empty page list")
+        if not 1 <= last_len <= page_size:
+            raise GuestError(f"last-page-len {last_len} is outside 1..{page_size}")
+        pm.check_pages(inst.pages, pages, writable_from=((len(pages) - 1) * page_size + last_len - 1) // page_size)
+        req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=[token], positions=[position],
+                             outputs=outputs, name=inst.label)
+        backend.check_request(req)
+        fut = host.scheduler.submit(req, inst.id)
+        fut.add_done_callback(inst.wake)
+        inst.wait_until(fut.done)
+        out = fut.wait()[0].token
+        assert out is not None  # the spec asked for a sampled token
+        return out
+
     return {
         "runtime": {"version": version, "instance-id": instance_id, "arguments": arguments,
                     "set-return": set_return, "log": log_line, "elapsed-ms": elapsed_ms},
@@ -356,5 +389,6 @@ def _functions(host: Host) -> dict[str, dict[str, Callable[..., Any]]]:
         "kv": {"page-size": kv_page_size, "free-pages": kv_free, "allocate": kv_allocate, "release": kv_release,
                "export-pages": kv_export, "import-pages": kv_import, "unexport": kv_unexport,
                "list-exports": kv_list_exports, "copy-tokens": kv_copy},
-        "forward": {"submit": fwd_submit, "wait": fwd_wait, "wait-any": fwd_wait_any, "run": fwd_run},
+        "forward": {"submit": fwd_submit, "wait": fwd_wait, "wait-any": fwd_wait_any, "run": fwd_run,
+                    "decode-step": fwd_decode_step},
     }

@@ -55,6 +55,7 @@ def _on_epoch(_ctx, data, delta, kind):  # type: ignore[no-untyped-def]
     if budget is not None and inst.elapsed_ms() > budget * 1000:
         inst.trap_reason = f"wall-clock budget of {budget:g} s exceeded"
         return _trap(inst.trap_reason)
+    inst.host.gate.leave()  # a guest running for a whole tick lets the other instances run
     delta[0] = 1
     kind[0] = 0  # continue
     return 0
@@ -79,6 +80,7 @@ class Instance:
     def __init__(self, host: Host, program: str, args: list[str],
                  on_event: Callable[[InstanceEvent], None]) -> None:
         self.id = str(uuid.uuid4())
+        self.label = f"instance {self.id[:8]}"  # names its forward requests in backend errors
         self.host = host
         self.program = program
         self.args = list(args)
@@ -137,23 +139,33 @@ class Instance:
     def wait_until(self, ready: Callable[[], bool], timeout_s: float | None = None) -> bool:
         """Block (GIL released) until ready() or timeout; raises Terminated if stopped meanwhile."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self.cond:
-            while not ready():
-                self.check_alive()
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self.cond.wait(remaining)
-            return True
+        blocked = False
+        try:
+            with self.cond:
+                while not ready():
+                    self.check_alive()
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    if not blocked:
+                        blocked = True
+                        self.host.scheduler.forget(self.id)  # the scheduler need not wait for us
+                        self.host.gate.leave()
+                    self.cond.wait(remaining)
+                return True
+        finally:
+            if blocked:  # outside self.cond: the scheduler's wake-up callback needs it
+                self.host.gate.enter()
 
     def new_handle(self, fut: ForwardFuture) -> int:
         h = self._next_handle
         self._next_handle += 1
         self.forwards[h] = fut
-        fut.add_done_callback(self._wake)
+        fut.add_done_callback(self.wake)
         return h
 
-    def _wake(self, _fut: ForwardFuture) -> None:
+    def wake(self, _fut: ForwardFuture) -> None:
+        """Done-callback of this instance's forwards: wake its thread if it waits."""
         with self.cond:
             self.cond.notify_all()
 
@@ -200,6 +212,7 @@ class Instance:
             log.exception("instance %s failed in the host", self.id)
             event, message = "exception", f"host error: {type(e).__name__}: {e}"
         finally:
+            host.gate.leave()
             host.unbind_thread()
             _EPOCH_OWNERS.pop(self._epoch_key, None)
             with self.cond:

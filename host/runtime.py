@@ -14,6 +14,7 @@ from typing import Any
 
 from host.config import HostConfig
 from host.engine import CompileError, WasmEngine, sha256_hex
+from host.gate import RunGate
 from host.imports import bind, build_linker
 from host.instance import TERMINAL_EVENTS, Instance, InstanceEvent
 from host.kv import PageManager
@@ -62,6 +63,7 @@ class Host:
         self._ended: dict[str, Instance] = {}  # recently ended, for wait()
         self._topics: dict[str, set[Instance]] = {}
         self._lock = threading.Lock()
+        self.gate = RunGate(config.run_gate)
         self.linker = build_linker(self)
         self._closed = False
 
@@ -83,6 +85,7 @@ class Host:
         inst = Instance(self, program_hash, args, on_event or (lambda ev: None))
         with self._lock:
             self._instances[inst.id] = inst
+        self.scheduler.expect(inst.id)
         inst.start()
         return inst.id
 

@@ -5,7 +5,9 @@ One scheduler thread owns the backend. Policies:
   fired at once, capped by `max_batch_tokens`. The instances of the batch that just returned
   need a moment (guest code, host calls) to submit their next step; firing at the first
   arrival would split them into many small batches, so the scheduler waits until each of
-  them has resubmitted (or ended), at most a grace of half the last batch's time (<= 20 ms).
+  them has resubmitted (or ended, or blocked on something else), at most a grace of half the
+  last batch's time (<= 20 ms). Instances just launched are expected the same way (at most
+  `launch_grace_s` after their launch), so requests that arrive together prefill together.
 - k-or-t: fire when `k` forwards are queued or the oldest has waited `t_ms`.
 Forwards of one instance keep their order: a forward is never batched together with, or
 ahead of, an earlier queued forward whose pages it reads or writes.
@@ -117,19 +119,22 @@ class Scheduler:
     """
 
     def __init__(self, forward: ForwardFn | None, page_size: int, policy: str = "adaptive",
-                 max_batch_tokens: int = 10240, k: int = 8, t_ms: float = 16.0) -> None:
+                 max_batch_tokens: int = 10240, k: int = 8, t_ms: float = 16.0,
+                 launch_grace_s: float = 0.05) -> None:
         self._forward = forward
         self._page_size = page_size
         self.policy = policy
         self.max_batch_tokens = max_batch_tokens
         self.k = k
         self.t_s = t_ms / 1000
+        self.launch_grace_s = launch_grace_s
         self.stats = SchedulerStats()
         self._queue: list[ForwardFuture] = []
         self._cv = threading.Condition()
         self._stopped = False
-        self._expect: set[str] = set()  # owners of the last batch, not yet resubmitted
-        self._expect_until = 0.0
+        # adaptive: owners whose next forward is due soon (last batch's owners, new launches),
+        # each with the time after which the scheduler stops waiting for it
+        self._expect: dict[str, float] = {}
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._thread = threading.Thread(target=self._loop, name="pie-scheduler", daemon=True)
         self._thread.start()
@@ -156,15 +161,23 @@ class Scheduler:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
             self._queue.append(fut)
-            self._expect.discard(owner)
+            self._expect.pop(owner, None)
             self._cv.notify()
         return fut
 
-    def forget(self, owner: str) -> None:
-        """An instance ended: don't wait for its next forward."""
+    def expect(self, owner: str) -> None:
+        """A new instance will submit soon: adaptive holds a batch for it up to `launch_grace_s`."""
+        if self.policy != "adaptive":
+            return
         with self._cv:
-            if owner in self._expect:
-                self._expect.discard(owner)
+            self._expect[owner] = time.perf_counter() + self.launch_grace_s
+
+    def forget(self, owner: str) -> None:
+        """An instance ended or blocked on something other than a forward: don't wait for it."""
+        if owner not in self._expect:  # lock-free fast path: called each time an instance blocks
+            return
+        with self._cv:
+            if self._expect.pop(owner, None) is not None:
                 self._cv.notify()
 
     def stop(self) -> None:
@@ -183,7 +196,10 @@ class Scheduler:
         if not self._queue:
             return False
         if self.policy == "adaptive":
-            return not self._expect or time.perf_counter() >= self._expect_until
+            if self._expect:
+                now = time.perf_counter()
+                self._expect = {o: t for o, t in self._expect.items() if t > now}
+            return not self._expect
         if len(self._queue) >= self.k:
             return True
         return time.perf_counter() - self._queue[0].submitted >= self.t_s
@@ -193,7 +209,9 @@ class Scheduler:
         if not self._queue:
             return None
         if self.policy == "adaptive":
-            return max(self._expect_until - time.perf_counter(), 0.0002)
+            if not self._expect:
+                return None
+            return max(min(self._expect.values()) - time.perf_counter(), 0.0002)
         return max(self.t_s - (time.perf_counter() - self._queue[0].submitted), 0.0005)
 
     def _take_batch(self) -> list[ForwardFuture]:
@@ -257,8 +275,10 @@ class Scheduler:
         st.max_batch_size = max(st.max_batch_size, len(batch))
         st.queue_wait_s += sum(start - f.submitted for f in batch)
         st.backend_s += end - start
-        with self._cv:
-            self._expect = {f.owner for f in batch}
-            self._expect_until = end + min(0.5 * (end - start), 0.02)
+        if self.policy == "adaptive":
+            until = end + min(0.5 * (end - start), 0.02)
+            with self._cv:
+                for f in batch:
+                    self._expect[f.owner] = max(self._expect.get(f.owner, 0.0), until)
         for f, r in zip(batch, results, strict=True):
             f._finish(r, None)

@@ -73,6 +73,7 @@ class StubHost:
             ("kv", "allocate"): self._allocate,
             ("kv", "release"): lambda pages: None,
             ("forward", "run"): self._run,
+            ("forward", "decode-step"): lambda pages, last_len, token, pos, sampler: self.script.pop(0),
         }
 
     def _set_return(self, value: str) -> None:
@@ -126,7 +127,8 @@ def test_component_runs_on_stub_imports(component: tuple[Engine, Component]) -> 
     host = StubHost(["--prompt", "hi", "--max-tokens", "8"], [ord(c) for c in "Paris."] + [0])
     assert run_component(engine, comp, host) is None  # result<_, string>: ok is None
     assert host.returned == "Paris."
-    assert host.calls.count("forward.run") == 7  # one per generated token (the first also prefills)
+    # one pass per generated token: the first also prefills (run), the rest are plain decode steps
+    assert host.calls.count("forward.run") == 1 and host.calls.count("forward.decode-step") == 6
     assert host.calls[-2:] == ["kv.release", "runtime.set-return"]
 
 

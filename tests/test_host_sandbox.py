@@ -23,6 +23,8 @@ BAD_MODES = {
     "too_many_tokens": "do not fit",
     "bad_mask": "mask row 1 covers 1 tokens, expected 2",
     "bad_handle": "unknown forward handle 12345",
+    "decode_invalid_page": "forward.decode-step: page 1000000 is not held by this instance",
+    "decode_bad_len": "forward.decode-step: last-page-len 5 is outside 1..4",
     "huge_alloc": "requested 1000000000 KV pages but the host has only",
     "exception": "ValueError: boom from the guest",
     "memory": "MemoryError",

@@ -161,3 +161,34 @@ def test_call_runs_on_the_scheduler_thread_and_propagates_errors() -> None:
     s.bind(Recorder(), 4)
     assert s.submit(req([0], 1, 1, tag=3), "a").wait(5)[0].token == 3
     s.stop()
+
+
+def test_adaptive_waits_for_launched_instances_so_their_prefills_batch_together() -> None:
+    """Requests launched together prefill in one batch, not the first alone and the rest after."""
+    rec = Recorder()
+    s = Scheduler(rec, page_size=4, launch_grace_s=2.0)
+    owners = [f"i{i}" for i in range(4)]
+    for o in owners:
+        s.expect(o)
+    futs = []
+    for i, o in enumerate(owners):  # instances start up a few ms apart
+        futs.append(s.submit(req([i], 1, 1, tag=i), o))
+        time.sleep(0.01)
+    for f in futs:
+        f.wait(5)
+    assert rec.batches == [[0, 1, 2, 3]]
+    s.stop()
+
+
+def test_adaptive_stops_waiting_for_an_instance_that_blocks_or_never_submits() -> None:
+    rec = Recorder()
+    s = Scheduler(rec, page_size=4, launch_grace_s=0.3)
+    s.expect("waits-for-input")
+    s.expect("silent")
+    t0 = time.perf_counter()
+    f = s.submit(req([0], 1, 1, tag=0), "a")
+    s.forget("waits-for-input")  # what an instance does when it blocks on something else
+    f.wait(5)
+    waited = time.perf_counter() - t0
+    assert 0.25 <= waited < 2.0  # held back only by "silent", until its launch grace ran out
+    s.stop()

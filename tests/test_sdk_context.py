@@ -213,3 +213,22 @@ def test_chat_fills_only_the_new_suffix(host: FakeHost) -> None:
 def test_fake_host_traps_on_foreign_page(host: FakeHost) -> None:
     with pytest.raises(FakeTrap, match="not held"):
         host.kv.release([63])
+
+
+def test_plain_decode_steps_use_decode_step_and_masked_ones_use_run(host: FakeHost) -> None:
+    ctx = Context()
+    ctx.fill("abcdefg")
+    ctx.flush()
+    a = ctx.decode_step()  # one pending token, nothing masked: forward.decode-step
+    b = ctx.decode_step()
+    assert host.forward.decode_step_calls == 2
+    step = host.forward.requests[-1]
+    assert (step.tokens, step.positions, step.mask, step.last_page_len) == ([a], [7], [], 4)
+    assert step.outputs[0].index == 0 and step.outputs[0].sample is not None
+    assert ctx.tokens[-2:] == [a, b] and ctx.kv_len == 8
+    check_invariants(ctx)
+
+    ctx.mask_token_range(0, 2)  # a masked token: the step needs a mask, so forward.run
+    ctx.decode_step()
+    assert host.forward.decode_step_calls == 2 and host.forward.requests[-1].mask != []
+    check_invariants(ctx)

@@ -136,10 +136,26 @@ class Context:
 
     def decode_step(self, sampler: Sampler = GREEDY) -> int:
         """Run the pending tokens and sample the next one (appended as pending). One host call."""
+        n = self.kv_len + 1
+        tokens, pages = self.tokens, self.pages
+        if len(tokens) == n and self._inflight is None and not self._released and True not in self.masked:
+            # The plain step (one pending token, causal): forward.decode-step, whose only list is
+            # the pages. Written out flat: this runs once per generated token.
+            ps = self.model.page_size
+            if n > len(pages) * ps:
+                pages.extend(PAGES.allocate(1))
+            self.kv_len = n
+            pos = self.next_pos
+            token = _host.forward.decode_step(pages, n - (len(pages) - 1) * ps, tokens[-1], self.positions[-1],
+                                              sampler.to_wit())
+            tokens.append(token)
+            self.positions.append(pos)
+            self.masked.append(False)
+            self.next_pos = pos + 1
+            return token
         self._check_idle("decode_step")
         spec = self._spec(sampler, 0)
-        outputs = _host.forward.run(*self._prepare_all("decode_step"), [spec])
-        token = outputs[0].token
+        token = _host.forward.run(*self._prepare_all("decode_step"), [spec])[0].token
         self._append_pending([token])
         return token
 
@@ -188,10 +204,10 @@ class Context:
             cond = AnyOf(MaxTokens(max_tokens), cond)
         ids: list[int] = []
         text, sent = "", 0
+        decode_step, check, decode, seed = self.decode_step, cond.check, self.model.decode, sampler.seed
         while True:
-            step = sampler if sampler.seed is None else sampler.with_seed(sampler.seed + len(ids))
-            ids.append(self.decode_step(step))
-            trim = cond.check(ids, self.model.decode)
+            ids.append(decode_step(sampler if seed is None else sampler.with_seed(seed + len(ids))))
+            trim = check(ids, decode)
             if on_text is not None:
                 text = self.model.decode(ids[: len(ids) - (trim or 0)])
                 if len(text) > sent:

@@ -304,6 +304,7 @@ class _Forward:
         self.results: dict[int, list[WitOutput]] = {}
         self.next_handle = 1
         self.script: list[int] = []  # when set, sampled tokens are taken from here in order
+        self.decode_step_calls = 0  # passes that came through decode_step (also in `requests`)
 
     def run(self, pages, last_page_len, tokens, positions, mask, outputs) -> list[WitOutput]:  # noqa: ANN001
         req = Request(
@@ -356,6 +357,12 @@ class _Forward:
                 out.extend(seq[j : j + n])
             j += n
         return out
+
+    def decode_step(self, pages, last_page_len, token, position, sampler) -> int:  # noqa: ANN001
+        self.decode_step_calls += 1
+        out = self.run(pages, last_page_len, [token], [position], [], [WitOutputSpec(0, sampler, 0)])
+        assert out[0].token is not None
+        return out[0].token
 
     def submit(self, *args: Any) -> int:
         h = self.next_handle

@@ -1,6 +1,6 @@
 """Benchmark inferlet: times host-call round trips from inside the guest.
 
-args: empty N | forward N. Returns the mean microseconds per call, measured in the guest.
+args: empty N | forward N | decode N (forward.decode-step). Returns the mean microseconds per call, measured in the guest.
 """
 
 from __future__ import annotations
@@ -26,6 +26,16 @@ def main(args: list[str]) -> str:
         t0 = time.perf_counter_ns()
         for _ in range(n):
             fwd.run(page, 1, [5], [0], [], spec)  # rewrites slot 0: a 1-token pass over 1 token
+        dt = time.perf_counter_ns() - t0
+        _host.kv.release(page)
+    elif mode == "decode":
+        fwd = _host.forward
+        page = list(_host.kv.allocate(1))
+        sampler = fwd.Sampler(0.0, 0, 1.0, 0.0, None)
+        fwd.decode_step(page, 1, 5, 0, sampler)  # warm up
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fwd.decode_step(page, 1, 5, 0, sampler)
         dt = time.perf_counter_ns() - t0
         _host.kv.release(page)
     else:
