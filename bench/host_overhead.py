@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: fp32 on CPU")
-    ap.add_argument("--reps", type=int, default=5, help="repetitions of each tax measurement (median)")
+    ap.add_argument("--reps", type=int, default=7, help="repetitions of each tax measurement (median)")
     opts = ap.parse_args()
 
     # The host loads the model on its scheduler thread, where all its forwards run; the direct
@@ -182,7 +182,7 @@ def main() -> None:
     calls = host.compile(build_inferlet(ROOT / "bench" / "inferlets" / "hostcalls").read_bytes())
 
     res: dict = {"call_us": {}, "tax": {}, "scaling_tok_s": {}, "device": str(backend.info.device),
-                 "dtype": backend.info.dtype}
+                 "dtype": backend.info.dtype, "run_slots": host.gate.slots, "max_tokens": opts.max_tokens}
     res["call_us"]["empty"] = statistics.median(guest_call(host, calls, ["empty", "2000"]) for _ in range(3))
     st = host.scheduler.stats
     fwd, over = [], []

@@ -22,8 +22,8 @@ class HostConfig:
     memory_limit_bytes: linear memory cap per instance.
     wall_budget_s: wall-clock budget per instance (None = unlimited).
     max_pages_per_instance: KV pages one instance may own at once (None = no cap).
-    run_gate: instance threads take turns running (see host/gate.py); False lets them all
-        contend for the GIL at once (for comparisons).
+    run_gate: instance threads take turns running, `run_slots` at a time (see host/gate.py);
+        False lets them all contend for the GIL at once (for comparisons).
     """
 
     model: str | None = None
@@ -41,6 +41,7 @@ class HostConfig:
     max_pages_per_instance: int | None = None
     epoch_tick_ms: float = 10.0
     run_gate: bool = True
+    run_slots: int = 2
     cache_dir: Path = field(default_factory=default_cache_dir)
     data_dir: Path | None = None  # key-value store file lives here; None = cache_dir
 
@@ -53,6 +54,8 @@ class HostConfig:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if self.batch_k < 1 or self.batch_t_ms < 0:
             raise ValueError(f"k-or-t needs batch_k >= 1 and batch_t_ms >= 0, got {self.batch_k}, {self.batch_t_ms}")
+        if self.run_slots < 1:
+            raise ValueError(f"run_slots must be >= 1, got {self.run_slots}")
         if self.memory_limit_bytes < 1 << 20:
             raise ValueError(f"memory_limit_bytes must be at least 1 MiB, got {self.memory_limit_bytes}")
         if self.wall_budget_s is not None and self.wall_budget_s <= 0:

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
@@ -45,12 +46,15 @@ class WasmEngine:
         self._lock = threading.Lock()
         self._hash_locks: dict[str, threading.Lock] = {}
         self._stop = threading.Event()
+        self.on_tick: list[Callable[[], None]] = []  # also called each tick (cheap checks only)
         self._ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
         self._ticker.start()
 
     def _tick(self) -> None:
         while not self._stop.wait(self.tick_s):
             self.engine.increment_epoch()
+            for fn in self.on_tick:
+                fn()
 
     def stop(self) -> None:
         self._stop.set()

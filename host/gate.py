@@ -1,55 +1,132 @@
 """The run gate: instance threads take turns instead of fighting over the GIL.
 
-After a batch returns, every instance of the batch wakes at once. Each then runs a little host
-code (convert the result, later the next request) and guest code (the SDK's loop). Python
-hands the GIL over at every ctypes call, and a step of one instance makes dozens, so 16
-threads woken together pass the GIL back and forth hundreds of times per step, each pass a
-futex wake and a context switch, all on caches the backend has just flushed. Letting one
-instance thread run at a time (it gives the gate up whenever it blocks) costs no parallelism
-the GIL had not already taken away and removes the ping-pong: measured with
-bench/host_overhead.py (`--no-gate` for the comparison).
+After a batch returns, every instance of the batch has to wake, convert its result, run its
+guest (the SDK's loop, in wasm) and submit its next forward, while the scheduler waits for
+them; this is the host's tax on every step. Woken all at once, 16 threads fight for the GIL:
+Python passes it on at every ctypes call, each pass a futex wake and a context switch, on
+caches the forward has just flushed. The gate lets `slots` instance threads run at a time (2:
+one can run guest wasm, which needs no GIL, while the other runs host code) and hands the
+wake-ups out in order, one per free slot, so that the scheduler thread finishing the batch and
+the instances waking do not get in each other's way either. A thread gives its slot up
+whenever it blocks. `bench/host_overhead.py` measures the tax with the gate on and off.
 
-The gate never stops anyone for long: a thread waits for it only while the holder keeps
-moving. When one holder has held it longer than `max_hold_s` (a guest computing, or sleeping
-in WASI where the host cannot see it) the others go ahead without it, and the epoch callback
-makes a guest that runs that long give the gate up.
+The gate never stops anyone for long: a thread waits for a slot only while the holders keep
+moving. When the newest holder has held its slot longer than `max_hold_s` (a guest computing,
+or sleeping in WASI where the host cannot see it) the others go ahead without it, a queued
+wake-up goes out anyway, and the epoch callback makes a guest that runs that long give its
+slot up; the epoch ticker polls the gate so a queued wake-up goes out even then.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 
 __all__ = ["RunGate"]
 
 
 class RunGate:
-    """A lock an instance thread holds while it runs, released whenever it blocks."""
+    """`slots` instance threads run at a time; each gives its slot up whenever it blocks."""
 
-    def __init__(self, enabled: bool = True, max_hold_s: float = 0.02) -> None:
+    def __init__(self, enabled: bool = True, slots: int = 2, max_hold_s: float = 0.02) -> None:
+        if slots < 1:
+            raise ValueError(f"the run gate needs at least one slot, got {slots}")
         self.enabled = enabled
+        self.slots = slots
         self.max_hold_s = max_hold_s
-        self._lock = threading.Lock()
-        self._since = 0.0  # when the current holder took the gate
+        self._sem = threading.Semaphore(slots)
+        self._held = 0  # slots taken (guarded by _mutex)
+        self._since = 0.0  # when a slot was last taken
         self._mine = threading.local()
+        self._mutex = threading.Lock()
+        # Wake-ups of threads that will want a slot, handed out in order, one per free slot.
+        self._pending: deque[Callable[[], bool]] = deque()
+        self._handing = 0  # wake-ups sent whose thread has not taken its slot yet
+        self._handed_at = 0.0
 
+    # ---- wake-ups ----
+    def wake(self, notify: Callable[[], bool]) -> None:
+        """Call `notify` now if a slot is free, else once the threads ahead have had their turn.
+
+        `notify` wakes a thread that will then take a slot, and returns whether a thread was
+        waiting (if not, the next queued wake-up goes out at once)."""
+        if not self.enabled:
+            notify()
+            return
+        with self._mutex:
+            self._pending.append(notify)
+        self._hand_on()
+
+    def declined(self) -> None:
+        """A thread woken by `wake` went back to waiting without taking a slot."""
+        with self._mutex:
+            self._handing = max(self._handing - 1, 0)
+        if self._pending:
+            self._hand_on()
+
+    def poll(self) -> None:
+        """Called every epoch tick: hand queued wake-ups on when the holders have stalled."""
+        if self._pending:
+            self._hand_on()
+
+    def _stuck(self, now: float) -> bool:
+        return now - max(self._since, self._handed_at) > self.max_hold_s
+
+    def _hand_on(self) -> None:
+        """Send queued wake-ups while slots are free (or everyone ahead looks stuck)."""
+        while True:
+            with self._mutex:
+                if not self._pending:
+                    return
+                if self._held + self._handing >= self.slots and not self._stuck(time.perf_counter()):
+                    return
+                notify = self._pending.popleft()
+                self._handing += 1
+                self._handed_at = time.perf_counter()
+            if notify():
+                return
+            with self._mutex:  # nobody was waiting for it: the slot is still free
+                self._handing = max(self._handing - 1, 0)
+
+    # ---- slots ----
     def enter(self) -> None:
-        """Take the gate (a thread that already holds it keeps it); gives up on a stuck holder."""
+        """Take a slot (a thread that holds one keeps it); gives up when the holders are stuck."""
         if not self.enabled or getattr(self._mine, "held", False):
             return
-        lock = self._lock
-        while not lock.acquire(timeout=0.002):
-            if time.perf_counter() - self._since > self.max_hold_s:
-                return  # the holder is busy for long: run without the gate this time
-        self._since = time.perf_counter()
+        sem = self._sem
+        while not sem.acquire(timeout=0.002):
+            if self._stuck(time.perf_counter()):
+                with self._mutex:  # run without a slot this time; the wake-up has arrived
+                    self._handing = max(self._handing - 1, 0)
+                return
+        now = time.perf_counter()
+        with self._mutex:
+            self._held += 1
+            self._handing = max(self._handing - 1, 0)
+            self._since = now
         self._mine.held = True
+        self._mine.since = now
+        if self._pending:
+            self._hand_on()  # a slot may still be free for the next one
 
     def leave(self) -> None:
-        """Give the gate up if this thread holds it."""
+        """Give this thread's slot up (if it holds one) and wake the next queued thread."""
         mine = self._mine
         if getattr(mine, "held", False):
             mine.held = False
-            self._lock.release()
+            with self._mutex:
+                self._held -= 1
+            self._sem.release()
+        if self._pending:
+            self._hand_on()
+
+    def leave_if_long(self) -> None:
+        """Give the slot up if this thread has run for longer than `max_hold_s` since taking it."""
+        mine = self._mine
+        if getattr(mine, "held", False) and time.perf_counter() - mine.since > self.max_hold_s:
+            self.leave()
 
     def held(self) -> bool:
         return bool(getattr(self._mine, "held", False))

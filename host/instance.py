@@ -55,7 +55,7 @@ def _on_epoch(_ctx, data, delta, kind):  # type: ignore[no-untyped-def]
     if budget is not None and inst.elapsed_ms() > budget * 1000:
         inst.trap_reason = f"wall-clock budget of {budget:g} s exceeded"
         return _trap(inst.trap_reason)
-    inst.host.gate.leave()  # a guest running for a whole tick lets the other instances run
+    inst.host.gate.leave_if_long()  # a guest running for long lets the other instances run
     delta[0] = 1
     kind[0] = 0  # continue
     return 0
@@ -90,6 +90,8 @@ class Instance:
         self.state = "starting"
         self.pages = PageTable(self.id)
         self.cond = threading.Condition()
+        self._waiting = False  # the thread is blocked in wait_until (guarded by cond)
+        self._handed = False  # the gate has woken it for its turn (guarded by cond)
         self.inbox: deque[str] = deque()
         self.input_closed = False
         self.published: deque[tuple[str, str]] = deque()
@@ -150,12 +152,27 @@ class Instance:
                     if not blocked:
                         blocked = True
                         self.host.scheduler.forget(self.id)  # the scheduler need not wait for us
-                        self.host.gate.leave()
+                        self._outside_cond(self.host.gate.leave)
+                        continue  # cond was released: check again
+                    self._waiting = True
                     self.cond.wait(remaining)
+                    self._waiting = False
+                    if self._handed:  # the gate woke us for our turn
+                        self._handed = False
+                        if not ready():  # not ready after all: pass the turn on
+                            self._outside_cond(self.host.gate.declined)
                 return True
         finally:
             if blocked:  # outside self.cond: the scheduler's wake-up callback needs it
                 self.host.gate.enter()
+
+    def _outside_cond(self, fn: Callable[[], None]) -> None:
+        """Run `fn` with self.cond released: gate calls take other instances' conds."""
+        self.cond.release()
+        try:
+            fn()
+        finally:
+            self.cond.acquire()
 
     def new_handle(self, fut: ForwardFuture) -> int:
         h = self._next_handle
@@ -165,9 +182,17 @@ class Instance:
         return h
 
     def wake(self, _fut: ForwardFuture) -> None:
-        """Done-callback of this instance's forwards: wake its thread if it waits."""
+        """Done-callback of this instance's forwards: wake its thread (in its turn, see RunGate)."""
+        self.host.gate.wake(self._notify)
+
+    def _notify(self) -> bool:
+        """The gate's wake-up: wake the thread if it waits; returns whether it was waiting."""
         with self.cond:
+            if not self._waiting:
+                return False
+            self._handed = True
             self.cond.notify_all()
+            return True
 
     def _capture_stdout(self, data: bytes) -> None:
         for line in data.decode("utf-8", "replace").splitlines():

@@ -63,7 +63,8 @@ class Host:
         self._ended: dict[str, Instance] = {}  # recently ended, for wait()
         self._topics: dict[str, set[Instance]] = {}
         self._lock = threading.Lock()
-        self.gate = RunGate(config.run_gate)
+        self.gate = RunGate(config.run_gate, slots=config.run_slots)
+        self.wasm.on_tick.append(self.gate.poll)  # queued wake-ups go out even if holders stall
         self.linker = build_linker(self)
         self._closed = False
 

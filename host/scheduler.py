@@ -29,26 +29,39 @@ from gpu_backend.types import ForwardRequest, OutputResult
 log = logging.getLogger(__name__)
 
 
-class ForwardFuture:
-    """Completion of one forward: `wait()` returns its outputs or raises the backend's error."""
+_FUTURE_LOCK = threading.Lock()  # guards a future's done flag against its lazily made Event
 
-    __slots__ = ("request", "owner", "submitted", "_done", "_result", "_error", "_callbacks")
+
+class ForwardFuture:
+    """Completion of one forward: `wait()` returns its outputs or raises the backend's error.
+
+    The Event a blocking `wait()` needs is made only when someone blocks: instance threads
+    wait on their own condition (woken by a done-callback), and finishing a batch is on the
+    per-step critical path."""
+
+    __slots__ = ("request", "owner", "submitted", "_done", "_event", "_result", "_error", "_callbacks")
 
     def __init__(self, request: ForwardRequest, owner: str) -> None:
         self.request = request
         self.owner = owner
         self.submitted = time.perf_counter()
-        self._done = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None
         self._result: list[OutputResult] | None = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[ForwardFuture], None]] = []
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> list[OutputResult]:
-        if not self._done.wait(timeout):
-            raise TimeoutError("forward not finished")
+        if not self._done:
+            with _FUTURE_LOCK:
+                if not self._done and self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+            if not self._done and event is not None and not event.wait(timeout):
+                raise TimeoutError("forward not finished")
         if self._error is not None:
             raise self._error
         assert self._result is not None
@@ -57,12 +70,16 @@ class ForwardFuture:
     def add_done_callback(self, fn: Callable[[ForwardFuture], None]) -> None:
         """Call `fn(self)` when done (at once if already done)."""
         self._callbacks.append(fn)
-        if self._done.is_set():
+        if self._done:
             fn(self)
 
     def _finish(self, result: list[OutputResult] | None, error: BaseException | None) -> None:
         self._result, self._error = result, error
-        self._done.set()
+        with _FUTURE_LOCK:
+            self._done = True
+            event = self._event
+        if event is not None:
+            event.set()
         for fn in list(self._callbacks):
             fn(self)
 

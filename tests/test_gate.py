@@ -1,22 +1,25 @@
-"""RunGate: one instance thread runs at a time; a stuck holder is passed by."""
+"""RunGate: at most `slots` instance threads run at once; wake-ups go out in order; stuck holders are passed by."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
+
 from host.gate import RunGate
 
 
-def test_one_holder_at_a_time_and_reentry_is_a_no_op() -> None:
-    gate = RunGate(max_hold_s=5.0)
+@pytest.mark.parametrize("slots", [1, 2])
+def test_at_most_slots_holders_and_reentry_is_a_no_op(slots: int) -> None:
+    gate = RunGate(slots=slots, max_hold_s=5.0)
     inside, peak = [0], [0]
     lock = threading.Lock()
 
     def worker() -> None:
         for _ in range(50):
             gate.enter()
-            gate.enter()  # already held: no deadlock
+            gate.enter()  # already held: no deadlock, no second slot
             with lock:
                 inside[0] += 1
                 peak[0] = max(peak[0], inside[0])
@@ -26,16 +29,16 @@ def test_one_holder_at_a_time_and_reentry_is_a_no_op() -> None:
             gate.leave()
             assert not gate.held()
 
-    threads = [threading.Thread(target=worker) for _ in range(4)]
+    threads = [threading.Thread(target=worker) for _ in range(5)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
-    assert peak[0] == 1
+    assert peak[0] == slots
 
 
 def test_a_holder_past_max_hold_is_passed_by() -> None:
-    gate = RunGate(max_hold_s=0.05)
+    gate = RunGate(slots=1, max_hold_s=0.05)
     gate.enter()  # this thread now "computes" for long
     got = {}
 
@@ -53,7 +56,33 @@ def test_a_holder_past_max_hold_is_passed_by() -> None:
     gate.leave()
 
 
-def test_disabled_gate_never_blocks() -> None:
+def test_wake_ups_go_out_in_order_one_per_free_slot() -> None:
+    gate = RunGate(slots=1, max_hold_s=5.0)
+    woken: list[int] = []
+
+    def notify(i: int):  # noqa: ANN202
+        def fn() -> bool:
+            woken.append(i)
+            return True  # "a thread was waiting"
+        return fn
+
+    gate.enter()  # a running instance holds the only slot
+    for i in range(3):
+        gate.wake(notify(i))
+    assert woken == []  # queued behind the holder
+    gate.leave()
+    assert woken == [0]  # one wake-up per freed slot
+    gate.enter()  # thread 0 arrives and takes the slot
+    gate.leave()
+    assert woken == [0, 1]
+
+    gate2 = RunGate(slots=1, max_hold_s=5.0)
+    gate2.wake(lambda: False)  # nobody was waiting: the slot stays free for the next one
+    gate2.wake(notify(7))
+    assert woken[-1] == 7
+
+
+def test_disabled_gate_never_blocks_and_wakes_at_once() -> None:
     gate = RunGate(enabled=False)
     gate.enter()
     assert not gate.held()
@@ -61,3 +90,11 @@ def test_disabled_gate_never_blocks() -> None:
     t.start()
     t.join(1)
     assert not t.is_alive()
+    hit = []
+    gate.wake(lambda: hit.append(1) or True)
+    assert hit == [1]
+
+
+def test_slots_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least one slot"):
+        RunGate(slots=0)
