@@ -11,7 +11,10 @@ Usage: python bench/host_overhead.py --json OUT [--max-tokens 32]
   (Backend.generate_batch, run on the host's backend thread) on the same prompts, 1 and 16 at
   once (same tokens: both greedy). The host's end is the instance's end event, so finishing the
   instance counts. Also reported: tax_e2e (whole wall time incl. launch and prefill, host /
-  direct) and tax_no_gate (TPOT ratio with the run gate off, host/gate.py, same run).
+  direct), tax_itl (ratio of the median inter-token latencies, pooled over the repetitions: a
+  noise-robust estimate of the per-step tax) and tax_no_gate (TPOT ratio with the run gate off,
+  host/gate.py, same run). Each tax is the median over --reps repetitions that alternate which
+  side runs first.
 - scaling_tok_s: aggregate generated tokens/s with 1, 4, 16, 64 concurrent text_completion instances.
 - launch_ms: median time from Host.launch to the instance's first forward submit (cached program).
 """
@@ -53,10 +56,13 @@ class Timeline:
         self.last: dict[str, float] = {}  # completion of the request's last forward
         self.end: dict[str, float] = {}  # the request's end event, where there is one
         self.count: dict[str, int] = {}
+        self.itl: list[float] = []  # inter-token latencies, all requests
 
     def forward_done(self, keys: list[str]) -> None:
         now = time.perf_counter()
         for k in keys:
+            if k in self.last:
+                self.itl.append(now - self.last[k])
             self.first.setdefault(k, now)
             self.count[k] = self.count.get(k, 0) + 1
             self.last[k] = now
@@ -200,7 +206,7 @@ def main() -> None:
     for key, gate in (("tax", True), ("tax_no_gate", False)):
         host.gate.enabled = gate
         for n in (1, 16):
-            ratios, e2e = [], []
+            ratios, e2e, itl_host, itl_direct = [], [], [], []
             for rep in range(opts.reps):
                 # alternate which side goes first, so a slow drift of the machine cancels out
                 if rep % 2 == 0:
@@ -211,11 +217,15 @@ def main() -> None:
                     t_direct, tl_direct, _ = direct(prompts(n), opts.max_tokens)
                 ratios.append(tl_host.tpot_s() / tl_direct.tpot_s())
                 e2e.append(t_host / t_direct)
+                itl_host += tl_host.itl
+                itl_direct += tl_direct.itl
+            itl = statistics.median(itl_host) / statistics.median(itl_direct)
             res.setdefault(key, {})[str(n)] = statistics.median(ratios)
             if gate:
                 res.setdefault("tax_e2e", {})[str(n)] = statistics.median(e2e)
+                res.setdefault("tax_itl", {})[str(n)] = itl
             print(f"{key} at {n}: TPOT ratio {statistics.median(ratios):.3f} (runs {', '.join(f'{r:.3f}' for r in ratios)});"
-                  f" end-to-end {statistics.median(e2e):.3f}", flush=True)
+                  f" end-to-end {statistics.median(e2e):.3f}; median inter-token latency ratio {itl:.3f}", flush=True)
     host.gate.enabled = True
     for n in (1, 4, 16, 64):
         _, _, tokens = direct(prompts(n), opts.max_tokens)  # same greedy outputs: same token count
@@ -237,6 +247,7 @@ def main() -> None:
         print(f"| tax at {k} concurrent (TPOT host/direct) | {v:.3f} |")
         print(f"| ... run gate off | {res['tax_no_gate'][k]:.3f} |")
         print(f"| ... end to end incl. launch + prefill | {res['tax_e2e'][k]:.3f} |")
+        print(f"| ... median inter-token latency (robust to noise) | {res['tax_itl'][k]:.3f} |")
     for k, v in res["scaling_tok_s"].items():
         print(f"| aggregate tok/s at {k} instances | {v:.1f} |")
     s1 = res["scaling_tok_s"]["1"]

@@ -17,6 +17,7 @@ import wasmtime
 from wasmtime.component import Linker
 
 from gpu_backend.types import ForwardRequest, OutputResult, OutputSpec, SamplerParams
+from gpu_backend.validate import as_sampler
 from host.fastcall import add_func
 from host.instance import Instance, Terminated
 from host.kv import PageError
@@ -110,6 +111,7 @@ def _functions(host: Host) -> dict[str, dict[str, Callable[..., Any]]]:
     info = backend.info
     pm = host.pages
     page_size = info.page_size
+    vocab, max_position = info.vocab_size, info.max_position or U32_MAX + 1  # 0: not known
 
     # ---- runtime ----
     @_import("runtime.version")
@@ -354,21 +356,28 @@ def _functions(host: Host) -> dict[str, dict[str, Callable[..., Any]]]:
                         sampler: Any) -> int:
         # forward.run(pages, last_len, [token], [position], [], [sample-only spec at 0]), minus
         # the general path's per-call objects: this is the call made once per generated token.
+        # Checked here rather than by backend.check_request: everything the backend would reject
+        # (a bad request fails its whole batch), for this fixed shape.
         inst.check_alive()
         key = tuple(sampler.__dict__.values())
         outputs = decode_specs.get(key)
         if outputs is None:
-            outputs = [OutputSpec(index=0, sample=_sampler(sampler))]
+            outputs = [OutputSpec(index=0, sample=as_sampler(_sampler(sampler), "sampler"))]
             if len(decode_specs) < 1024:
                 decode_specs[key] = outputs
         if not pages:
             raise GuestError("empty page list")
         if not 1 <= last_len <= page_size:
             raise GuestError(f"last-page-len {last_len} is outside 1..{page_size}")
+        if token >= vocab:
+            raise GuestError(f"token {token} is outside the vocabulary (size {vocab})")
+        if position >= max_position:
+            raise GuestError(f"position {position} is past the model's maximum {max_position - 1}")
+        if len(set(pages)) != len(pages):
+            raise GuestError(f"the page list repeats a page: {pages}")
         pm.check_pages(inst.pages, pages, writable_from=((len(pages) - 1) * page_size + last_len - 1) // page_size)
         req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=[token], positions=[position],
                              outputs=outputs, name=inst.label)
-        backend.check_request(req)
         fut = host.scheduler.submit(req, inst.id)
         fut.add_done_callback(inst.wake)
         inst.wait_until(fut.done)

@@ -25,6 +25,7 @@ class FakeInfo:
     eos_token_id: int = 0
     device: str = "cpu"
     dtype: str = "float32"
+    max_position: int = 8192
 
 
 class FakeTokenizer:
