@@ -12,7 +12,9 @@ Usage: python bench/host_overhead.py --json OUT [--max-tokens 32]
   once (same tokens: both greedy). The host's end is the instance's end event, so finishing the
   instance counts. Also reported: tax_e2e (whole wall time incl. launch and prefill, host /
   direct), tax_itl (ratio of the median inter-token latencies, pooled over the repetitions: a
-  noise-robust estimate of the per-step tax) and tax_no_gate (TPOT ratio with the run gate off,
+  noise-robust estimate of the per-step tax), tax_step (median over decode steps of the host's
+  batch-to-batch period / the backend's time for that batch: the host's share of each step,
+  free of the drift between runs) and tax_no_gate / tax_no_gate_step (the run gate off,
   host/gate.py, same run). Each tax is the median over --reps repetitions that alternate which
   side runs first.
 - scaling_tok_s: aggregate generated tokens/s with 1, 4, 16, 64 concurrent text_completion instances.
@@ -57,6 +59,14 @@ class Timeline:
         self.end: dict[str, float] = {}  # the request's end event, where there is one
         self.count: dict[str, int] = {}
         self.itl: list[float] = []  # inter-token latencies, all requests
+        self.batches: list[tuple[float, float]] = []  # host side: (start, end) of each backend call
+
+    def step_ratios(self) -> list[float]:
+        """Per decode step: (time from this batch's start to the next one's) / (this batch's
+        backend time). The host's share of each step, measured against the backend's time in
+        the very same step, so the machine's drift between runs cancels out."""
+        b = self.batches
+        return [(b[i + 1][0] - b[i][0]) / (b[i][1] - b[i][0]) for i in range(1, len(b) - 1)]
 
     def forward_done(self, keys: list[str]) -> None:
         now = time.perf_counter()
@@ -82,11 +92,17 @@ def run_host(host: Host, program: str, texts: list[str], max_tokens: int) -> tup
     q: queue.Queue = queue.Queue()
     tl = Timeline()
     sched = host.scheduler
-    run_batch = sched._run
+    run_batch, backend_forward = sched._run, sched._forward
 
     def spy(batch):  # type: ignore[no-untyped-def]
         run_batch(batch)
         tl.forward_done([f.owner for f in batch])
+
+    def timed_forward(reqs):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        out = backend_forward(reqs)
+        tl.batches.append((t0, time.perf_counter()))
+        return out
 
     def on_event(ev) -> None:  # type: ignore[no-untyped-def]
         if ev.event in ("completed", "exception", "aborted", "out_of_resources"):
@@ -94,6 +110,7 @@ def run_host(host: Host, program: str, texts: list[str], max_tokens: int) -> tup
         q.put(ev)
 
     sched._run = spy  # type: ignore[method-assign]
+    sched._forward = timed_forward
     try:
         t0 = time.perf_counter()
         ids = [host.launch(program, ["--prompt", p, "--max-tokens", str(max_tokens)], on_event) for p in texts]
@@ -107,6 +124,7 @@ def run_host(host: Host, program: str, texts: list[str], max_tokens: int) -> tup
         wall = time.perf_counter() - t0
     finally:
         sched._run = run_batch  # type: ignore[method-assign]
+        sched._forward = backend_forward
     return wall, tl, [ends[i] for i in ids]
 
 
@@ -206,7 +224,7 @@ def main() -> None:
     for key, gate in (("tax", True), ("tax_no_gate", False)):
         host.gate.enabled = gate
         for n in (1, 16):
-            ratios, e2e, itl_host, itl_direct = [], [], [], []
+            ratios, e2e, itl_host, itl_direct, steps = [], [], [], [], []
             for rep in range(opts.reps):
                 # alternate which side goes first, so a slow drift of the machine cancels out
                 if rep % 2 == 0:
@@ -219,13 +237,16 @@ def main() -> None:
                 e2e.append(t_host / t_direct)
                 itl_host += tl_host.itl
                 itl_direct += tl_direct.itl
+                steps += tl_host.step_ratios()
             itl = statistics.median(itl_host) / statistics.median(itl_direct)
             res.setdefault(key, {})[str(n)] = statistics.median(ratios)
             if gate:
                 res.setdefault("tax_e2e", {})[str(n)] = statistics.median(e2e)
                 res.setdefault("tax_itl", {})[str(n)] = itl
+            res.setdefault(f"{key}_step", {})[str(n)] = statistics.median(steps)
             print(f"{key} at {n}: TPOT ratio {statistics.median(ratios):.3f} (runs {', '.join(f'{r:.3f}' for r in ratios)});"
-                  f" end-to-end {statistics.median(e2e):.3f}; median inter-token latency ratio {itl:.3f}", flush=True)
+                  f" end-to-end {statistics.median(e2e):.3f}; median inter-token latency ratio {itl:.3f};"
+                  f" host step / its backend time {statistics.median(steps):.3f}", flush=True)
     host.gate.enabled = True
     for n in (1, 4, 16, 64):
         _, _, tokens = direct(prompts(n), opts.max_tokens)  # same greedy outputs: same token count
@@ -248,6 +269,8 @@ def main() -> None:
         print(f"| ... run gate off | {res['tax_no_gate'][k]:.3f} |")
         print(f"| ... end to end incl. launch + prefill | {res['tax_e2e'][k]:.3f} |")
         print(f"| ... median inter-token latency (robust to noise) | {res['tax_itl'][k]:.3f} |")
+        print(f"| ... host step / the backend's time in that step, gate on / off | {res['tax_step'][k]:.3f} / "
+              f"{res['tax_no_gate_step'][k]:.3f} |")
     for k, v in res["scaling_tok_s"].items():
         print(f"| aggregate tok/s at {k} instances | {v:.1f} |")
     s1 = res["scaling_tok_s"]["1"]
