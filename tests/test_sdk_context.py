@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,13 +179,17 @@ def test_next_dist_appends_nothing(host: FakeHost) -> None:
 
 
 def test_out_of_pages_waits_then_raises(host: FakeHost, monkeypatch: pytest.MonkeyPatch) -> None:
-    small = FakeHost(page_size=PS, num_pages=2).install()
+    small = FakeHost(page_size=PS, num_pages=4).install()
     monkeypatch.setattr(PAGES, "wait_s", 0.05)
+    held = PAGES.allocate(2)  # as if another context (or instance) held them
     ctx = Context()
-    ctx.fill("x" * 12)
+    ctx.fill("x" * 12)  # needs 3 pages: fits the cache, not what is free
+    t0 = time.monotonic()
     with pytest.raises(OutOfPages, match="out of KV pages"):
         ctx.flush()
-    assert small.kv.free_pages() == 2
+    assert time.monotonic() - t0 >= 0.03  # it waited for pages to free up first
+    PAGES.release(held)
+    assert small.kv.free_pages() == 4
 
 
 def test_instance_page_limit_raises_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,3 +237,12 @@ def test_plain_decode_steps_use_decode_step_and_masked_ones_use_run(host: FakeHo
     ctx.decode_step()
     assert host.forward.decode_step_calls == 2 and host.forward.requests[-1].mask != []
     check_invariants(ctx)
+
+
+def test_allocation_larger_than_the_whole_cache_raises_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeHost(page_size=PS, num_pages=8).install()
+    monkeypatch.setattr(PAGES, "wait_s", 60)  # would hang the test if it waited
+    t0 = time.monotonic()
+    with pytest.raises(OutOfPages, match="only 8 in total"):
+        PAGES.allocate(9)
+    assert time.monotonic() - t0 < 5

@@ -47,9 +47,10 @@ class PageTable:
                 break
             except _host.Err as e:
                 reason = str(e.value)
-            # Enough free pages host-wide yet refused: this instance's own limit, which waiting
-            # cannot fix.
-            if _host.kv.free_pages() >= count or time.monotonic() + delay > deadline:
+            # Only "out of KV pages" can pass by waiting; a request larger than the whole cache
+            # or this instance's own page limit cannot (nor a refusal while enough pages are free).
+            transient = reason.startswith("out of KV pages") and _host.kv.free_pages() < count
+            if not transient or time.monotonic() + delay > deadline:
                 raise OutOfPages(
                     f"kv.allocate({count}) failed: {reason} (held by this instance: {len(self.refs)}, "
                     f"waited up to {self.wait_s:.0f} s)"

@@ -207,6 +207,7 @@ class _Kv:
     def __init__(self, page_size: int, num_pages: int, max_pages: int | None) -> None:
         self.ps, self.max_pages = page_size, max_pages
         self.free = list(range(num_pages - 1, -1, -1))
+        self.num_pages = num_pages
         self.slots: dict[int, list[tuple[int, int] | None]] = {}  # page -> (token, position) per slot
         self.holds: dict[int, list[Any]] = {}  # page -> [hold count, writable], like host/kv.py
         self.exports: dict[str, list[int]] = {}
@@ -234,6 +235,8 @@ class _Kv:
     def allocate(self, count: int) -> list[int]:
         if self.max_pages is not None and len(self.owned) + count > self.max_pages:
             raise _host.Err(f"instance page limit {self.max_pages} reached")
+        if count > self.num_pages:
+            raise _host.Err(f"requested {count} KV pages but the host has only {self.num_pages} in total")
         if count > len(self.free):
             raise _host.Err(f"out of KV pages: {count} asked, {len(self.free)} free")
         pages = [self.free.pop() for _ in range(count)]
