@@ -5,7 +5,8 @@ Usage: python bench/host_overhead.py --json OUT [--max-tokens 32]
 - call_us.empty: an empty import round trip (runtime.elapsed-ms) timed inside the guest.
 - call_us.forward: forward.run of a 1-token pass (submit + batch + wait) timed inside the guest;
   call_us.forward_host_overhead: the same minus the backend's own time for those batches;
-  call_us.decode: the same pass through forward.decode-step (what the SDK's decode loop uses).
+  call_us.decode / decode_host_overhead: the same pass through forward.decode-step (what the
+  SDK's decode loop uses).
 - tax: time per output token (TPOT: (end - first token) / (tokens - 1), mean over requests) of
   text_completion through the host / the same for the backend's own greedy loop
   (Backend.generate_batch, run on the host's backend thread) on the same prompts, 1 and 16 at
@@ -209,15 +210,15 @@ def main() -> None:
                  "dtype": backend.info.dtype, "run_slots": host.gate.slots, "max_tokens": opts.max_tokens}
     res["call_us"]["empty"] = statistics.median(guest_call(host, calls, ["empty", "2000"]) for _ in range(3))
     st = host.scheduler.stats
-    fwd, over = [], []
-    for _ in range(3):
-        b0, s0 = st.batches, st.backend_s
-        us = guest_call(host, calls, ["forward", "200"])
-        fwd.append(us)
-        over.append(us - 1e6 * (st.backend_s - s0) / (st.batches - b0))  # minus the backend's own time
-    res["call_us"]["forward"] = statistics.median(fwd)
-    res["call_us"]["forward_host_overhead"] = statistics.median(over)
-    res["call_us"]["decode"] = statistics.median(guest_call(host, calls, ["decode", "200"]) for _ in range(3))
+    for mode in ("forward", "decode"):
+        per_call, over = [], []
+        for _ in range(3):
+            b0, s0 = st.batches, st.backend_s
+            us = guest_call(host, calls, [mode, "200"])
+            per_call.append(us)
+            over.append(us - 1e6 * (st.backend_s - s0) / (st.batches - b0))  # minus the backend's own time
+        res["call_us"][mode] = statistics.median(per_call)
+        res["call_us"][f"{mode}_host_overhead"] = statistics.median(over)
     res["launch_ms"] = launch_ms(host, calls)
 
     run_host(host, tc, prompts(2), 4)  # warm-up
@@ -263,6 +264,7 @@ def main() -> None:
     print(f"| forward submit+wait (1 token) | {res['call_us']['forward']:.1f} us |")
     print(f"| ... of which host overhead (not backend) | {res['call_us']['forward_host_overhead']:.1f} us |")
     print(f"| forward.decode-step (1 token) | {res['call_us']['decode']:.1f} us |")
+    print(f"| ... of which host overhead (not backend) | {res['call_us']['decode_host_overhead']:.1f} us |")
     print(f"| launch to first forward | {res['launch_ms']:.1f} ms |")
     for k, v in res["tax"].items():
         print(f"| tax at {k} concurrent (TPOT host/direct) | {v:.3f} |")
