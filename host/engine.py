@@ -54,7 +54,10 @@ class WasmEngine:
         while not self._stop.wait(self.tick_s):
             self.engine.increment_epoch()
             for fn in self.on_tick:
-                fn()
+                try:
+                    fn()
+                except Exception:  # the ticker must keep ticking: it is what stops runaway guests
+                    log.exception("epoch tick callback failed")
 
     def stop(self) -> None:
         self._stop.set()
