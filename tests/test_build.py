@@ -138,6 +138,14 @@ def test_component_reports_bad_arguments_as_err(component: tuple[Engine, Compone
     assert isinstance(err, str) and "--max-tokens" in err and "invalid int value" in err
 
 
+def test_component_returns_help_text_for_help(component: tuple[Engine, Component]) -> None:
+    engine, comp = component
+    host = StubHost(["--max-tokens", "4", "--help"], [])
+    assert run_component(engine, comp, host) is None
+    assert host.returned is not None and "usage: text_completion" in host.returned
+    assert "forward.run" not in host.calls  # nothing generated
+
+
 def test_cache_hit_is_fast_and_cli_writes_output(built: tuple[Path, float], cache: Path, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("PIE_CACHE_DIR", str(cache))

@@ -227,4 +227,7 @@ def test_text_completion_bad_arguments(host: FakeHost) -> None:
         app.main(["--prompt", ""])
     with pytest.raises(inferlet.InferletError, match="invalid float value"):
         app.main(["-p", "x", "--temperature", "hot"])
-    assert "usage: text_completion" in app.main(["--help"])
+    # -h/--help: the help text becomes the instance's return value, through the export glue
+    host.runtime.args = ["-p", "x", "--help"]
+    make_world(app)().run()
+    assert "usage: text_completion" in (host.runtime.returned or "")

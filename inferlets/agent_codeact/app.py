@@ -96,8 +96,6 @@ class _UntilBlock:
 def main(args: list[str]) -> str | None:
     p = PARSER
     opts = p.parse(args)
-    if opts.help:
-        return p.format_help()
     if opts.max_turns < 0 or opts.code_tokens < 1 or opts.time_limit_ms < 1:
         raise InferletError("--max-turns must be >= 0, --code-tokens and --time-limit-ms >= 1")
     model = get_model()

@@ -183,8 +183,6 @@ class Agent:
 def main(args: list[str]) -> str | None:
     p = PARSER
     opts = p.parse(args)
-    if opts.help:
-        return p.format_help()
     choices = [c.strip() for c in opts.tool_choice.split(",") if c.strip()]
     for c in choices:
         if c != "auto" and c not in TOOLS:

@@ -91,8 +91,6 @@ def receive_chain(topic: str, timeout_ms: int) -> dict:
 def main(args: list[str]) -> str | None:
     p = PARSER
     opts = p.parse(args)
-    if opts.help:
-        return p.format_help()
     roles = [r.strip() for r in opts.roles.split(",") if r.strip()]
     if not roles or opts.max_tokens < 1:
         raise InferletError("--roles needs at least one role and --max-tokens must be >= 1")

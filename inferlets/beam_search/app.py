@@ -41,8 +41,6 @@ def normalized(logprob: float, length: int, penalty: float) -> float:
 def main(args: list[str]) -> str | None:
     p = PARSER
     opts = p.parse(args)
-    if opts.help:
-        return p.format_help()
     if opts.beam_width < 1 or opts.max_tokens < 1:
         raise InferletError("--beam-width and --max-tokens must be >= 1")
     model = get_model()

@@ -160,8 +160,6 @@ def closing(st: State) -> str:
 def main(args: list[str]) -> str | None:
     p = PARSER
     opts = p.parse(args)
-    if opts.help:
-        return p.format_help()
     if opts.max_tokens < 1 or opts.top_k < 1 or opts.temperature < 0:
         raise InferletError("--max-tokens and --top-k must be >= 1, --temperature >= 0")
     model = get_model()

@@ -14,7 +14,7 @@ Do not call the host at import time: `pie-build` imports the module while buildi
 
 from inferlet.args import ArgumentParser
 from inferlet.context import ChatError, Context, Forward, wait_any
-from inferlet.entry import InferletError, make_world
+from inferlet.entry import HelpRequested, InferletError, make_world
 from inferlet.model import Model, ModelError, available_models, get_model
 from inferlet.pages import PAGES, OutOfPages
 from inferlet.runtime import (
@@ -39,7 +39,7 @@ from inferlet.runtime import (
 from inferlet.sampler import AnyOf, MaxTokens, Sampler, Stop, UntilSequence, UntilText, UntilTokens
 
 __all__ = [
-    "ArgumentParser", "Context", "Forward", "wait_any", "ChatError", "InferletError", "make_world",
+    "ArgumentParser", "Context", "Forward", "wait_any", "ChatError", "InferletError", "HelpRequested", "make_world",
     "Model", "ModelError", "get_model", "available_models", "PAGES", "OutOfPages",
     "Sampler", "Stop", "MaxTokens", "UntilTokens", "UntilSequence", "UntilText", "AnyOf",
     "args", "version", "instance_id", "set_return", "log", "elapsed_ms",

@@ -13,13 +13,21 @@ from types import ModuleType
 
 from inferlet import _host
 
-__all__ = ["make_world", "InferletError"]
+__all__ = ["make_world", "InferletError", "HelpRequested"]
 
 Main = Callable[[list[str]], "str | None"]
 
 
 class InferletError(RuntimeError):
     """An error the inferlet reports as its end reason, without a traceback (e.g. bad arguments)."""
+
+
+class HelpRequested(Exception):  # noqa: N818 - not an error: the way out of main() for --help
+    """Raised by `ArgumentParser` on -h/--help: `run_main` returns `text` as the instance's value."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
 
 
 def run_main(main: Main) -> None:
@@ -35,6 +43,8 @@ def run_main(main: Main) -> None:
             if not isinstance(result, str):
                 raise TypeError(f"main() must return str or None, not {type(result).__name__}")
             _host.runtime.set_return(result)
+    except HelpRequested as h:
+        _host.runtime.set_return(h.text)
     except InferletError as e:
         raise _host.Err(f"{type(e).__name__}: {e}") from None
     except BaseException as e:  # noqa: BLE001 - every guest failure becomes the instance's end reason

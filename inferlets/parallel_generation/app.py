@@ -35,8 +35,6 @@ PARSER = parser()
 def main(args: list[str]) -> str | None:
     p = PARSER
     opts = p.parse(args)
-    if opts.help:
-        return p.format_help()
     if opts.num < 1 or opts.max_tokens < 1:
         raise InferletError("--num and --max-tokens must be >= 1")
     try:

@@ -80,8 +80,6 @@ class Sequence:
 def main(args: list[str]) -> str | None:
     p = PARSER
     opts = p.parse(args)
-    if opts.help:
-        return p.format_help()
     if opts.max_tokens < 1 or opts.draft < 0 or opts.ngram < 1:
         raise InferletError("--max-tokens and --ngram must be >= 1, --draft >= 0")
     model = get_model()

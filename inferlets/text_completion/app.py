@@ -34,8 +34,6 @@ PARSER = parser()
 def main(args: list[str]) -> str | None:
     p = PARSER
     opts = p.parse(args)
-    if opts.help:
-        return p.format_help()
     if not opts.prompt:
         raise InferletError(f"--prompt must not be empty\n{p.format_usage().rstrip()}")
     if opts.max_tokens < 1:

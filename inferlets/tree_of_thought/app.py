@@ -90,8 +90,6 @@ def judge_all(ctxs: list[Context], model) -> list[float]:
 def main(args: list[str]) -> str | None:
     p = PARSER
     opts = p.parse(args)
-    if opts.help:
-        return p.format_help()
     if min(opts.depth, opts.branch, opts.keep, opts.step_tokens, opts.answer_tokens) < 1:
         raise InferletError("--depth, --branch, --keep, --step-tokens, --answer-tokens must be >= 1")
     model = get_model()

@@ -35,8 +35,6 @@ PARSER = parser()
 def main(args: list[str]) -> str | None:
     p = PARSER
     opts = p.parse(args)
-    if opts.help:
-        return p.format_help()
     if opts.max_tokens < 1 or opts.sink < 0 or opts.window < 1:
         raise InferletError("--max-tokens and --window must be >= 1, --sink >= 0")
     try:
