@@ -289,18 +289,22 @@ def _functions(host: Host) -> dict[str, dict[str, Callable[..., Any]]]:
             host.gate.enter()
 
     # ---- forward ----
-    def _submit(inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
-                mask: list[list[int]], outputs: list[Any]) -> int:
+    def _check_pass(inst: Instance, pages: list[int], last_len: int, n_tokens: int) -> None:
+        """The page list of a pass: held by the instance, long enough, written pages writable."""
         inst.check_alive()
         if not pages:
             raise GuestError("empty page list")
         if not 1 <= last_len <= page_size:
             raise GuestError(f"last-page-len {last_len} is outside 1..{page_size}")
         total = (len(pages) - 1) * page_size + last_len
-        if len(tokens) > total:
-            raise GuestError(f"{len(tokens)} new tokens do not fit: the {len(pages)} pages with "
+        if n_tokens > total:
+            raise GuestError(f"{n_tokens} new tokens do not fit: the {len(pages)} pages with "
                              f"last-page-len {last_len} hold {total} tokens")
-        pm.check_pages(inst.pages, pages, writable_from=(total - len(tokens)) // page_size)
+        pm.check_pages(inst.pages, pages, writable_from=(total - n_tokens) // page_size)
+
+    def _submit(inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
+                mask: list[list[int]], outputs: list[Any]) -> int:
+        _check_pass(inst, pages, last_len, len(tokens))
         req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=_u32_list(tokens, "token"),
                              positions=positions, mask=mask or None, outputs=_outputs(outputs),
                              name=inst.label)
@@ -358,24 +362,19 @@ def _functions(host: Host) -> dict[str, dict[str, Callable[..., Any]]]:
         # the general path's per-call objects: this is the call made once per generated token.
         # Checked here rather than by backend.check_request: everything the backend would reject
         # (a bad request fails its whole batch), for this fixed shape.
-        inst.check_alive()
-        key = tuple(sampler.__dict__.values())
-        outputs = decode_specs.get(key)
-        if outputs is None:
-            outputs = [OutputSpec(index=0, sample=as_sampler(_sampler(sampler), "sampler"))]
-            if len(decode_specs) < 1024:
-                decode_specs[key] = outputs
-        if not pages:
-            raise GuestError("empty page list")
-        if not 1 <= last_len <= page_size:
-            raise GuestError(f"last-page-len {last_len} is outside 1..{page_size}")
+        _check_pass(inst, pages, last_len, 1)
         if token >= vocab:
             raise GuestError(f"token {token} is outside the vocabulary (size {vocab})")
         if position >= max_position:
             raise GuestError(f"position {position} is past the model's maximum {max_position - 1}")
         if len(set(pages)) != len(pages):
             raise GuestError(f"the page list repeats a page: {pages}")
-        pm.check_pages(inst.pages, pages, writable_from=((len(pages) - 1) * page_size + last_len - 1) // page_size)
+        key = tuple(sampler.__dict__.values())
+        outputs = decode_specs.get(key)
+        if outputs is None:
+            outputs = [OutputSpec(index=0, sample=as_sampler(_sampler(sampler), "sampler"))]
+            if len(decode_specs) < 1024:
+                decode_specs[key] = outputs
         req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=[token], positions=[position],
                              outputs=outputs, name=inst.label)
         fut = host.scheduler.submit(req, inst.id)
