@@ -6,7 +6,8 @@ Runs N instances against a fake backend that sleeps `step-ms` per batch (no mode
 guests: `raw` (bench/inferlets/hostcalls: one forward.run per step, nothing else) and `sdk`
 (tests/fixtures/misbehave `generate`: the SDK's decode loop). Reports the gap per batch beyond the
 backend's own time, at 1 and 16 instances, and for one instance the latency from a forward's
-completion to the instance's wake-up and from the wake-up to its next submit.
+completion to the instance's wake-up and from the wake-up to its next submit; round_trip_us: one
+1-token pass timed in the guest with a zero-cost backend, `forward.run` vs `forward.decode-step`.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def main() -> None:
     fb.delay_s = 0.0
     res["one_instance_us_no_wait"] = dict(zip(("finish_to_wake", "wake_to_next_submit"),
                                               wake_latency_us(host, raw), strict=True))
+    # one pass from the guest with a zero-cost backend: forward.run with one spec vs forward.decode-step
+    res["round_trip_us"] = {mode: statistics.median(float(Run(host, raw, [mode, "500"]).finish(120).message)
+                                                    for _ in range(3)) for mode in ("forward", "decode")}
     host.shutdown()
     opts.json.parent.mkdir(parents=True, exist_ok=True)
     opts.json.write_text(json.dumps(res, indent=2))
