@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-fast lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,11 +21,15 @@ run: $(VENV)/.installed
 	$(BIN)/pie-run text_completion -- --prompt "$(PROMPT)"
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check host gpu_backend inferlets tests bench
+	$(BIN)/ruff check host gpu_backend inferlets tests bench examples
 	$(BIN)/mypy host gpu_backend
 
 test: $(VENV)/.installed lint
 	$(BIN)/python -m pytest -q
+
+# The developer's loop: every test that needs neither the real model nor a componentize-py build.
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m "not slow and not build and not gpu"
 
 bench: $(VENV)/.installed
 	mkdir -p out

@@ -15,25 +15,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from common import ROOT, Run, compile_inferlet
 
-from fakes import FakeBackend  # noqa: E402
-from helpers import Run, wasm_bytes  # noqa: E402
-
-import host.instance as instance_mod  # noqa: E402
-import host.scheduler as scheduler_mod  # noqa: E402
-from host.build import build_inferlet  # noqa: E402
-from host.runtime import Host, HostConfig  # noqa: E402
+import host.wasm.instance as instance_mod
+from gpu_backend.standin import StandInBackend
+from host import Host, HostConfig
+from host.batching.future import ForwardFuture
 
 STEPS = 30
 
 
-def gap_ms(host: Host, fb: FakeBackend, program: str, args: list[str], n: int, step_s: float) -> float:
+def gap_ms(host: Host, fb: StandInBackend, program: str, args: list[str], n: int, step_s: float) -> float:
     fb.batches.clear()
     t0 = time.perf_counter()
     runs = [Run(host, program, args) for _ in range(n)]
@@ -45,7 +40,7 @@ def gap_ms(host: Host, fb: FakeBackend, program: str, args: list[str], n: int, s
 
 def wake_latency_us(host: Host, program: str) -> tuple[float, float]:
     marks: dict[str, list[float]] = {"fin": [], "woke": [], "sub": []}
-    finish, wait_until, submit = (scheduler_mod.ForwardFuture._finish, instance_mod.Instance.wait_until,
+    finish, wait_until, submit = (ForwardFuture.finish, instance_mod.Instance.wait_until,
                                   host.scheduler.submit)
 
     def fin(self, r, e):  # type: ignore[no-untyped-def]
@@ -61,13 +56,13 @@ def wake_latency_us(host: Host, program: str) -> tuple[float, float]:
         marks["sub"].append(time.perf_counter())
         return submit(req, owner)
 
-    scheduler_mod.ForwardFuture._finish = fin  # type: ignore[method-assign]
+    ForwardFuture.finish = fin  # type: ignore[method-assign]
     instance_mod.Instance.wait_until = woke  # type: ignore[method-assign]
     host.scheduler.submit = sub  # type: ignore[method-assign]
     try:
         Run(host, program, ["forward", str(STEPS)]).finish(120)
     finally:
-        scheduler_mod.ForwardFuture._finish = finish  # type: ignore[method-assign]
+        ForwardFuture.finish = finish  # type: ignore[method-assign]
         instance_mod.Instance.wait_until = wait_until  # type: ignore[method-assign]
         host.scheduler.submit = submit  # type: ignore[method-assign]
     f, w, s = marks["fin"], marks["woke"], marks["sub"]
@@ -81,10 +76,10 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=80.0, help="fake backend time per batch")
     opts = ap.parse_args()
     step_s = opts.step_ms / 1000
-    fb = FakeBackend(page_size=16, num_pages=4096, delay_s=step_s)
+    fb = StandInBackend(page_size=16, num_pages=4096, delay_s=step_s)
     host = Host(HostConfig(), backend=fb)
-    raw = host.compile(build_inferlet(ROOT / "bench" / "inferlets" / "hostcalls", quiet=True).read_bytes())
-    sdk = host.compile(wasm_bytes("misbehave"))
+    raw = compile_inferlet(host, ROOT / "bench" / "inferlets" / "hostcalls")
+    sdk = compile_inferlet(host, ROOT / "tests" / "fixtures" / "misbehave")
     res: dict = {"step_ms": opts.step_ms, "gap_ms": {}}
     for name, prog, args in [("raw", raw, ["forward", str(STEPS)]), ("sdk", sdk, ["generate", str(STEPS), "5", "6"])]:
         res["gap_ms"][name] = {str(n): gap_ms(host, fb, prog, args, n, step_s) for n in (1, 16)}

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import json
 import queue
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from host.build import resolve_inferlet  # noqa: E402
-from host.runtime import Host, HostConfig, InstanceEvent  # noqa: E402
-
-TERMINAL = ("completed", "exception", "aborted", "out_of_resources")
+from host import Host, HostConfig
+from host.cli.build import resolve_inferlet
+from host.events import TERMINAL_EVENTS, InstanceEvent
 
 
 def make_host() -> Host:
@@ -42,7 +37,7 @@ def finish(events: queue.Queue[InstanceEvent], timeout: float = 600.0) -> str:
     """Wait for the instance's end; its return value, or SystemExit with the reason."""
     while True:
         ev = events.get(timeout=timeout)
-        if ev.event in TERMINAL:
+        if ev.event in TERMINAL_EVENTS:
             if ev.event != "completed":
                 raise SystemExit(f"{ev.event}: {ev.message}")
             return ev.message

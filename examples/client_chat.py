@@ -12,13 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from host.build import resolve_inferlet  # noqa: E402
-from host.client import PieClient  # noqa: E402
+from host.cli.build import resolve_inferlet
+from host.client import PieClient
 
 
 async def ask(client: PieClient, program: str, n: int, question: str, max_tokens: int) -> str:

@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from host.build import resolve_inferlet  # noqa: E402
-from host.client import SyncPieClient  # noqa: E402
+from host.cli.build import resolve_inferlet
+from host.client import SyncPieClient
 
 
 def main(opts: argparse.Namespace) -> None:

@@ -1,12 +1,16 @@
-"""The PyTorch backend: model loading, tokenizer, paged KV cache, batched forward and sampling."""
+"""The PyTorch backend: model loading, tokenizer, paged KV cache, batched forward and sampling.
 
-from .backend import Backend, load_backend
-from .config import ModelConfig, ModelInfo
-from .tokenizer import Tokenizer
-from .types import ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
+Names are imported on first use, so `gpu_backend.types` (the batch format and the `Backend`
+protocol) can be imported without loading torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "Backend",
+    "BackendInfo",
     "ForwardError",
     "ForwardRequest",
     "ModelConfig",
@@ -14,6 +18,29 @@ __all__ = [
     "OutputResult",
     "OutputSpec",
     "SamplerParams",
+    "TorchBackend",
     "Tokenizer",
     "load_backend",
 ]
+
+_LAZY = {
+    "TorchBackend": "backend", "load_backend": "backend",
+    "ModelConfig": "config", "ModelInfo": "config", "Tokenizer": "tokenizer",
+    "Backend": "types", "BackendInfo": "types", "ForwardError": "types", "ForwardRequest": "types",
+    "OutputResult": "types", "OutputSpec": "types", "SamplerParams": "types",
+}
+
+if TYPE_CHECKING:
+    from .backend import TorchBackend, load_backend
+    from .config import ModelConfig, ModelInfo
+    from .tokenizer import Tokenizer
+    from .types import Backend, BackendInfo, ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpu_backend' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"gpu_backend.{module}"), name)

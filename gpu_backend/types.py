@@ -1,12 +1,17 @@
-"""The batch format shared by the host and the backend.
+"""The batch format shared by the host and the backend, and the `Backend` protocol.
 
 Plain dataclasses of ints/floats/lists so a batch can later cross a socket to a remote
-backend process. Validation of these values happens in `Backend.forward`.
+backend process. A request is validated once, where it enters (a WIT import in the host, or
+`Backend.forward` for a direct caller): `gpu_backend.validate.check_request` marks it
+`checked`, and a backend does not check a checked request again.
+Light on purpose: importing this module does not load torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,21 @@ class ForwardRequest:
     mask: list[list[int]] | None = None
     outputs: list[OutputSpec] = field(default_factory=list)
     name: str = ""  # who asked (instance id), used in error messages
+    # set by validate.check_request; a checked request is not validated again downstream
+    checked: bool = field(default=False, compare=False, repr=False)
+
+    # The geometry of a pass, in one place.
+    def total_len(self, page_size: int) -> int:
+        """Tokens in the sequence after this pass: full pages plus the last page's length."""
+        return (len(self.pages) - 1) * page_size + self.last_page_len
+
+    def context_len(self, page_size: int) -> int:
+        """Tokens already in the pages before this pass (what the new tokens attend to)."""
+        return self.total_len(page_size) - len(self.tokens)
+
+    def first_written_page(self, page_size: int) -> int:
+        """Index into `pages` of the first page this pass writes; pages before it are only read."""
+        return self.context_len(page_size) // page_size
 
 
 @dataclass
@@ -67,3 +87,62 @@ class ForwardError(ValueError):
     def __init__(self, request_index: int, message: str) -> None:
         super().__init__(message)
         self.request_index = request_index
+
+
+@runtime_checkable
+class BackendInfo(Protocol):
+    """What the host needs to know about a loaded model (`gpu_backend.ModelInfo` has it all)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def stop_tokens(self) -> list[int]: ...
+    @property
+    def chat_template(self) -> str: ...
+    @property
+    def max_position(self) -> int:
+        """0 = not known."""
+        ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A model with a paged KV cache: what the host drives. Page ids are ints in [0, info.num_pages),
+    owned by the caller (the host's page manager).
+
+    Implemented by `gpu_backend.TorchBackend`, `tests/fakes.FakeBackend` and the SDK's
+    `inferlet.testing.TinyBackend`.
+    """
+
+    @property
+    def info(self) -> BackendInfo: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def forward(self, reqs: Sequence[ForwardRequest]) -> list[list[OutputResult]]:
+        """Run one batched pass: append each request's tokens' K/V into its pages and compute its outputs.
+
+        Validates each request not yet `checked`; raises ForwardError naming the first bad one
+        (`request_index`) before touching the cache. Returns, per request, one OutputResult per
+        OutputSpec, in order.
+        """
+        ...
+
+    def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:
+        """Copy the K/V of `count` tokens from `src_page[src_offset:]` to `dst_page[dst_offset:]`."""
+        ...

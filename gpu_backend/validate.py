@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import fields, replace
 from typing import Any
 
-from .types import ForwardRequest, OutputSpec, SamplerParams
+from .types import BackendInfo, ForwardRequest, OutputSpec, SamplerParams
 
 _SAMPLER_FIELDS = {f.name for f in fields(SamplerParams)}
 
@@ -39,9 +39,13 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_request(req: ForwardRequest, page_size: int, num_pages: int, vocab_size: int,
-                  max_position: int) -> ForwardRequest:
-    """Raise ValueError naming `req.name` and the bad value; return the request with samplers normalised."""
+def check_request(req: ForwardRequest, info: BackendInfo) -> ForwardRequest:
+    """Raise ValueError naming `req.name` and the bad value; return the request, samplers normalised
+    and marked `checked` (a checked request is returned as is)."""
+    if req.checked:
+        return req
+    page_size, num_pages, vocab_size = info.page_size, info.num_pages, info.vocab_size
+    max_position = info.max_position or 2**32
     who = f"forward request {req.name!r}" if req.name else "forward request"
     if not req.tokens:
         raise ValueError(f"{who}: no tokens")
@@ -56,7 +60,7 @@ def check_request(req: ForwardRequest, page_size: int, num_pages: int, vocab_siz
     if not _is_int(lpl) or not 1 <= lpl <= page_size:
         raise ValueError(f"{who}: last_page_len {lpl!r} out of range [1, {page_size}]")
     n = len(req.tokens)
-    capacity = (len(req.pages) - 1) * page_size + lpl
+    capacity = req.total_len(page_size)
     if n > capacity:
         raise ValueError(
             f"{who}: {n} new tokens but the pages hold only {capacity} "
@@ -96,4 +100,5 @@ def check_request(req: ForwardRequest, page_size: int, num_pages: int, vocab_siz
         outputs.append(o if sample is o.sample else replace(o, sample=sample))
     if outputs != req.outputs:
         req = replace(req, outputs=outputs)
+    req.checked = True
     return req

@@ -6,10 +6,16 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpu_backend.paths import default_cache_dir
+from host.batching.policy import POLICIES
 
-def default_cache_dir() -> Path:
-    """Root of on-disk caches (compiled components, builds, weights); PIE_CACHE_DIR overrides it."""
-    return Path(os.environ.get("PIE_CACHE_DIR", Path.home() / ".cache" / "pie-python"))
+__all__ = ["HostConfig", "default_cache_dir", "default_data_dir"]
+
+
+def default_data_dir() -> Path:
+    """Where a server keeps uploaded programs and the key-value store: $PIE_DATA_DIR, else the cache dir."""
+    env = os.environ.get("PIE_DATA_DIR")
+    return Path(env) if env else default_cache_dir()
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,8 @@ class HostConfig:
     data_dir: Path | None = None  # key-value store file lives here; None = cache_dir
 
     def __post_init__(self) -> None:
-        if self.policy not in ("adaptive", "k-or-t"):
-            raise ValueError(f"unknown batching policy {self.policy!r}: use 'adaptive' or 'k-or-t'")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown batching policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}: use float32, bfloat16 or float16")
         if self.max_batch_tokens < 1:

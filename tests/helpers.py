@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 import queue
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import wasmtime
 
-from host.build import resolve_inferlet
-from host.runtime import Host, InstanceEvent
+from host import Host
+from host.cli.build import resolve_inferlet
+from host.events import InstanceEvent
 
 TESTS = Path(__file__).parent
 FIXTURES = TESTS / "fixtures"
@@ -25,14 +27,6 @@ def wasm_bytes(name: str) -> bytes:
         return bytes(wasmtime.wat2wasm(wat.read_text()))
     src = FIXTURES / name
     return resolve_inferlet(src if src.is_dir() else name, quiet=True).read_bytes()
-
-
-@functools.cache
-def real_backend() -> Any:
-    """The default SmolLM2 model on CPU, loaded once per test session."""
-    from gpu_backend import load_backend
-
-    return load_backend(None, device="cpu", page_size=16, num_pages=2048, progress=False)
 
 
 class Run:
@@ -57,3 +51,12 @@ class Run:
 
 def run_to_end(host: Host, program: str, args: list[str], timeout: float = 120.0) -> InstanceEvent:
     return Run(host, program, args).finish(timeout)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    """Wait until `predicate()` holds (for state that has no event to wait on); fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gpu_backend import Backend, ForwardRequest, OutputSpec
+from gpu_backend import ForwardRequest, OutputSpec, TorchBackend
 from gpu_backend.kv_cache import KVCache
 
 TOL = 1e-3  # same weights, same dtype: only summation order differs between batch shapes
@@ -17,7 +17,7 @@ TOL = 1e-3  # same weights, same dtype: only summation order differs between bat
 class Pages:
     """A trivial page allocator over a backend's cache, for tests."""
 
-    def __init__(self, backend: Backend, start: int = 0) -> None:
+    def __init__(self, backend: TorchBackend, start: int = 0) -> None:
         self.next = start
         self.backend = backend
 
@@ -46,11 +46,11 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.equal(a.argmax(-1), b.argmax(-1)), f"{what}: top-1 differs"
 
 
-def with_page_size(backend: Backend, page_size: int, num_pages: int) -> Backend:
+def with_page_size(backend: TorchBackend, page_size: int, num_pages: int) -> TorchBackend:
     """Same model, a fresh cache with another page size."""
     info = replace(backend.info, page_size=page_size, num_pages=num_pages)
     cache = KVCache(backend.model.cfg, page_size, num_pages, backend.model.device, backend.model.dtype)
-    return Backend(backend.model, backend.tokenizer, info, cache)
+    return TorchBackend(backend.model, backend.tokenizer, info, cache)
 
 
 @pytest.fixture(scope="module")

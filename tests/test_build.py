@@ -10,10 +10,11 @@ import pytest
 from wasmtime import Engine, Store, WasiConfig
 from wasmtime.component import Component, Linker, Record
 
-from host.build import BuildError, build_inferlet, main, resolve_inferlet
+from host.cli.build import BuildError, build_inferlet, main, resolve_inferlet
+from host.cli.sources import entry_source, source_files, standard_dir, wit_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-WIT = (ROOT / "wit" / "inferlet.wit").read_text()
+WIT = (wit_dir() / "inferlet.wit").read_text()
+TEXT_COMPLETION = standard_dir() / "text_completion"
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def built(cache: Path) -> tuple[Path, float]:
     mp = pytest.MonkeyPatch()
     mp.setenv("PIE_CACHE_DIR", str(cache))
     t0 = time.monotonic()
-    path = build_inferlet(ROOT / "inferlets" / "text_completion", quiet=True)
+    path = build_inferlet(TEXT_COMPLETION, quiet=True)
     yield path, time.monotonic() - t0
     mp.undo()
 
@@ -116,12 +117,14 @@ def run_component(engine: Engine, comp: Component, host: StubHost) -> object:
     return inst.get_func(store, "run")(store)
 
 
+@pytest.mark.build
 def test_build_produces_a_component(built: tuple[Path, float], component: tuple[Engine, Component]) -> None:
     path, _ = built
     assert path.suffix == ".wasm" and path.stat().st_size > 1_000_000
     assert path.read_bytes()[:4] == b"\0asm"
 
 
+@pytest.mark.build
 def test_component_runs_on_stub_imports(component: tuple[Engine, Component]) -> None:
     engine, comp = component
     host = StubHost(["--prompt", "hi", "--max-tokens", "8"], [ord(c) for c in "Paris."] + [0])
@@ -132,12 +135,14 @@ def test_component_runs_on_stub_imports(component: tuple[Engine, Component]) -> 
     assert host.calls[-2:] == ["kv.release", "runtime.set-return"]
 
 
+@pytest.mark.build
 def test_component_reports_bad_arguments_as_err(component: tuple[Engine, Component]) -> None:
     engine, comp = component
     err = run_component(engine, comp, StubHost(["--max-tokens", "lots"], []))
     assert isinstance(err, str) and "--max-tokens" in err and "invalid int value" in err
 
 
+@pytest.mark.build
 def test_component_returns_help_text_for_help(component: tuple[Engine, Component]) -> None:
     engine, comp = component
     host = StubHost(["--max-tokens", "4", "--help"], [])
@@ -146,12 +151,13 @@ def test_component_returns_help_text_for_help(component: tuple[Engine, Component
     assert "forward.run" not in host.calls  # nothing generated
 
 
+@pytest.mark.build
 def test_cache_hit_is_fast_and_cli_writes_output(built: tuple[Path, float], cache: Path, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("PIE_CACHE_DIR", str(cache))
     path, first = built
     t0 = time.monotonic()
-    again = build_inferlet(ROOT / "inferlets" / "text_completion", quiet=True)
+    again = build_inferlet(TEXT_COMPLETION, quiet=True)
     assert again == path and time.monotonic() - t0 < 0.5 < first
     out = tmp_path / "tc.wasm"
     assert main(["text_completion", "-o", str(out), "-q"]) == 0
@@ -160,6 +166,7 @@ def test_cache_hit_is_fast_and_cli_writes_output(built: tuple[Path, float], cach
     assert resolve_inferlet(str(out)) == out
 
 
+@pytest.mark.build
 def test_syntax_error_gives_a_clear_error(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     monkeypatch.setenv("PIE_CACHE_DIR", str(cache))
@@ -183,13 +190,11 @@ def test_bad_sources_are_named(tmp_path: Path) -> None:
 
 
 def test_entry_preloads_lazy_imports_but_not_local_modules(tmp_path: Path) -> None:
-    from host.build import _entry_source, _source_files
-
     (tmp_path / "app.py").write_text(
         "import helper\nfrom . import x\ndef main(args):\n    import csv, xml.dom\n"
         "    from statistics import mean\n    from inferlet import Context\n    return ''\n"
     )
     (tmp_path / "helper.py").write_text("import json\n")
-    entry = _entry_source(_source_files(tmp_path))
+    entry = entry_source(source_files(tmp_path))
     assert "['csv', 'json', 'statistics', 'xml.dom']" in entry
     assert "helper" not in entry.split("make_world(app)")[1]

@@ -8,7 +8,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
-from test_server_fakehost import WASM, FakeHost, running_server
+from server_support import WASM, FakeHost, running_server
 
 from host.client import ConnectionLost, PieClient, PieError, SyncPieClient, run_remote
 

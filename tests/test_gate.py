@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from host.gate import RunGate
+from host.batching.gate import RunGate
 
 
 @pytest.mark.parametrize("slots", [1, 2])

@@ -5,14 +5,12 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import Run, real_backend, wasm_bytes
+from helpers import Run, wasm_bytes
 
-from host.config import HostConfig
-from host.runtime import Host
+from host import Host
 
 pytestmark = pytest.mark.slow
 
@@ -21,10 +19,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
-    h = Host(HostConfig(data_dir=tmp_path_factory.mktemp("data")), backend=real_backend())
-    yield h
-    h.shutdown()
+def host(real_host):
+    return real_host
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 from fakes import FakeBackend
-from helpers import Run, wasm_bytes
+from helpers import Run, wait_for, wasm_bytes
 
-from host.config import HostConfig
-from host.engine import CompileError
-from host.runtime import Host
+from host import Host, HostConfig
+from host.wasm.engine import CompileError
 
 BAD_MODES = {
     "invalid_page": "page 1000000 is not held by this instance",
@@ -61,6 +60,7 @@ def start_good(host: Host, program: str, k: int) -> list[tuple[Run, str]]:
 
 
 @pytest.mark.parametrize("mode", sorted(BAD_MODES))
+@pytest.mark.build
 def test_bad_instance_trapped_others_unaffected(host: Host, misbehave: str, mode: str) -> None:
     free0 = host.free_pages()
     good = start_good(host, misbehave, 3)
@@ -74,6 +74,7 @@ def test_bad_instance_trapped_others_unaffected(host: Host, misbehave: str, mode
     assert host.free_pages() == free0
 
 
+@pytest.mark.build
 def test_foreign_page_id_traps(host: Host, misbehave: str) -> None:
     free0 = host.free_pages()
     holder = Run(host, misbehave, ["holder", "page-of-holder"])
@@ -85,12 +86,14 @@ def test_foreign_page_id_traps(host: Host, misbehave: str) -> None:
     assert host.free_pages() == free0
 
 
+@pytest.mark.build
 def test_infinite_loop_stopped_by_terminate(host: Host, misbehave: str) -> None:
     free0 = host.free_pages()
     good = start_good(host, misbehave, 2)
     spin = Run(host, host.compile(wasm_bytes("loop")), [])
     py_spin = Run(host, misbehave, ["loop"])
-    time.sleep(0.3)
+    wait_for(lambda: {i["id"]: i["state"] for i in host.instances()}.get(py_spin.id) == "running",
+             what="the spinning guests to run")
     t0 = time.perf_counter()
     host.terminate(spin.id, "stop it")
     host.terminate(py_spin.id, "stop it too")
@@ -102,11 +105,11 @@ def test_infinite_loop_stopped_by_terminate(host: Host, misbehave: str) -> None:
     assert host.free_pages() == free0
 
 
+@pytest.mark.build
 def test_terminate_while_blocked_in_forward_loop_frees_pages(host: Host, misbehave: str) -> None:
     free0 = host.free_pages()
     run = Run(host, misbehave, ["sleep_forward"])
-    time.sleep(0.2)
-    assert host.free_pages() < free0
+    wait_for(lambda: host.free_pages() < free0, what="the guest to allocate")
     host.terminate(run.id)
     assert run.finish(10).event == "aborted"
     assert host.free_pages() == free0
@@ -138,6 +141,7 @@ def test_invalid_component_is_rejected(host: Host) -> None:
         host.launch("0" * 64, [])
 
 
+@pytest.mark.build
 def test_backend_failure_ends_instances_of_that_batch(host: Host, misbehave: str) -> None:
     backend = host.backend
     backend.fail_next = True
@@ -146,6 +150,7 @@ def test_backend_failure_ends_instances_of_that_batch(host: Host, misbehave: str
     assert Run(host, misbehave, ["ok"]).finish(30).message == "6"  # the host carries on
 
 
+@pytest.mark.build
 def test_messages_and_closed_input(host: Host, misbehave: str) -> None:
     run = Run(host, misbehave, ["echo"])
     host.signal(run.id, "a")
@@ -155,6 +160,7 @@ def test_messages_and_closed_input(host: Host, misbehave: str) -> None:
     assert run.messages == ["echo: a", "echo: b"] and end.message == "2 messages"
 
 
+@pytest.mark.build
 def test_adaptive_batching_merges_instances(host: Host, misbehave: str) -> None:
     before = host.scheduler.stats.as_dict()
     runs = start_good(host, misbehave, 8)
@@ -166,6 +172,7 @@ def test_adaptive_batching_merges_instances(host: Host, misbehave: str) -> None:
     assert forwards / batches > 1.5, (forwards, batches)
 
 
+@pytest.mark.build
 def test_out_of_pages_is_a_condition_and_the_sdk_waits(tmp_path) -> None:
     """A full cache makes allocation fail softly: the SDK waits, nobody is killed, all finish."""
     h = Host(HostConfig(data_dir=tmp_path), backend=FakeBackend(page_size=4, num_pages=8))
@@ -176,8 +183,9 @@ def test_out_of_pages_is_a_condition_and_the_sdk_waits(tmp_path) -> None:
         assert hog.messages == ["holding"]
         assert h.free_pages() == 1
         prompt = [10, 11, 12, 13, 14, 15]  # + 8 generated tokens: 4 pages of 4
+        refused = h.pages.refused
         gen = Run(h, prog, ["generate", "8", *map(str, prompt)])
-        time.sleep(0.5)
+        wait_for(lambda: h.pages.refused >= refused + 2, what="the SDK to retry its allocation")
         assert gen.end is None and gen.events.empty()  # still waiting for pages, not killed
         h.signal(hog.id, "done")
         assert hog.finish(30).message == "released"

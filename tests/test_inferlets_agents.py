@@ -6,18 +6,16 @@ import json
 import queue
 
 import pytest
-from helpers import TERMINAL, Run, real_backend, wasm_bytes
+from helpers import TERMINAL, Run, wasm_bytes
 
-from host.runtime import Host, HostConfig
+from host import Host
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def host():
-    h = Host(HostConfig(), backend=real_backend())
-    yield h
-    h.shutdown()
+def host(real_host):
+    return real_host
 
 
 def run_with_client(host: Host, name: str, args: list[str], answer: str | None, timeout: float = 120.0):

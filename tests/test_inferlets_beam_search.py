@@ -6,10 +6,10 @@ import json
 import math
 
 import pytest
-from helpers import Run, real_backend, wasm_bytes
+from helpers import Run, wasm_bytes
 
 from gpu_backend.types import ForwardRequest, OutputSpec
-from host.runtime import Host, HostConfig
+from host import Host
 
 pytestmark = pytest.mark.slow
 
@@ -17,10 +17,8 @@ PROMPT = "Name a color."
 
 
 @pytest.fixture(scope="module")
-def host():
-    h = Host(HostConfig(), backend=real_backend())
-    yield h
-    h.shutdown()
+def host(real_host):
+    return real_host
 
 
 def reference_beam_search(host: Host, prompt_ids: list[int], width: int, max_tokens: int,

@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import Run, real_backend, wasm_bytes
+from helpers import Run, wasm_bytes
 
-from host.runtime import Host, HostConfig
+from host import Host
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def host():
-    h = Host(HostConfig(), backend=real_backend())
-    yield h
-    h.shutdown()
+def host(real_host):
+    return real_host
 
 
 def run_json(host: Host, name: str, args: list[str], timeout: float = 180.0) -> dict:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from host.kv import PageError, PageManager, PageTable
+from host.state.pages import InstancePages, PageError, PageManager
 
 
-def check_invariants(pm: PageManager, tables: list[PageTable]) -> None:
+def check_invariants(pm: PageManager, tables: list[InstancePages]) -> None:
     holds = [0] * pm.num_pages
     for t in tables:
         for p, (n, _w) in t.held.items():
@@ -24,7 +24,7 @@ def check_invariants(pm: PageManager, tables: list[PageTable]) -> None:
 
 def test_allocate_release_and_limits() -> None:
     pm = PageManager(8, max_pages_per_instance=5)
-    a, b = PageTable("a"), PageTable("b")
+    a, b = InstancePages("a"), InstancePages("b")
     pa = pm.allocate(a, 4)
     assert isinstance(pa, list) and len(set(pa)) == 4
     assert "instance page limit" in pm.allocate(a, 2)
@@ -49,7 +49,7 @@ def test_allocate_release_and_limits() -> None:
 
 def test_export_import_refcounts_and_read_only() -> None:
     pm = PageManager(6)
-    a, b, c = PageTable("a"), PageTable("b"), PageTable("c")
+    a, b, c = InstancePages("a"), InstancePages("b"), InstancePages("c")
     pages = pm.allocate(a, 3)
     assert isinstance(pages, list)
     assert pm.export(a, "prefix", pages[:2], persistent=False) is None
@@ -73,7 +73,7 @@ def test_export_import_refcounts_and_read_only() -> None:
 
 def test_persistent_export_outlives_exporter() -> None:
     pm = PageManager(4)
-    a, b = PageTable("a"), PageTable("b")
+    a, b = InstancePages("a"), InstancePages("b")
     pages = pm.allocate(a, 2)
     assert isinstance(pages, list)
     pm.export(a, "keep", pages, persistent=True)

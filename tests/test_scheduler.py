@@ -7,34 +7,59 @@ import time
 
 import pytest
 
-from gpu_backend.types import ForwardRequest, OutputResult
-from host.scheduler import Scheduler
+from gpu_backend.types import ForwardError, ForwardRequest, OutputResult
+from host.batching.future import CopyRequest
+from host.batching.policy import AdaptivePolicy, BatchPolicy, KOrTPolicy, make_policy
+from host.batching.scheduler import ForwardFn, Scheduler
 
 
 def req(pages: list[int], last: int, n: int, tag: int = 0) -> ForwardRequest:
     return ForwardRequest(pages=pages, last_page_len=last, tokens=[tag] * n, positions=list(range(n)))
 
 
+def make(forward: ForwardFn, page_size: int = 4, policy: BatchPolicy | None = None,
+         max_batch_tokens: int = 10240, copy=None) -> Scheduler:  # noqa: ANN001
+    s = Scheduler(policy or AdaptivePolicy(), max_batch_tokens=max_batch_tokens)
+    s.bind(forward, copy, page_size)
+    return s
+
+
 class Recorder:
+    """A backend that records its batches; `hold()` makes the next batch block inside it."""
+
     def __init__(self, delay: float = 0.0) -> None:
         self.batches: list[list[int]] = []
+        self.log: list[str] = []  # forwards and copies in the order they ran
         self.delay = delay
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()
+
+    def hold(self, s: Scheduler) -> None:
+        """Submit a forward and wait until it is blocked inside the backend."""
+        self.gate.clear()
+        self.entered.clear()
+        s.submit(req([63], 1, 1, tag=99), "x")
+        assert self.entered.wait(5)
 
     def __call__(self, reqs: list[ForwardRequest]) -> list[list[OutputResult]]:
+        self.entered.set()
         self.gate.wait()
         time.sleep(self.delay)
         self.batches.append([r.tokens[0] for r in reqs])
+        self.log.append(f"forward {[r.tokens[0] for r in reqs]}")
         return [[OutputResult(token=r.tokens[0])] for r in reqs]
+
+    def copy(self, src: int, src_off: int, dst: int, dst_off: int, count: int) -> None:
+        self.log.append(f"copy {src}->{dst}")
 
 
 def test_adaptive_fires_everything_queued_while_busy() -> None:
     rec = Recorder()
-    s = Scheduler(rec, page_size=4)
+    s = make(rec)
     rec.gate.clear()
     first = s.submit(req([0], 1, 1, tag=0), "a")
-    time.sleep(0.05)  # the first batch is now blocked inside the backend
+    assert rec.entered.wait(5)  # the first batch is now blocked inside the backend
     rest = [s.submit(req([i], 1, 1, tag=i), f"i{i}") for i in range(1, 9)]
     rec.gate.set()
     assert first.wait(5)[0].token == 0
@@ -47,10 +72,8 @@ def test_adaptive_fires_everything_queued_while_busy() -> None:
 
 def test_dependent_forwards_of_one_instance_keep_order() -> None:
     rec = Recorder()
-    s = Scheduler(rec, page_size=4)
-    rec.gate.clear()
-    s.submit(req([9], 1, 1, tag=99), "x")
-    time.sleep(0.05)
+    s = make(rec)
+    rec.hold(s)
     # instance a: prefill into page 0, then a decode into the same page (depends on it)
     a1 = s.submit(req([0], 3, 3, tag=1), "a")
     a2 = s.submit(req([0], 4, 1, tag=2), "a")
@@ -66,10 +89,8 @@ def test_dependent_forwards_of_one_instance_keep_order() -> None:
 def test_independent_forwards_of_one_instance_batch_together() -> None:
     """Beams: forwards over a shared read-only prefix page, each writing its own page."""
     rec = Recorder()
-    s = Scheduler(rec, page_size=4)
-    rec.gate.clear()
-    s.submit(req([9], 1, 1, tag=99), "x")
-    time.sleep(0.05)
+    s = make(rec)
+    rec.hold(s)
     futs = [s.submit(req([0, 1 + i], 1, 1, tag=i), "beam") for i in range(4)]
     rec.gate.set()
     for f in futs:
@@ -80,10 +101,8 @@ def test_independent_forwards_of_one_instance_batch_together() -> None:
 
 def test_max_batch_tokens_caps_a_batch() -> None:
     rec = Recorder()
-    s = Scheduler(rec, page_size=16, max_batch_tokens=10)
-    rec.gate.clear()
-    s.submit(req([9], 1, 1, tag=99), "x")
-    time.sleep(0.05)
+    s = make(rec, page_size=16, max_batch_tokens=10)
+    rec.hold(s)
     futs = [s.submit(req([i], 6, 6, tag=i), f"i{i}") for i in range(3)]
     rec.gate.set()
     for f in futs:
@@ -94,7 +113,7 @@ def test_max_batch_tokens_caps_a_batch() -> None:
 
 def test_k_or_t_waits_for_k_or_timeout() -> None:
     rec = Recorder()
-    s = Scheduler(rec, page_size=4, policy="k-or-t", k=3, t_ms=200)
+    s = make(rec, policy=KOrTPolicy(k=3, t_ms=200))
     t0 = time.perf_counter()
     f = s.submit(req([0], 1, 1, tag=0), "a")
     f.wait(5)
@@ -117,7 +136,7 @@ def test_backend_failure_fails_that_batch_only() -> None:
             raise RuntimeError("CUDA fell over")
         return [[OutputResult(token=7)] for _ in reqs]
 
-    s = Scheduler(flaky, page_size=4)
+    s = make(flaky)
     bad = s.submit(req([0], 1, 1), "a")
     with pytest.raises(RuntimeError, match="CUDA fell over"):
         bad.wait(5)
@@ -129,7 +148,7 @@ def test_backend_failure_fails_that_batch_only() -> None:
 def test_adaptive_waits_for_the_last_batch_to_resubmit() -> None:
     """Instances of a finished batch that come back a few ms apart still share the next batch."""
     rec = Recorder(delay=0.04)
-    s = Scheduler(rec, page_size=4)
+    s = make(rec)
     owners = [f"i{i}" for i in range(4)]
     rec.gate.clear()
     firsts = [s.submit(req([i], 1, 1, tag=i), o) for i, o in enumerate(owners)]
@@ -148,7 +167,7 @@ def test_adaptive_waits_for_the_last_batch_to_resubmit() -> None:
 
 
 def test_call_runs_on_the_scheduler_thread_and_propagates_errors() -> None:
-    s = Scheduler(None, page_size=4)
+    s = Scheduler()
     with pytest.raises(RuntimeError, match="no backend yet"):
         s.submit(req([0], 1, 1), "a")
     assert s.call(lambda: threading.current_thread().name) == "pie-scheduler"
@@ -158,7 +177,7 @@ def test_call_runs_on_the_scheduler_thread_and_propagates_errors() -> None:
 
     with pytest.raises(FileNotFoundError, match="no such model"):
         s.call(boom)
-    s.bind(Recorder(), 4)
+    s.bind(Recorder(), None, 4)
     assert s.submit(req([0], 1, 1, tag=3), "a").wait(5)[0].token == 3
     s.stop()
 
@@ -166,7 +185,7 @@ def test_call_runs_on_the_scheduler_thread_and_propagates_errors() -> None:
 def test_adaptive_waits_for_launched_instances_so_their_prefills_batch_together() -> None:
     """Requests launched together prefill in one batch, not the first alone and the rest after."""
     rec = Recorder()
-    s = Scheduler(rec, page_size=4, launch_grace_s=2.0)
+    s = make(rec, policy=AdaptivePolicy(launch_grace_s=2.0))
     owners = [f"i{i}" for i in range(4)]
     for o in owners:
         s.expect(o)
@@ -182,7 +201,7 @@ def test_adaptive_waits_for_launched_instances_so_their_prefills_batch_together(
 
 def test_adaptive_stops_waiting_for_an_instance_that_blocks_or_never_submits() -> None:
     rec = Recorder()
-    s = Scheduler(rec, page_size=4, launch_grace_s=0.3)
+    s = make(rec, policy=AdaptivePolicy(launch_grace_s=0.3))
     s.expect("waits-for-input")
     s.expect("silent")
     t0 = time.perf_counter()
@@ -192,3 +211,66 @@ def test_adaptive_stops_waiting_for_an_instance_that_blocks_or_never_submits() -
     waited = time.perf_counter() - t0
     assert 0.25 <= waited < 2.0  # held back only by "silent", until its launch grace ran out
     s.stop()
+
+
+def test_a_rejected_request_fails_alone_and_the_rest_of_its_batch_runs() -> None:
+    rec = Recorder()
+
+    def strict(reqs: list[ForwardRequest]) -> list[list[OutputResult]]:
+        for i, r in enumerate(reqs):
+            if r.tokens[0] == 13:
+                raise ForwardError(i, f"forward request {r.name!r}: token 13 is unlucky")
+        return rec(reqs)
+
+    s = make(strict)
+    rec.gate.clear()
+    s.submit(req([63], 1, 1, tag=99), "x")
+    assert rec.entered.wait(5)
+    futs = [s.submit(req([i], 1, 1, tag=10 + i), f"i{i}") for i in range(6)]
+    rec.gate.set()
+    assert [f.wait(5)[0].token for f in futs if f.request.tokens[0] != 13] == [10, 11, 12, 14, 15]
+    with pytest.raises(ForwardError, match="unlucky"):
+        futs[3].wait(5)
+    assert rec.batches[-1] == [10, 11, 12, 14, 15]  # one backend call for the rest
+    assert s.stats.errors == 1
+    s.stop()
+
+
+def test_copy_runs_after_the_same_owners_earlier_forwards() -> None:
+    rec = Recorder()
+    s = make(rec, copy=rec.copy)
+    rec.hold(s)
+    f1 = s.submit(req([0], 1, 1, tag=1), "a")  # writes page 0
+    c = s.submit(CopyRequest(0, 0, 1, 0, 1, "a"), "a")  # reads page 0: must wait for f1
+    f2 = s.submit(req([1], 2, 1, tag=2), "a")  # after the copy, into its destination
+    other = s.submit(req([5], 1, 1, tag=3), "b")
+    rec.gate.set()
+    for f in (f1, c, f2, other):
+        f.wait(5)
+    assert rec.log == ["forward [99]", "forward [1, 3]", "copy 0->1", "forward [2]"]
+    assert s.stats.copies == 1
+    s.stop()
+
+
+def test_a_copy_does_not_wait_for_the_batching_policy() -> None:
+    rec = Recorder()
+    s = make(rec, policy=AdaptivePolicy(launch_grace_s=30.0), copy=rec.copy)
+    s.expect("slow")  # adaptive now holds forwards back for up to 30 s
+    held = s.submit(req([0], 1, 1, tag=1), "b")
+    c = s.submit(CopyRequest(2, 0, 3, 0, 4, "a"), "a")
+    c.wait(5)
+    assert rec.log == ["copy 2->3"] and not held.done()
+    s.forget("slow")
+    assert held.wait(5)[0].token == 1
+    s.stop()
+
+
+def test_policies_are_classes_behind_one_interface() -> None:
+    assert isinstance(make_policy("adaptive"), AdaptivePolicy)
+    p = make_policy("k-or-t", k=2, t_ms=1000)
+    assert isinstance(p, KOrTPolicy) and isinstance(p, BatchPolicy)
+    q = [type("F", (), {"submitted": time.perf_counter()})()]
+    assert not p.ready(q, time.perf_counter())  # type: ignore[arg-type]
+    assert p.ready(q * 2, time.perf_counter())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown batching policy 'fifo'"):
+        make_policy("fifo")

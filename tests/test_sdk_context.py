@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inferlets"))
-
-from inferlet import PAGES, Context, OutOfPages, wait_any  # noqa: E402
-from inferlet.testing import FakeHost, FakeTrap  # noqa: E402
+from inferlet import PAGES, Context, OutOfPages, wait_any
+from inferlet.testing import FakeHost, FakeTrap
 
 PS = 4
 

@@ -6,13 +6,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import inferlet
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "inferlets"))
-
-import inferlet  # noqa: E402
-from inferlet import (  # noqa: E402
+from inferlet import (
     AnyOf,
     Context,
     MaxTokens,
@@ -20,11 +16,13 @@ from inferlet import (  # noqa: E402
     UntilSequence,
     UntilText,
     UntilTokens,
-    _host,  # noqa: E402
+    _host,
 )
-from inferlet.entry import make_world  # noqa: E402
-from inferlet.mask import brle, pass_rows  # noqa: E402
-from inferlet.testing import FakeHost  # noqa: E402
+from inferlet.entry import make_world
+from inferlet.mask import brle, pass_rows
+from inferlet.testing import FakeHost
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

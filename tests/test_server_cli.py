@@ -3,36 +3,43 @@
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
+import threading
 
 import pytest
 from helpers import wasm_bytes
 
+from host.cli.options import host_config_from_args
+from host.cli.serve import main as serve_main
+from host.cli.serve import parse_args, server_config_from_args
 from host.client import SyncPieClient
-from host.server import _parse_args, host_config_from_args, serve_main
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_options_map_to_host_config(tmp_path) -> None:
-    args = _parse_args(["--port", "0", "--kv-memory", "64", "--policy", "k-or-t", "--max-batch-tokens", "512",
-                        "--memory-limit-mb", "128", "--wall-budget-s", "30", "--max-pages-per-instance", "8",
-                        "--page-size", "32", "--data-dir", str(tmp_path)])
+    args = parse_args(["--port", "0", "--kv-memory", "64", "--policy", "k-or-t", "--max-batch-tokens", "512",
+                       "--memory-limit-mb", "128", "--wall-budget-s", "30", "--max-pages-per-instance", "8",
+                       "--page-size", "32", "--data-dir", str(tmp_path)])
     cfg = host_config_from_args(args)
     assert (cfg.kv_memory_bytes, cfg.policy, cfg.max_batch_tokens, cfg.memory_limit_bytes) == \
         (64 * 2**20, "k-or-t", 512, 128 * 2**20)
     assert (cfg.wall_budget_s, cfg.max_pages_per_instance, cfg.page_size, cfg.data_dir) == (30.0, 8, 32, tmp_path)
-    assert host_config_from_args(_parse_args(["--num-pages", "100"])).num_pages == 100
+    assert host_config_from_args(parse_args(["--num-pages", "100"])).num_pages == 100
+
+
+def test_options_map_to_server_config(tmp_path) -> None:
+    cfg = server_config_from_args(parse_args(["--host", "0.0.0.0", "--port", "0", "--auth-token", "",
+                                              "--data-dir", str(tmp_path), "--max-program-mb", "3"]))
+    assert (cfg.host, cfg.port, cfg.auth_token, cfg.data_dir, cfg.max_program_bytes) == \
+        ("0.0.0.0", 0, None, tmp_path, 3 * 2**20)
 
 
 def test_token_from_environment(monkeypatch) -> None:
     monkeypatch.setenv("PIE_AUTH_TOKEN", "from-env")
-    assert _parse_args([]).auth_token == "from-env"
+    assert parse_args([]).auth_token == "from-env"
 
 
 def test_bad_options_are_reported(capsys) -> None:
@@ -42,22 +49,35 @@ def test_bad_options_are_reported(capsys) -> None:
         serve_main(["--num-pages", "10", "--kv-memory", "10"])
 
 
+def _drain(proc: subprocess.Popen[str]) -> queue.Queue[str]:
+    """pie-serve's stderr lines as they come ("" at its end), read on a thread so the pipe never fills."""
+    lines: queue.Queue[str] = queue.Queue()
+    stderr = proc.stderr
+    assert stderr is not None
+
+    def pump() -> None:
+        for line in stderr:
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
 @pytest.mark.slow
+@pytest.mark.build
 def test_pie_serve_subprocess_serves_and_stops_on_sigterm(tmp_path) -> None:
     env = dict(os.environ, PIE_AUTH_TOKEN="tok")
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from host.server import serve_main; "
-                             "sys.exit(serve_main(sys.argv[1:]))", "--port", "0", "--data-dir", str(tmp_path),
-                             "--num-pages", "256"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "host.cli.serve", "--port", "0", "--data-dir", str(tmp_path),
+                             "--num-pages", "256"], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stderr is not None
+        lines = _drain(proc)
         url = None
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
+        while url is None:
+            line = lines.get(timeout=120)
             assert line, "pie-serve exited before listening"
             if m := re.search(r"listening on (ws://\S+)", line):
                 url = m.group(1)
-        assert url is not None
         with SyncPieClient(url, token="tok") as client:
             h = client.ensure_program(wasm_bytes("text_completion"))
             iid = client.launch(h, ["--prompt", "What is the capital of France?", "--max-tokens", "12"])

@@ -8,12 +8,11 @@ import time
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
-from helpers import FIXTURES, real_backend, wasm_bytes
-from test_server_fakehost import running_server, wait_for
+from helpers import FIXTURES, wait_for, wasm_bytes
+from server_support import running_server
 
-from host.build import resolve_inferlet
+from host.cli.build import resolve_inferlet
 from host.client import PieClient, PieError, run_remote
-from host.runtime import Host, HostConfig
 
 pytestmark = pytest.mark.slow
 
@@ -21,10 +20,8 @@ QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def host(tmp_path_factory):
-    h = Host(HostConfig(data_dir=tmp_path_factory.mktemp("host")), backend=real_backend())
-    yield h
-    h.shutdown()
+def host(real_host):
+    return real_host
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +85,11 @@ def test_bad_component_rejected_with_wasmtime_reason(server) -> None:
     asyncio.run(main())
 
 
-def test_terminate_spinning_guest(server) -> None:
+def _state(host, iid: str) -> str | None:
+    return next((i["state"] for i in host.instances() if i["id"] == iid), None)
+
+
+def test_terminate_spinning_guest(server, host) -> None:
     import wasmtime
 
     spin = bytes(wasmtime.wat2wasm((FIXTURES / "loop.wat").read_text()))
@@ -96,7 +97,7 @@ def test_terminate_spinning_guest(server) -> None:
     async def main() -> None:
         async with await PieClient.connect(server.url) as client:
             iid = await client.launch(await client.ensure_program(spin), [])
-            await asyncio.sleep(0.2)
+            await asyncio.to_thread(wait_for, lambda: _state(host, iid) == "running", what="the guest running")
             await client.terminate(iid)
             events = [(e.event, e.message) async for e in client.events(iid)]
         assert events == [("aborted", "terminated by request")]

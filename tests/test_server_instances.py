@@ -6,9 +6,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from test_server_fakehost import WASM, FakeHost, running_server, wait_for
+from helpers import wait_for
+from server_support import WASM, FakeHost, running_server
+from websockets.asyncio.client import connect
 
 from host.client import PieClient, PieError
+from host.client.protocol import pack
 
 
 @pytest.fixture
@@ -73,7 +76,7 @@ def test_disconnect_terminates_owned_instances_and_frees_pages(server, host) -> 
     iids = asyncio.run(main())
     wait_for(lambda: host.free_pages() == 64)
     assert sorted(host.terminations) == sorted((iid, "client disconnected") for iid in iids)
-    wait_for(lambda: server._instances == {})
+    wait_for(lambda: len(server.instances) == 0)
 
 
 def test_instances_of_other_connections_are_off_limits(server) -> None:
@@ -97,11 +100,15 @@ def test_detached_instance_survives_and_buffers_until_attached(server, host) -> 
         async with await PieClient.connect(server.url) as client:
             h = await client.upload_program(WASM)
             chat = await client.launch(h, ["chat"], detached=True)
-            done = await client.launch(h, ["later", "1.0", "x", "y"], detached=True)
+            done = await client.launch(h, ["gated", "go", "x", "y"], detached=True)
             return chat, done
 
     chat, done = asyncio.run(launch_and_leave())
-    wait_for(lambda: len(host.running) == 1)  # echo finished unattended, chat still running
+    record = server.instances.get(done)
+    assert record is not None
+    wait_for(lambda: record.owner is None)  # the server has seen the disconnect
+    host.open_gate("go")
+    wait_for(lambda: len(host.running) == 1)  # "done" finished unattended, chat still running
     assert host.terminations == []
 
     async def come_back() -> None:
@@ -165,8 +172,6 @@ def test_many_clients_many_instances(server, host) -> None:
 def test_soak_mixed_clients_leave_nothing_behind(server, host) -> None:
     """Waves of clients that finish, vanish mid-run, send garbage or detach: no page, record or
     connection is left over, and the server still answers."""
-    from websockets.asyncio.client import connect
-
     async def well_behaved(n: int) -> None:
         async with await PieClient.connect(server.url) as client:
             iid = await client.launch(await client.ensure_program(WASM), ["echo", str(n)])
@@ -199,14 +204,10 @@ def test_soak_mixed_clients_leave_nothing_behind(server, host) -> None:
 
     asyncio.run(main())
     wait_for(lambda: host.free_pages() == 64 and not host.running)
-    wait_for(lambda: server._instances == {} and server._connections == set())
+    wait_for(lambda: len(server.instances) == 0 and not server.connections)
 
 
 def test_client_that_stops_reading_is_dropped(tmp_path) -> None:
-    from websockets.asyncio.client import connect
-
-    from host.protocol import pack
-
     host = FakeHost()
 
     async def main(srv) -> None:
@@ -215,7 +216,7 @@ def test_client_that_stops_reading_is_dropped(tmp_path) -> None:
             async with connect(srv.url, max_queue=1, close_timeout=0.5) as ws:  # reads nothing
                 await ws.send(pack({"type": "launch_instance", "corr_id": 1, "program_hash": h,
                                     "arguments": ["flood", "4000", "4000"]}))
-                await asyncio.to_thread(wait_for, lambda: len(srv._connections) == 1, 30)
+                await asyncio.to_thread(wait_for, lambda: len(srv.connections) == 1, 30)
             assert await bystander.ping() >= 0
 
     with running_server(tmp_path, host=host, max_queued_frames=100) as srv:

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from test_server_fakehost import WASM, FakeHost, exchange, pack, running_server, wait_for
+from helpers import wait_for
+from server_support import WASM, FakeHost, exchange, running_server
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from host.client import PieClient, PieError
-from host.protocol import CHUNK_SIZE
+from host.client.protocol import CHUNK_SIZE, pack
 
 WASM_HASH = hashlib.sha256(WASM).hexdigest()
 

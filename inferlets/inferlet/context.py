@@ -9,61 +9,23 @@ Invariants (checked by the tests in tests/test_sdk_context.py):
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from inferlet import _host
-from inferlet.mask import pass_rows
+from inferlet.forward import Forward, wait_any
+from inferlet.generate import generate
+from inferlet.mask import masked_full_pages, pass_rows
 from inferlet.model import Model, get_model
 from inferlet.pages import PAGES
-from inferlet.sampler import GREEDY, AnyOf, MaxTokens, Sampler, Stop, UntilTokens
+from inferlet.sampler import GREEDY, Sampler, Stop
+from inferlet.sharing import export_context, fork_context, import_context, unexport
 
 __all__ = ["Context", "Forward", "wait_any", "ChatError"]
-
-_META = "inferlet.context/"  # store key prefix for the token history of exported contexts
 
 
 class ChatError(ValueError):
     """The chat so far no longer renders as a prefix of the new chat (see `Context.fill_chat`)."""
-
-
-class Forward:
-    """An in-flight forward pass from `Context.submit_decode` / `submit_dist`."""
-
-    def __init__(self, ctx: Context, handle: int, kind: str) -> None:
-        self.ctx, self.handle, self.kind = ctx, handle, kind
-        self.done = False
-        self.result: Any = None  # token id ("token") or (ids, probs) ("dist")
-
-    def wait(self) -> Any:
-        """Block until the pass is done; returns the sampled token or the (ids, probs) pair."""
-        if not self.done:
-            self._finish(_host.forward.wait(self.handle))
-        return self.result
-
-    def _finish(self, outputs: list[Any]) -> None:
-        out = outputs[0]
-        if self.kind == "token":
-            self.result = out.token
-            self.ctx._append_pending([out.token])
-        else:
-            self.result = (list(out.ids), list(out.probs))
-        self.done = True
-        self.ctx._inflight = None
-
-
-def wait_any(passes: Sequence[Forward]) -> Forward:
-    """Block until one of the passes is done and return it (already-done ones return at once)."""
-    for f in passes:
-        if f.done:
-            return f
-    handle, outputs = _host.forward.wait_any([f.handle for f in passes])
-    for f in passes:
-        if f.handle == handle:
-            f._finish(outputs)
-            return f
-    raise RuntimeError(f"forward.wait-any returned unknown handle {handle}")
 
 
 class Context:
@@ -199,47 +161,14 @@ class Context:
         With a seeded sampler, step i draws with seed + i. Stop tokens are left out of the text
         (they stay pending in the context, as the next turn's first input).
         """
-        cond: Stop = stop if stop is not None else UntilTokens(self.model.stop_tokens)
-        if max_tokens is not None:
-            cond = AnyOf(MaxTokens(max_tokens), cond)
-        ids: list[int] = []
-        text, sent = "", 0
-        decode_step, check, decode, seed = self.decode_step, cond.check, self.model.decode, sampler.seed
-        while True:
-            ids.append(decode_step(sampler if seed is None else sampler.with_seed(seed + len(ids))))
-            trim = check(ids, decode)
-            if on_text is not None:
-                text = self.model.decode(ids[: len(ids) - (trim or 0)])
-                if len(text) > sent:
-                    on_text(text[sent:])
-                    sent = len(text)
-            if trim is not None:
-                break
-        if on_text is None:
-            text = self.model.decode(ids[: len(ids) - trim])
-        if self._chat_text is not None:
-            # The KV now holds the generated tokens (the last one pending): the chat's text grows
-            # by exactly their text, and the reply is an assistant message for the next render.
-            self.messages.append({"role": "assistant", "content": text})
-            self._chat_text += self.model.decode(ids) if trim else text
-        return text
+        return generate(self, sampler, stop, max_tokens, on_text)
 
     # ---- sharing and dropping -------------------------------------------------------------
 
     def fork(self) -> Context:
         """A copy that shares this context's full pages; the partial last page is copied."""
         self._check_idle("fork")
-        child = Context(self.model)
-        ps = self.model.page_size
-        full, rem = divmod(self.kv_len, ps)
-        PAGES.share(self.pages[:full])
-        child.pages = self.pages[:full]
-        if rem:
-            (page,) = PAGES.allocate(1)
-            _host.kv.copy_tokens(self.pages[full], 0, page, 0, rem)
-            child.pages.append(page)
-        child._copy_state(self)
-        return child
+        return fork_context(self, Context(self.model))
 
     def mask_token_range(self, start: int, end: int, masked: bool = True) -> None:
         """Hide (or show again) `tokens[start:end]` from the attention of all later passes."""
@@ -254,23 +183,15 @@ class Context:
         """
         self._check_idle("drop_masked_pages")
         ps = self.model.page_size
-        keep: list[int] = []
-        drop: list[int] = []
-        for j in range(len(self.pages)):
-            lo = j * ps
-            if lo + ps <= self.kv_len and all(self.masked[lo : lo + ps]):
-                drop.append(j)
-            else:
-                keep.append(j)
+        drop = masked_full_pages(self.masked[: self.kv_len], ps)
         if not drop:
             return 0
-        dropped = set(drop)
-        idx = [i for i in range(len(self.tokens)) if i >= self.kv_len or i // ps not in dropped]
+        idx = [i for i in range(len(self.tokens)) if i >= self.kv_len or i // ps not in drop]
         self.tokens = [self.tokens[i] for i in idx]
         self.positions = [self.positions[i] for i in idx]
         self.masked = [self.masked[i] for i in idx]
         PAGES.release([self.pages[j] for j in drop])
-        self.pages = [self.pages[j] for j in keep]
+        self.pages = [p for j, p in enumerate(self.pages) if j not in drop]
         self.kv_len -= ps * len(drop)
         return len(drop)
 
@@ -280,57 +201,17 @@ class Context:
         The partial last page is exported as a copy, so this context can go on writing its own.
         """
         self._check_idle("export")
-        ps = self.model.page_size
-        full, rem = divmod(self.kv_len, ps)
-        pages = self.pages[:full]
-        copy: list[int] = []
-        if rem:
-            copy = PAGES.allocate(1)
-            _host.kv.copy_tokens(self.pages[full], 0, copy[0], 0, rem)
-        try:
-            _host.kv.export_pages(name, pages + copy, persistent)
-        except _host.Err as e:
-            PAGES.release(copy)
-            raise KeyError(f"kv.export-pages({name!r}): {e.value}") from None
-        PAGES.release(copy)  # the export keeps its own reference
-        meta = {"kv_len": self.kv_len, "tokens": self.tokens, "positions": self.positions,
-                "masked": self.masked, "next_pos": self.next_pos, "page_size": ps,
-                "messages": self.messages, "chat_text": self._chat_text}  # fmt: skip
-        _host.store.set(_META + name, json.dumps(meta))
+        export_context(self, name, persistent)
 
     @classmethod
     def import_(cls, name: str, model: Model | None = None) -> Context:
         """A context continuing a context exported under `name` (KeyError when there is none)."""
-        raw = _host.store.get(_META + name)
-        if raw is None:
-            raise KeyError(f"no context exported as {name!r} (export it with Context.export)")
-        try:
-            pages = list(_host.kv.import_pages(name))
-        except _host.Err as e:
-            raise KeyError(f"kv.import-pages({name!r}): {e.value}") from None
-        PAGES.adopt(pages)
-        ctx = cls(model)
-        meta = json.loads(raw)
-        ps = ctx.model.page_size
-        full, rem = divmod(meta["kv_len"], ps)
-        if rem:  # imported pages are read-only: continue in an own copy of the partial page
-            (own,) = PAGES.allocate(1)
-            _host.kv.copy_tokens(pages[full], 0, own, 0, rem)
-            PAGES.release([pages[full]])
-            pages[full] = own
-        ctx.pages, ctx.kv_len = pages, meta["kv_len"]
-        ctx.tokens, ctx.positions, ctx.masked = meta["tokens"], meta["positions"], meta["masked"]
-        ctx.next_pos, ctx.messages, ctx._chat_text = meta["next_pos"], meta["messages"], meta["chat_text"]
-        return ctx
+        return import_context(cls(model), name)
 
     @staticmethod
     def unexport(name: str) -> None:
         """Remove an exported name (KeyError when unknown)."""
-        try:
-            _host.kv.unexport(name)
-        except _host.Err as e:
-            raise KeyError(f"kv.unexport({name!r}): {e.value}") from None
-        _host.store.delete(_META + name)
+        unexport(name)
 
     def release(self) -> None:
         """Give this context's pages back (waiting for an in-flight pass first). Idempotent."""
@@ -399,12 +280,3 @@ class Context:
         mask = pass_rows(self.masked[:lo], self.masked[lo:hi]) if True in self.masked else []
         self.kv_len = hi
         return self.pages, hi - (len(self.pages) - 1) * ps, self.tokens[lo:hi], self.positions[lo:hi], mask
-
-    def _copy_state(self, other: Context) -> None:
-        self.kv_len, self.next_pos = other.kv_len, other.next_pos
-        self.tokens, self.positions, self.masked = (
-            other.tokens.copy(),
-            other.positions.copy(),
-            other.masked.copy(),
-        )
-        self.messages, self._chat_text = [dict(m) for m in other.messages], other._chat_text

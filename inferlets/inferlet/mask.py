@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["brle", "pass_rows"]
+__all__ = ["brle", "masked_full_pages", "pass_rows"]
 
 
 def brle(masked: Sequence[bool]) -> list[int]:
@@ -43,3 +43,9 @@ def pass_rows(context: Sequence[bool], new: Sequence[bool]) -> list[list[int]]:
         rows.append(row)
         _push(base, new[i])
     return rows
+
+
+def masked_full_pages(masked: Sequence[bool], page_size: int) -> set[int]:
+    """Indices of the full pages (of `page_size` flags each) whose tokens are all masked."""
+    full = len(masked) // page_size
+    return {j for j in range(full) if all(masked[j * page_size : (j + 1) * page_size])}

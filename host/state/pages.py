@@ -1,4 +1,4 @@
-"""KV page ownership: the host-wide free list, ref-counts, per-instance tables and exports.
+"""KV page ownership: the host-wide free list, ref-counts, per-instance holdings and exports.
 
 Invariants (checked by tests): a page is on the free list iff its ref-count is 0; the
 ref-count of a page = holds by instances + 1 per export name that lists it.
@@ -15,7 +15,7 @@ class PageError(Exception):
 
 
 @dataclass
-class PageTable:
+class InstancePages:
     """The pages one instance holds: page -> [hold count, writable]."""
 
     owner: str
@@ -39,6 +39,7 @@ class PageManager:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._refs = [0] * num_pages
         self._exports: dict[str, _Export] = {}
+        self.refused = 0  # allocations refused for lack of free pages (a condition the guest waits out)
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
 
@@ -46,7 +47,7 @@ class PageManager:
     def free_count(self) -> int:
         return len(self._free)
 
-    def allocate(self, table: PageTable, count: int) -> list[int] | str:
+    def allocate(self, table: InstancePages, count: int) -> list[int] | str:
         """Allocate `count` pages for `table`; a string explains why not (a condition, not a bug)."""
         with self._lock:
             if count > self.num_pages:
@@ -56,6 +57,7 @@ class PageManager:
                 return (f"instance page limit: holds {table.owned_count}, asked {count} more, "
                         f"limit {cap} pages")
             if count > len(self._free):
+                self.refused += 1
                 return f"out of KV pages: requested {count}, {len(self._free)} free"
             pages = [self._free.pop() for _ in range(count)]
             for p in pages:
@@ -64,7 +66,7 @@ class PageManager:
             table.owned_count += count
             return pages
 
-    def release(self, table: PageTable, pages: list[int]) -> None:
+    def release(self, table: InstancePages, pages: list[int]) -> None:
         """Drop one hold on each page; raises PageError naming the first page not held."""
         with self._lock:
             counts: dict[int, int] = {}
@@ -78,7 +80,7 @@ class PageManager:
                 self._drop_hold(table, p)
             self._freed.notify_all()
 
-    def _drop_hold(self, table: PageTable, page: int) -> None:
+    def _drop_hold(self, table: InstancePages, page: int) -> None:
         entry = table.held[page]
         entry[0] -= 1
         if entry[0] == 0:
@@ -92,7 +94,7 @@ class PageManager:
         if self._refs[page] == 0:
             self._free.append(page)
 
-    def check_pages(self, table: PageTable, pages: list[int], writable_from: int) -> None:
+    def check_pages(self, table: InstancePages, pages: list[int], writable_from: int) -> None:
         """Raise PageError unless all pages are held and pages[writable_from:] are writable."""
         held = table.held
         for i, p in enumerate(pages):
@@ -102,14 +104,14 @@ class PageManager:
             if i >= writable_from and not entry[1]:
                 raise PageError(f"page {p} is read-only here (imported); new tokens cannot be written into it")
 
-    def check_writable(self, table: PageTable, page: int) -> None:
+    def check_writable(self, table: InstancePages, page: int) -> None:
         entry = table.held.get(page)
         if entry is None:
             raise PageError(f"page {page} is not held by this instance")
         if not entry[1]:
             raise PageError(f"page {page} is read-only here (imported)")
 
-    def export(self, table: PageTable, name: str, pages: list[int], persistent: bool) -> str | None:
+    def export(self, table: InstancePages, name: str, pages: list[int], persistent: bool) -> str | None:
         """Share pages under `name`; returns an error string if the name is taken."""
         with self._lock:
             for p in pages:
@@ -122,7 +124,7 @@ class PageManager:
                 self._refs[p] += 1
             return None
 
-    def import_(self, table: PageTable, name: str) -> list[int] | str:
+    def import_(self, table: InstancePages, name: str) -> list[int] | str:
         """Hold the pages exported under `name`, read-only; an error string if unknown."""
         with self._lock:
             exp = self._exports.get(name)
@@ -151,7 +153,7 @@ class PageManager:
         with self._lock:
             return [(n, len(e.pages)) for n, e in self._exports.items()]
 
-    def release_all(self, table: PageTable) -> None:
+    def release_all(self, table: InstancePages) -> None:
         """Drop every hold of an ending instance and its non-persistent exports."""
         with self._lock:
             for name in [n for n, e in self._exports.items() if e.owner == table.owner and not e.persistent]:

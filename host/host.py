@@ -1,32 +1,44 @@
-"""The host: loads the backend, runs inferlet instances, routes their forwards and messages.
+"""The `Host` facade: one backend, one wasm engine, many sandboxed instances.
 
-    host = Host(HostConfig())
-    h = host.compile(open("app.wasm", "rb").read())
-    iid = host.launch(h, ["--prompt", "hi"], on_event=print)
+    with Host(HostConfig()) as host:
+        program = host.compile(open("app.wasm", "rb").read())
+        iid = host.launch(program, ["--prompt", "hi"], on_event=print)
+        host.wait(iid)
+
+It composes the layers (see docs/architecture.md) and hands each part only what it needs:
+instances get an `InstanceEnv`, the WIT imports get `ApiServices`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from gpu_backend.types import Backend
+from host.api import ApiServices, build_linker
+from host.batching.gate import RunGate
+from host.batching.policy import make_policy
+from host.batching.scheduler import Scheduler
 from host.config import HostConfig
-from host.engine import CompileError, WasmEngine, sha256_hex
-from host.gate import RunGate
-from host.imports import bind, build_linker
-from host.instance import TERMINAL_EVENTS, Instance, InstanceEvent
-from host.kv import PageManager
-from host.kvstore import KeyValueStore
-from host.scheduler import Scheduler
+from host.events import InstanceEvent
+from host.state.kvstore import KeyValueStore
+from host.state.pages import PageManager
+from host.state.topics import Topics
+from host.wasm.engine import WasmEngine
+from host.wasm.instance import Instance, InstanceEnv
+from host.wasm.limits import InstanceLimits
 
-__all__ = ["Host", "HostConfig", "InstanceEvent", "CompileError", "TERMINAL_EVENTS", "sha256_hex"]
+__all__ = ["Host"]
 
 log = logging.getLogger(__name__)
 
+_ENDED_KEPT = 1024  # ended instances remembered for wait()
 
-def _load_backend(config: HostConfig, progress: bool) -> Any:
+
+def _load_backend(config: HostConfig, progress: bool) -> Backend:
     import torch
 
     from gpu_backend import load_backend
@@ -37,35 +49,42 @@ def _load_backend(config: HostConfig, progress: bool) -> Any:
 
 
 class Host:
-    """One backend, one wasm engine, many sandboxed instances."""
+    """Runs inferlet instances against one backend (any object implementing `gpu_backend.types.Backend`;
+    None loads `config.model`)."""
 
-    def __init__(self, config: HostConfig | None = None, backend: Any = None, progress: bool = True) -> None:
+    def __init__(self, config: HostConfig | None = None, backend: Backend | None = None,
+                 progress: bool = True) -> None:
         self.config = config = config or HostConfig()
-        self.scheduler = Scheduler(None if backend is None else backend.forward, config.page_size,
-                                   policy=config.policy, max_batch_tokens=config.max_batch_tokens,
-                                   k=config.batch_k, t_ms=config.batch_t_ms)
+        self.scheduler = Scheduler(make_policy(config.policy, config.batch_k, config.batch_t_ms),
+                                   max_batch_tokens=config.max_batch_tokens)
         if backend is None:  # loaded on the scheduler thread, where its forwards will run
             try:
                 backend = self.scheduler.call(lambda: _load_backend(config, progress))
             except BaseException:
                 self.scheduler.stop()
                 raise
+        assert backend is not None
         self.backend = backend
         info = backend.info
-        self.scheduler.bind(backend.forward, info.page_size)
+        self.scheduler.bind(backend.forward, backend.copy_tokens, info.page_size)
         self.model_name: str = info.name
-        self.pages = PageManager(info.num_pages, config.max_pages_per_instance)
         self.total_pages: int = info.num_pages
+        self.pages = PageManager(info.num_pages, config.max_pages_per_instance)
         self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms)
-        data_dir = config.data_dir or config.cache_dir
-        self.kvstore = KeyValueStore(data_dir / "kvstore.sqlite3")
-        self._instances: dict[str, Instance] = {}
-        self._ended: dict[str, Instance] = {}  # recently ended, for wait()
-        self._topics: dict[str, set[Instance]] = {}
-        self._lock = threading.Lock()
+        self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3")
+        self.topics = Topics()
         self.gate = RunGate(config.run_gate, slots=config.run_slots)
         self.wasm.on_tick.append(self.gate.poll)  # queued wake-ups go out even if holders stall
-        self.linker = build_linker(self)
+        self.linker = build_linker(self.wasm.engine, ApiServices(
+            info=info, tokenizer=backend.tokenizer, pages=self.pages, scheduler=self.scheduler,
+            kvstore=self.kvstore, topics=self.topics))
+        self._env = InstanceEnv(
+            engine=self.wasm, linker=self.linker, gate=self.gate,
+            limits=InstanceLimits(config.memory_limit_bytes, config.wall_budget_s),
+            on_block=self.scheduler.forget, on_end=self._instance_ended)
+        self._instances: dict[str, Instance] = {}
+        self._ended: OrderedDict[str, Instance] = OrderedDict()
+        self._lock = threading.Lock()
         self._closed = False
 
     # ---- programs ----
@@ -83,7 +102,7 @@ class Host:
         if self._closed:
             raise RuntimeError("host is shut down")
         self.wasm.get(program_hash)  # KeyError with a clear message if unknown
-        inst = Instance(self, program_hash, args, on_event or (lambda ev: None))
+        inst = Instance(self._env, program_hash, args, on_event or (lambda ev: None))
         with self._lock:
             self._instances[inst.id] = inst
         self.scheduler.expect(inst.id)
@@ -99,39 +118,32 @@ class Host:
 
     def signal(self, instance_id: str, message: str) -> None:
         """Deliver a client message to the instance's receive()."""
-        inst = self._get(instance_id)
-        with inst.cond:
-            inst.inbox.append(message)
-            inst.cond.notify_all()
+        self._get(instance_id).signal(message)
 
     def close_input(self, instance_id: str) -> None:
         """From now on the instance's receive() returns none once its inbox is empty."""
-        inst = self._get(instance_id)
-        with inst.cond:
-            inst.input_closed = True
-            inst.cond.notify_all()
+        self._get(instance_id).close_input()
 
     def terminate(self, instance_id: str, reason: str = "terminated by request") -> None:
         """Stop an instance; it ends with an `aborted` event carrying `reason`."""
         self._get(instance_id).terminate(reason)
 
     def wait(self, instance_id: str, timeout: float | None = None) -> bool:
-        """Block until the instance has ended (its terminal event was emitted)."""
+        """Block until the instance has ended (its terminal event was emitted); False on timeout."""
         with self._lock:
             inst = self._instances.get(instance_id) or self._ended.get(instance_id)
         if inst is None:
             raise KeyError(f"unknown instance {instance_id!r}")
         return inst.join(timeout)
 
-    def instance_ended(self, inst: Instance) -> None:
-        """Called by the instance thread as it ends: release everything it held."""
+    def _instance_ended(self, inst: Instance) -> None:
+        """On the instance's thread as it ends: release everything it held."""
         with self._lock:
             self._instances.pop(inst.id, None)
             self._ended[inst.id] = inst
-            if len(self._ended) > 1024:
-                self._ended.pop(next(iter(self._ended)))
-            for subs in self._topics.values():
-                subs.discard(inst)
+            if len(self._ended) > _ENDED_KEPT:
+                self._ended.popitem(last=False)
+        self.topics.drop(inst)
         for h, fut in list(inst.forwards.items()):
             # A forward still queued or running finishes on its own; the pages go back only
             # after it completes, so the backend never writes into a page someone else owns.
@@ -142,40 +154,18 @@ class Host:
         self.scheduler.forget(inst.id)
 
     def instances(self) -> list[dict[str, Any]]:
+        """The running instances: id, program, arguments, state, started_at."""
         with self._lock:
             insts = list(self._instances.values())
         return [{"id": i.id, "program": i.program, "arguments": i.args, "state": i.state,
                  "started_at": i.started_at} for i in insts]
-
-    # ---- pub/sub ----
-    def subscribe(self, inst: Instance, topic: str) -> None:
-        with self._lock:
-            self._topics.setdefault(topic, set()).add(inst)
-
-    def unsubscribe(self, inst: Instance, topic: str) -> None:
-        with self._lock:
-            self._topics.get(topic, set()).discard(inst)
-
-    def publish(self, topic: str, message: str) -> None:
-        with self._lock:
-            subs = list(self._topics.get(topic, ()))
-        for inst in subs:
-            with inst.cond:
-                inst.published.append((topic, message))
-                inst.cond.notify_all()
-
-    # ---- threads and backend ----
-    def bind_thread(self, inst: Instance) -> None:
-        bind(inst)
-
-    def unbind_thread(self) -> None:
-        bind(None)
 
     # ---- introspection ----
     def model_names(self) -> list[str]:
         return [self.model_name]
 
     def free_pages(self) -> int:
+        """KV pages on the free list now."""
         return self.pages.free_count
 
     def stats(self) -> dict[str, Any]:

@@ -1,9 +1,12 @@
-"""One running inferlet: its store, thread, inbox, subscriptions, pages and forwards."""
+"""One running inferlet: its store, thread, inbox, subscriptions, pages and forwards.
+
+An instance sees the host only through its `InstanceEnv` (the engine, the linker, the run
+gate, its limits and two callbacks), so it can be run and tested without a whole `Host`.
+The WIT imports find the instance calling them with `current()` (each runs on its own thread).
+"""
 
 from __future__ import annotations
 
-import ctypes
-import itertools
 import logging
 import threading
 import time
@@ -15,59 +18,43 @@ from typing import TYPE_CHECKING
 
 import wasmtime
 from wasmtime import Store, WasiConfig
-from wasmtime import _ffi as ffi
+from wasmtime.component import Linker
 
-from host.kv import PageTable
-from host.scheduler import ForwardFuture
+from host.events import InstanceEvent
+from host.state.pages import InstancePages
+from host.wasm.limits import InstanceLimits, unwatch_epochs, watch_epochs
 
 if TYPE_CHECKING:
-    from host.runtime import Host
+    from host.batching.future import ForwardFuture
+    from host.batching.gate import RunGate
+    from host.wasm.engine import WasmEngine
+
+__all__ = ["Instance", "InstanceEnv", "Terminated", "current"]
 
 log = logging.getLogger(__name__)
 
-TERMINAL_EVENTS = ("completed", "exception", "aborted", "out_of_resources")
 _OUTPUT_TAIL = 4096
-
-# Epoch deadline callback: wasmtime calls it (on the instance's thread) each time the guest's
-# deadline passes, i.e. once per epoch tick while wasm code runs. It traps the guest when the
-# instance was terminated or ran past its wall-clock budget, and otherwise extends the
-# deadline by one tick. Lowering a deadline from another thread does not work: compiled code
-# caches the deadline, so the callback is the only prompt way to stop a spinning guest.
-_EPOCH_OWNERS: dict[int, Instance] = {}
-_epoch_keys = itertools.count(1)
-_EPOCH_CB_TYPE = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.POINTER(ffi.wasmtime_context_t), ctypes.c_void_p,
-                                  ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ffi.wasmtime_update_deadline_kind_t))
-_NO_FINALIZER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _data: None)
+_current = threading.local()
 
 
-def _trap(message: str) -> int:
-    return ctypes.cast(ffi.wasmtime_error_new(message.encode("utf-8")), ctypes.c_void_p).value or 0
-
-
-@_EPOCH_CB_TYPE
-def _on_epoch(_ctx, data, delta, kind):  # type: ignore[no-untyped-def]
-    inst = _EPOCH_OWNERS.get(data or 0)
+def current() -> Instance:
+    """The instance whose thread is calling (for the WIT imports)."""
+    inst: Instance | None = getattr(_current, "instance", None)
     if inst is None:
-        return _trap("instance is gone")
-    if inst.stop_reason is not None:
-        return _trap(f"instance terminated: {inst.stop_reason}")
-    budget = inst.host.config.wall_budget_s
-    if budget is not None and inst.elapsed_ms() > budget * 1000:
-        inst.trap_reason = f"wall-clock budget of {budget:g} s exceeded"
-        return _trap(inst.trap_reason)
-    inst.host.gate.leave_if_long()  # a guest running for long lets the other instances run
-    delta[0] = 1
-    kind[0] = 0  # continue
-    return 0
+        raise wasmtime.WasmtimeError("host import called outside an inferlet thread")
+    return inst
 
 
 @dataclass(frozen=True)
-class InstanceEvent:
-    """Something an instance did: event is message|completed|exception|aborted|out_of_resources."""
+class InstanceEnv:
+    """What an instance needs from its host, and nothing more."""
 
-    instance_id: str
-    event: str
-    message: str
+    engine: WasmEngine
+    linker: Linker
+    gate: RunGate
+    limits: InstanceLimits
+    on_block: Callable[[str], None]  # the instance blocks on something other than a forward
+    on_end: Callable[[Instance], None]  # the instance thread ends: release what it held
 
 
 class Terminated(Exception):
@@ -77,18 +64,18 @@ class Terminated(Exception):
 class Instance:
     """State of one instance. Its thread runs the guest's `run` export to the end."""
 
-    def __init__(self, host: Host, program: str, args: list[str],
+    def __init__(self, env: InstanceEnv, program: str, args: list[str],
                  on_event: Callable[[InstanceEvent], None]) -> None:
         self.id = str(uuid.uuid4())
         self.label = f"instance {self.id[:8]}"  # names its forward requests in backend errors
-        self.host = host
+        self.env = env
         self.program = program
         self.args = list(args)
         self.on_event = on_event
         self.started_at = time.time()
         self._t0 = time.perf_counter()
         self.state = "starting"
-        self.pages = PageTable(self.id)
+        self.pages = InstancePages(self.id)
         self.cond = threading.Condition()
         self._waiting = False  # the thread is blocked in wait_until (guarded by cond)
         self._handed = False  # the gate has woken it for its turn (guarded by cond)
@@ -103,7 +90,6 @@ class Instance:
         self.stop_reason: str | None = None  # set by terminate()
         self.stop_event = "aborted"
         self._stderr = bytearray()
-        self._epoch_key = 0
         self._thread = threading.Thread(target=self._main, name=f"inferlet-{self.id[:8]}", daemon=True)
         self.finished = threading.Event()
 
@@ -134,6 +120,35 @@ class Instance:
             self.stop_event = event
             self.cond.notify_all()
 
+    def on_epoch(self) -> str | None:
+        """Epoch tick while the guest runs: a trap message if it must stop, else None."""
+        if self.stop_reason is not None:
+            return f"instance terminated: {self.stop_reason}"
+        budget = self.env.limits.wall_budget_s
+        if budget is not None and self.elapsed_ms() > budget * 1000:
+            self.trap_reason = f"wall-clock budget of {budget:g} s exceeded"
+            return self.trap_reason
+        self.env.gate.leave_if_long()  # a guest running for long lets the other instances run
+        return None
+
+    def deliver(self, topic: str, message: str) -> None:
+        """A message published on a topic this instance subscribed to."""
+        with self.cond:
+            self.published.append((topic, message))
+            self.cond.notify_all()
+
+    def signal(self, message: str) -> None:
+        """A client message for the guest's receive()."""
+        with self.cond:
+            self.inbox.append(message)
+            self.cond.notify_all()
+
+    def close_input(self) -> None:
+        """From now on receive() returns none once the inbox is empty."""
+        with self.cond:
+            self.input_closed = True
+            self.cond.notify_all()
+
     def check_alive(self) -> None:
         if self.stop_reason is not None:
             raise Terminated(self.stop_reason)
@@ -151,8 +166,8 @@ class Instance:
                         return False
                     if not blocked:
                         blocked = True
-                        self.host.scheduler.forget(self.id)  # the scheduler need not wait for us
-                        self._outside_cond(self.host.gate.leave)
+                        self.env.on_block(self.id)  # the scheduler need not wait for us
+                        self._outside_cond(self.env.gate.leave)
                         continue  # cond was released: check again
                     self._waiting = True
                     self.cond.wait(remaining)
@@ -160,11 +175,11 @@ class Instance:
                     if self._handed:  # the gate woke us for our turn
                         self._handed = False
                         if not ready():  # not ready after all: pass the turn on
-                            self._outside_cond(self.host.gate.declined)
+                            self._outside_cond(self.env.gate.declined)
                 return True
         finally:
             if blocked:  # outside self.cond: the scheduler's wake-up callback needs it
-                self.host.gate.enter()
+                self.env.gate.enter()
 
     def _outside_cond(self, fn: Callable[[], None]) -> None:
         """Run `fn` with self.cond released: gate calls take other instances' conds."""
@@ -183,7 +198,7 @@ class Instance:
 
     def wake(self, _fut: ForwardFuture) -> None:
         """Done-callback of this instance's forwards: wake its thread (in its turn, see RunGate)."""
-        self.host.gate.wake(self._notify)
+        self.env.gate.wake(self._notify)
 
     def _notify(self) -> bool:
         """The gate's wake-up: wake the thread if it waits; returns whether it was waiting."""
@@ -203,27 +218,24 @@ class Instance:
         del self._stderr[:-_OUTPUT_TAIL]
 
     def _main(self) -> None:
-        host = self.host
+        env = self.env
         event, message = "exception", "instance did not start"
+        epoch_key = 0
         try:
-            store = Store(host.wasm.engine)
-            store.set_limits(memory_size=host.config.memory_limit_bytes)
-            self._epoch_key = next(_epoch_keys)
-            _EPOCH_OWNERS[self._epoch_key] = self
-            ffi.wasmtime_store_epoch_deadline_callback(store.ptr(), _on_epoch, self._epoch_key, _NO_FINALIZER)
-            store.set_epoch_deadline(1)
+            store = Store(env.engine.engine)
+            store.set_limits(memory_size=env.limits.memory_bytes)
+            epoch_key = watch_epochs(store, self)
             wasi = WasiConfig()
             wasi.stdout_custom = self._capture_stdout
             wasi.stderr_custom = self._capture_stderr
             store.set_wasi(wasi)
             self.check_alive()
-            component = host.wasm.get(self.program)
-            inst = host.linker.instantiate(store, component)
+            inst = env.linker.instantiate(store, env.engine.get(self.program))
             run = inst.get_func(store, "run")
             if run is None:
                 raise wasmtime.WasmtimeError("the component exports no `run` function")
             self.state = "running"
-            host.bind_thread(self)
+            _current.instance = self
             result = run(store)
             if isinstance(result, str):
                 event, message = "exception", f"inferlet returned an error: {result}"
@@ -237,13 +249,13 @@ class Instance:
             log.exception("instance %s failed in the host", self.id)
             event, message = "exception", f"host error: {type(e).__name__}: {e}"
         finally:
-            host.gate.leave()
-            host.unbind_thread()
-            _EPOCH_OWNERS.pop(self._epoch_key, None)
+            env.gate.leave()
+            _current.instance = None
+            unwatch_epochs(epoch_key)
             with self.cond:
                 self.finished.set()
             self.state = event
-            host.instance_ended(self)
+            env.on_end(self)
         self.emit(event, message)
 
     def _classify_trap(self, e: wasmtime.WasmtimeError) -> tuple[str, str]:
@@ -257,7 +269,7 @@ class Instance:
         first = (causes[-1] if causes else lines[0]) if lines else "trap"
         stderr = self._stderr.decode("utf-8", "replace").strip()
         if "memory" in text.lower() or "MemoryError" in stderr:
-            limit = self.host.config.memory_limit_bytes // 2**20
+            limit = self.env.limits.memory_bytes // 2**20
             first = f"{first} (linear memory limit is {limit} MiB)"
         detail = f"\n{stderr[-2000:]}" if stderr else ""
         return "exception", f"trap: {first}{detail}"

@@ -1,4 +1,4 @@
-"""Client protocol v1: message types, validation and msgpack encoding.
+"""Client protocol v1: message types, validation and msgpack encoding (shared by client and server).
 
 Every frame is a binary WebSocket message holding one msgpack map with a ``"type"`` key.
 `decode_request` turns a client frame into a typed request or raises `ProtocolError`; the
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+
+from host.events import EVENT_KINDS, TERMINAL_EVENTS
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -43,8 +45,6 @@ PROTOCOL_VERSION = 1
 CHUNK_SIZE = 256 * 1024
 # A full chunk plus the map around it fits easily; anything larger is refused by websockets itself.
 MAX_FRAME_BYTES = 1024 * 1024
-EVENT_KINDS = ("message", "completed", "exception", "aborted", "out_of_resources")
-TERMINAL_EVENTS = frozenset(EVENT_KINDS[1:])
 QUERY_SUBJECTS = ("program_exists", "models", "instances", "stats")
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from host.protocol import CHUNK_SIZE
+from host.client.protocol import CHUNK_SIZE
 
 __all__ = ["ProgramStore", "Upload", "UploadError", "ProgramRejected", "DEFAULT_MAX_PROGRAM_BYTES"]
 

@@ -1,4 +1,4 @@
-"""Python client for protocol v1: `PieClient` (asyncio), `SyncPieClient`, and `run_remote` for `pie-run --server`.
+"""Python client for protocol v1: `PieClient`, on asyncio (`SyncPieClient` wraps it for blocking code).
 
 Example::
 
@@ -15,27 +15,18 @@ import asyncio
 import hashlib
 import itertools
 import logging
-import sys
-import threading
-from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from host import protocol as p
+from host.client import protocol as p
+from host.events import InstanceEvent
 
-__all__ = ["PieClient", "SyncPieClient", "Event", "PieError", "ConnectionLost", "run_remote", "EXIT_CODES"]
+__all__ = ["PieClient", "Event", "PieError", "ConnectionLost"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-# Exit status of `run_remote` per terminal event, as the embedded `pie-run` uses them;
-# a failure before the instance ends (connect, upload, launch, lost connection) exits 1.
-EXIT_CODES = {"completed": 0, "exception": 1, "out_of_resources": 1, "aborted": 130}
-EXIT_CLIENT_ERROR = 1
 
 
 class PieError(Exception):
@@ -46,17 +37,8 @@ class ConnectionLost(PieError):
     """The connection closed before the awaited response or terminal event arrived."""
 
 
-@dataclass(frozen=True)
-class Event:
-    """One `instance_event` frame."""
-
-    instance_id: str
-    event: str
-    message: str
-
-    @property
-    def terminal(self) -> bool:
-        return self.event in p.TERMINAL_EVENTS
+# One `instance_event` frame: the same record the host hands its embedders.
+Event = InstanceEvent
 
 
 _CLOSED = object()  # put into event queues when the connection ends
@@ -251,135 +233,3 @@ class PieClient:
             future.set_result(msg.get("result"))
         else:
             future.set_exception(PieError(str(msg.get("result"))))
-
-
-class SyncPieClient:
-    """Blocking wrapper around `PieClient`; runs its own event loop in a daemon thread."""
-
-    def __init__(self, url: str, *, token: str | None = None) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="pie-client", daemon=True)
-        self._thread.start()
-        self._client: PieClient = self._call(PieClient.connect(url, token=token))
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def __enter__(self) -> SyncPieClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._call(self._client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def ping(self) -> float:
-        return self._call(self._client.ping())
-
-    def query(self, subject: str, record: Any = None) -> Any:
-        return self._call(self._client.query(subject, record))
-
-    def program_exists(self, program_hash: str) -> bool:
-        return self._call(self._client.program_exists(program_hash))
-
-    def upload_program(self, data: bytes) -> str:
-        return self._call(self._client.upload_program(data))
-
-    def ensure_program(self, data: bytes) -> str:
-        return self._call(self._client.ensure_program(data))
-
-    def launch(self, program_hash: str, arguments: Iterable[str] = (), *, detached: bool = False) -> str:
-        return self._call(self._client.launch(program_hash, arguments, detached=detached))
-
-    def signal(self, instance_id: str, message: str) -> None:
-        self._call(self._client.signal(instance_id, message))
-
-    def terminate(self, instance_id: str) -> None:
-        self._call(self._client.terminate(instance_id))
-
-    def attach(self, instance_id: str) -> None:
-        self._call(self._client.attach(instance_id))
-
-    def events(self, instance_id: str) -> Iterator[Event]:
-        """The instance's events, blocking, ending with its terminal event."""
-        stream = self._client.events(instance_id)
-
-        async def step() -> Event | None:
-            return await anext(stream, None)
-
-        while (event := self._call(step())) is not None:
-            yield event
-
-
-def run_remote(url: str, wasm_path: Path, args: list[str], *, token: str | None = None,
-               stdin_lines: Iterable[str] | None = None) -> int:
-    """Run one inferlet on a server, like `pie-run` does locally; returns the exit status.
-
-    Uploads the program if the server lacks it, launches it, prints its messages to stdout and its
-    return value at the end. Lines from `stdin_lines` are sent as signals as they come; when they
-    run out nothing more is sent. Exit status: see `EXIT_CODES`; reasons go to stderr.
-    """
-    try:
-        data = Path(wasm_path).read_bytes()
-    except OSError as exc:
-        print(f"pie-run: cannot read {wasm_path}: {exc}", file=sys.stderr)
-        return EXIT_CLIENT_ERROR
-    return asyncio.run(_run_remote(url, data, args, token, stdin_lines))
-
-
-async def _run_remote(url: str, data: bytes, args: list[str], token: str | None,
-                      stdin_lines: Iterable[str] | None) -> int:
-    try:
-        client = await PieClient.connect(url, token=token)
-    except (OSError, TimeoutError, PieError) as exc:
-        print(f"pie-run: cannot connect to {url}: {exc}", file=sys.stderr)
-        return EXIT_CLIENT_ERROR
-    forwarder: asyncio.Task[None] | None = None
-    try:
-        iid = await client.launch(await client.ensure_program(data), args)
-        if stdin_lines is not None:
-            forwarder = asyncio.create_task(_forward_lines(client, iid, stdin_lines))
-        async for event in client.events(iid):
-            if event.event == "message":
-                print(event.message, flush=True)
-            elif event.event == "completed":
-                if event.message:
-                    print(event.message, flush=True)
-                return 0
-            else:
-                print(f"pie-run: inferlet {event.event}: {event.message}", file=sys.stderr)
-                return EXIT_CODES.get(event.event, 1)
-        raise ConnectionLost("event stream ended without a terminal event")
-    except PieError as exc:
-        print(f"pie-run: {exc}", file=sys.stderr)
-        return EXIT_CLIENT_ERROR
-    finally:
-        if forwarder is not None:
-            forwarder.cancel()
-        await client.close()
-
-
-async def _forward_lines(client: PieClient, instance_id: str, lines: Iterable[str]) -> None:
-    """Send each line as a signal; reads `lines` on a daemon thread (stdin blocks)."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[str | None] = asyncio.Queue()
-
-    def pump() -> None:
-        try:
-            for line in lines:
-                loop.call_soon_threadsafe(queue.put_nowait, line.rstrip("\r\n"))
-            loop.call_soon_threadsafe(queue.put_nowait, None)
-        except RuntimeError:  # the run already ended and its loop is closed: nobody to send to
-            return
-
-    threading.Thread(target=pump, name="pie-run-stdin", daemon=True).start()
-    try:
-        while (line := await queue.get()) is not None:
-            await client.signal(instance_id, line)
-        await client.close_input(instance_id)  # EOF: receive() returns none, like the embedded pie-run
-    except PieError as exc:  # typically: the instance finished while input was still coming
-        log.info("stopped forwarding input: %s", exc)

@@ -1,0 +1,175 @@
+"""Read a GGUF file: architecture, tokenizer and weights, dequantized to float32 under HF names.
+
+Dequantizing costs a few seconds, so the result is cached on disk (`$PIE_CACHE_DIR`, default
+`~/.cache/pie-python/`) keyed by the file's path, size and mtime; later loads read the cache
+with safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from .config import ModelConfig
+from .model_files import GGUF_PRE_PATTERNS, LoadedModel, TokenizerSpec
+from .paths import default_cache_dir
+
+__all__ = ["CACHE_VERSION", "load_gguf_cached"]
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+
+
+def _cache_key(path: Path) -> str:
+    st = path.stat()
+    raw = f"{CACHE_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def load_gguf_cached(path: Path, progress: bool) -> LoadedModel:
+    """Load a GGUF file, from the disk cache of its dequantized weights when there is one."""
+    base = default_cache_dir() / f"{path.stem}-{_cache_key(path)}"
+    meta_file, weight_file = base.with_suffix(".json"), base.with_suffix(".safetensors")
+    if meta_file.exists() and weight_file.exists():
+        meta = json.loads(meta_file.read_text())
+        with tqdm(total=1, desc=f"loading {path.name} (cached)", disable=not progress) as bar:
+            weights = load_file(str(weight_file))
+            bar.update(1)
+        return LoadedModel(
+            meta["name"], ModelConfig.from_dict(meta["config"]), weights, TokenizerSpec(**meta["tokenizer"])
+        )
+    loaded = _load_gguf(path, progress)
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        tmp = weight_file.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in loaded.weights.items()}, str(tmp))
+        os.replace(tmp, weight_file)
+        meta = {"name": loaded.name, "config": loaded.config.to_dict(), "tokenizer": asdict(loaded.tokenizer)}
+        meta_file.write_text(json.dumps(meta))
+    except OSError as e:  # a read-only home must not stop the load; it only makes the next one slower
+        log.warning("could not write the weight cache %s: %s", base, e)
+    return loaded
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter interleaves the rotary halves of q/k rows; undo it so HF's rotate_half applies.
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_config(reader: Any) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: expected llama or qwen2")
+
+    def g(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = g("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    scaling = None
+    if g("rope.scaling.type") not in (None, "none"):
+        scaling = {"rope_type": g("rope.scaling.type"), "factor": float(g("rope.scaling.factor", 1.0))}
+    return ModelConfig(
+        arch=arch,
+        num_layers=int(g("block_count")),
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_heads=heads,
+        num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("rope.dimension_count", hidden // heads)),
+        vocab_size=int(vocab),
+        rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        max_position=int(g("context_length", 4096)),
+        tie_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        rope_scaling=scaling,
+    )
+
+
+def _gguf_tokenizer(reader: Any) -> TokenizerSpec:
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer {model!r}: only byte-level BPE (gpt2) is supported")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type"))
+    pre = _field(reader, "tokenizer.ggml.pre", "gpt2")
+    if pre not in GGUF_PRE_PATTERNS:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}: known {sorted(GGUF_PRE_PATTERNS)}")
+    # type 3 = control, 4 = user-defined: both are matched verbatim in text, like HF added tokens.
+    special = {tok: i for i, (tok, t) in enumerate(zip(tokens, types, strict=True)) if t in (3, 4)}
+    ids = {k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "pad", "eot", "eom")}
+    stops = sorted({int(ids[k]) for k in ("eos", "eot", "eom") if ids[k] is not None})
+    return TokenizerSpec(
+        tokens=tokens,
+        special=special,
+        pattern=GGUF_PRE_PATTERNS[pre],
+        chat_template=_field(reader, "tokenizer.chat_template", "") or "",
+        bos_token_id=None if ids["bos"] is None else int(ids["bos"]),
+        eos_token_id=None if ids["eos"] is None else int(ids["eos"]),
+        pad_token_id=None if ids["pad"] is None else int(ids["pad"]),
+        stop_tokens=stops,
+    )
+
+
+def _load_gguf(path: Path, progress: bool) -> LoadedModel:
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(str(path))
+    cfg = _gguf_config(reader)
+    weights: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", disable=not progress):
+        arr = dequantize(t.data, t.tensor_type)
+        arr = arr.reshape([int(x) for x in reversed(t.shape)])
+        name = t.name
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name == "rope_freqs.weight":
+            hf = "rope_freqs"  # Llama 3 RoPE scaling as per-frequency divisors
+        elif name.startswith("blk."):
+            _, layer, kind, suffix = name.split(".", 3)
+            if kind not in _GGUF_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {name}")
+            hf = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+            if cfg.arch == "llama" and kind in ("attn_q", "attn_k"):
+                arr = _reverse_permute(arr, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
+        else:
+            raise ValueError(f"unexpected GGUF tensor {name}")
+        weights[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # own, writable copy
+    name = str(_field(reader, "general.name", path.stem))
+    return LoadedModel(name, cfg, weights, _gguf_tokenizer(reader))

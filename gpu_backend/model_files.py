@@ -1,0 +1,69 @@
+"""What a loaded model is made of, whichever file it came from: `LoadedModel` and `TokenizerSpec`,
+plus the pre-tokenizer split patterns that GGUF and HF tokenizer files refer to.
+
+Weights are under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...), so the model
+code has one naming scheme.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+
+__all__ = [
+    "CL100K_PATTERN",
+    "GGUF_PRE_PATTERNS",
+    "GPT2_PATTERN",
+    "QWEN2_PATTERN",
+    "SMOLLM_PATTERN",
+    "LoadedModel",
+    "TokenizerSpec",
+]
+
+# GPT-2's split pattern, with digits split one by one (the `smollm` pre-tokenizer: a Digits split
+# followed by byte-level GPT-2). A whitespace run that ends at a digit is taken whole, as it is when
+# the digits are split off first.
+SMOLLM_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Llama 3 / Qwen2 (cl100k-style) pattern, used by GGUF pre-tokenizers "llama-bpe" and "qwen2".
+CL100K_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+GGUF_PRE_PATTERNS = {
+    "smollm": SMOLLM_PATTERN,
+    "gpt-2": GPT2_PATTERN,
+    "gpt2": GPT2_PATTERN,
+    "llama-bpe": CL100K_PATTERN,
+    "llama3": CL100K_PATTERN,
+    "qwen2": QWEN2_PATTERN,
+}
+
+
+@dataclass
+class TokenizerSpec:
+    """Byte-level BPE vocabulary: `tokens[i]` is token i in GPT-2's byte-to-unicode form."""
+
+    tokens: list[str]
+    special: dict[str, int]  # tokens recognised verbatim in text (control / added tokens)
+    pattern: str
+    chat_template: str
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    stop_tokens: list[int]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: TokenizerSpec

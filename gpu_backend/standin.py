@@ -1,0 +1,89 @@
+"""A stand-in backend with no model: implements `gpu_backend.types.Backend`.
+
+Its "model" is deterministic: the sampled token after token t is (t + 1) % vocab, so an
+inferlet's output is predictable and any cross-talk between instances shows up. `delay_s`
+makes each batch take that long with the GIL released, as a GPU step does: the host benchmarks
+put it behind the real host to measure the host alone. Tests use it through tests/fakes.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .types import ForwardError, ForwardRequest, OutputResult
+from .validate import check_request
+
+__all__ = ["StandInBackend", "StandInInfo", "StandInTokenizer"]
+
+
+@dataclass(frozen=True)
+class StandInInfo:
+    name: str = "stand-in"
+    page_size: int = 4
+    num_pages: int = 64
+    vocab_size: int = 256
+    stop_tokens: list[int] = field(default_factory=lambda: [0])
+    chat_template: str = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    bos_token_id: int = 1
+    eos_token_id: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_position: int = 8192
+
+
+class StandInTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("latin-1", "replace"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("latin-1")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+
+class StandInBackend:
+    """Deterministic tokens, optional sleep per batch; records batch sizes and slot contents."""
+
+    def __init__(self, page_size: int = 4, num_pages: int = 64, delay_s: float = 0.0) -> None:
+        self.info = StandInInfo(page_size=page_size, num_pages=num_pages)
+        self.tokenizer = StandInTokenizer()
+        self.delay_s = delay_s
+        self.batches: list[int] = []
+        self._lock = threading.Lock()
+        # the "KV cache": the token stored in each slot, so reads of foreign pages are detectable
+        self.slots: dict[tuple[int, int], int] = {}
+
+    def forward(self, reqs: Sequence[ForwardRequest]) -> list[list[OutputResult]]:
+        checked = []
+        for i, r in enumerate(reqs):
+            try:
+                checked.append(check_request(r, self.info))  # the real validator: same errors as the model
+            except ValueError as e:
+                raise ForwardError(i, str(e)) from None
+        reqs = checked
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        ps = self.info.page_size
+        out = []
+        with self._lock:
+            self.batches.append(len(reqs))
+            for r in reqs:
+                ctx = r.context_len(ps)
+                for j, t in enumerate(r.tokens):
+                    slot = ctx + j
+                    self.slots[(r.pages[slot // ps], slot % ps)] = t
+                res = []
+                for o in r.outputs:
+                    nxt = (r.tokens[o.index] + 1) % self.info.vocab_size
+                    res.append(OutputResult(token=nxt if o.sample else None,
+                                            ids=[nxt][: o.dist], probs=[1.0][: o.dist]))
+                out.append(res)
+        return out
+
+    def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:
+        for i in range(count):
+            self.slots[(dst_page, dst_offset + i)] = self.slots.get((src_page, src_offset + i), -1)

@@ -1,0 +1,136 @@
+"""WIT interface `forward`: submit forward passes, wait on one or any, and the one-token decode step.
+
+Each pass is checked here, once, where it enters the host: the page list against what the
+instance holds, the rest by `gpu_backend.validate.check_request` (the backend trusts a checked
+request). `decode-step` checks its fixed shape inline instead: it is the call made per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_backend.types import BackendInfo, ForwardRequest, OutputResult, OutputSpec, SamplerParams
+from gpu_backend.validate import as_sampler, check_request
+from host.api.guest import GuestError, Import, guest_import
+from host.batching.scheduler import Scheduler
+from host.state.pages import PageManager
+from host.wasm.instance import Instance
+
+
+def _sampler(rec: Any) -> SamplerParams:
+    return SamplerParams(temperature=rec.temperature, top_k=getattr(rec, "top-k"), top_p=getattr(rec, "top-p"),
+                         min_p=getattr(rec, "min-p"), seed=rec.seed)
+
+
+def _outputs(specs: list[Any]) -> list[OutputSpec]:
+    return [OutputSpec(index=s.index, sample=None if s.sample is None else _sampler(s.sample), dist=s.dist)
+            for s in specs]
+
+
+class _Passes:
+    """The checks and bookkeeping the forward imports share."""
+
+    def __init__(self, pm: PageManager, scheduler: Scheduler, info: BackendInfo) -> None:
+        self.pm, self.scheduler, self.info = pm, scheduler, info
+        self.page_size = info.page_size
+        self.max_position = info.max_position or 2**32
+        self.decode_specs: dict[tuple[Any, ...], list[OutputSpec]] = {}  # sampler fields -> [OutputSpec]
+
+    def check_pages(self, inst: Instance, req: ForwardRequest) -> None:
+        """The page list of a pass: held by the instance, long enough, written pages writable."""
+        inst.check_alive()
+        ps = self.page_size
+        if not req.pages:
+            raise GuestError("empty page list")
+        if not 1 <= req.last_page_len <= ps:
+            raise GuestError(f"last-page-len {req.last_page_len} is outside 1..{ps}")
+        total = req.total_len(ps)
+        if len(req.tokens) > total:
+            raise GuestError(f"{len(req.tokens)} new tokens do not fit: the {len(req.pages)} pages with "
+                             f"last-page-len {req.last_page_len} hold {total} tokens")
+        self.pm.check_pages(inst.pages, req.pages, writable_from=req.first_written_page(ps))
+
+    def submit(self, inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
+               mask: list[list[int]], outputs: list[Any]) -> int:
+        req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens, positions=positions,
+                             mask=mask or None, outputs=_outputs(outputs), name=inst.label)
+        self.check_pages(inst, req)
+        req = check_request(req, self.info)
+        return inst.new_handle(self.scheduler.submit(req, inst.id))
+
+    def take(self, inst: Instance, handle: int) -> list[OutputResult]:
+        fut = inst.forwards.get(handle)
+        if fut is None:
+            raise GuestError(f"unknown forward handle {handle} (never submitted or already waited on)")
+        inst.wait_until(fut.done)
+        del inst.forwards[handle]
+        result: list[OutputResult] = fut.wait()
+        return result
+
+    def decode_request(self, inst: Instance, pages: list[int], last_len: int, token: int, position: int,
+                       sampler: Any) -> ForwardRequest:
+        """forward.run(pages, last_len, [token], [position], [], [sample-only spec at 0]), checked
+        inline: everything check_request would reject, for this fixed shape."""
+        req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=[token], positions=[position],
+                             name=inst.label)
+        self.check_pages(inst, req)
+        if token >= self.info.vocab_size:
+            raise GuestError(f"token {token} is outside the vocabulary (size {self.info.vocab_size})")
+        if position >= self.max_position:
+            raise GuestError(f"position {position} is past the model's maximum {self.max_position - 1}")
+        if len(set(pages)) != len(pages):
+            raise GuestError(f"the page list repeats a page: {pages}")
+        key = tuple(sampler.__dict__.values())
+        outputs = self.decode_specs.get(key)
+        if outputs is None:
+            outputs = [OutputSpec(index=0, sample=as_sampler(_sampler(sampler), "sampler"))]
+            if len(self.decode_specs) < 1024:
+                self.decode_specs[key] = outputs
+        req.outputs = outputs
+        req.checked = True
+        return req
+
+
+def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo) -> dict[str, Import]:
+    passes = _Passes(pm, scheduler, info)
+
+    @guest_import("forward.submit")
+    def submit(inst: Instance, *args: Any) -> int:
+        return passes.submit(inst, *args)
+
+    @guest_import("forward.wait")
+    def wait(inst: Instance, handle: int) -> list[OutputResult]:
+        return passes.take(inst, handle)
+
+    @guest_import("forward.wait-any")
+    def wait_any(inst: Instance, handles: list[int]) -> tuple[int, list[OutputResult]]:
+        if not handles:
+            raise GuestError("wait-any on an empty handle list")
+        for h in handles:
+            if h not in inst.forwards:
+                raise GuestError(f"unknown forward handle {h} (never submitted or already waited on)")
+        found: list[int] = []
+
+        def any_done() -> bool:
+            found[:] = [h for h in handles if inst.forwards[h].done()][:1]
+            return bool(found)
+
+        inst.wait_until(any_done)
+        return found[0], passes.take(inst, found[0])
+
+    @guest_import("forward.run")
+    def run(inst: Instance, *args: Any) -> list[OutputResult]:
+        return passes.take(inst, passes.submit(inst, *args))
+
+    @guest_import("forward.decode-step")
+    def decode_step(inst: Instance, pages: list[int], last_len: int, token: int, position: int,
+                    sampler: Any) -> int:
+        req = passes.decode_request(inst, pages, last_len, token, position, sampler)
+        fut = scheduler.submit(req, inst.id)
+        fut.add_done_callback(inst.wake)
+        inst.wait_until(fut.done)
+        out: int | None = fut.wait()[0].token
+        assert out is not None  # the spec asked for a sampled token
+        return out
+
+    return {"submit": submit, "wait": wait, "wait-any": wait_any, "run": run, "decode-step": decode_step}

@@ -1,0 +1,65 @@
+"""What every WIT import shares: how guest misuse becomes a trap, and small argument checks.
+
+Guest *bugs* trap the instance with a message naming the call and the bad value; *conditions*
+come back as the WIT `result` error (the import returns a string). A host bug traps only the
+calling guest, with the reason, and the host keeps serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import wasmtime
+
+from host.state.pages import PageError
+from host.wasm.instance import Instance, Terminated, current
+
+__all__ = ["GuestError", "Import", "guest_import", "U32_MAX"]
+
+log = logging.getLogger(__name__)
+
+U32_MAX = 2**32 - 1
+
+# An import as registered: called by wasmtime with the store context and the WIT arguments.
+Import = Callable[..., Any]
+
+
+class GuestError(Exception):
+    """Guest misuse of an import: traps the instance with this message."""
+
+
+def guest_import(name: str) -> Callable[[Callable[..., Any]], Import]:
+    """Wrap `fn(instance, *args)` as the import `name` (e.g. "kv.allocate")."""
+
+    def deco(fn: Callable[..., Any]) -> Import:
+        @functools.wraps(fn)
+        def wrapper(_store: Any, *args: Any) -> Any:
+            inst = current()
+            try:
+                return fn(inst, *args)
+            except Terminated as e:
+                raise wasmtime.WasmtimeError(f"instance terminated: {e}") from None
+            except (GuestError, PageError, ValueError, TypeError, OverflowError) as e:
+                raise _trap(inst, f"{name}: {e}") from None
+            except wasmtime.WasmtimeError:
+                raise
+            except Exception as e:
+                log.exception("host import %s failed", name)
+                raise _trap(inst, f"{name}: internal host error: {type(e).__name__}: {e}") from None
+
+        return wrapper
+
+    return deco
+
+
+def _trap(inst: Instance, reason: str) -> wasmtime.WasmtimeError:
+    inst.trap_reason = reason
+    return wasmtime.WasmtimeError(reason)
+
+
+def timeout_s(timeout_ms: int | None) -> float | None:
+    """A WIT `option<u32>` timeout in ms as seconds (None: wait forever)."""
+    return None if timeout_ms is None else timeout_ms / 1000

@@ -1,0 +1,63 @@
+"""WIT interface `kv`: KV pages: allocate, release, export/import by name, copy tokens."""
+
+from __future__ import annotations
+
+from host.api.guest import GuestError, Import, guest_import
+from host.batching.future import CopyRequest
+from host.batching.scheduler import Scheduler
+from host.state.pages import PageManager
+from host.wasm.instance import Instance
+
+
+def imports(pm: PageManager, scheduler: Scheduler, page_size: int) -> dict[str, Import]:
+    @guest_import("kv.page-size")
+    def kv_page_size(inst: Instance) -> int:
+        return page_size
+
+    @guest_import("kv.free-pages")
+    def free_pages(inst: Instance) -> int:
+        return pm.free_count
+
+    @guest_import("kv.allocate")
+    def allocate(inst: Instance, count: int) -> list[int] | str:
+        inst.check_alive()
+        return pm.allocate(inst.pages, count)
+
+    @guest_import("kv.release")
+    def release(inst: Instance, pages: list[int]) -> None:
+        pm.release(inst.pages, pages)
+
+    @guest_import("kv.export-pages")
+    def export_pages(inst: Instance, name: str, pages: list[int], persistent: bool) -> str | None:
+        return pm.export(inst.pages, name, pages, persistent)
+
+    @guest_import("kv.import-pages")
+    def import_pages(inst: Instance, name: str) -> list[int] | str:
+        return pm.import_(inst.pages, name)
+
+    @guest_import("kv.unexport")
+    def unexport(inst: Instance, name: str) -> str | None:
+        return pm.unexport(name)
+
+    @guest_import("kv.list-exports")
+    def list_exports(inst: Instance) -> list[tuple[str, int]]:
+        return pm.list_exports()
+
+    @guest_import("kv.copy-tokens")
+    def copy_tokens(inst: Instance, src_page: int, src_off: int, dst_page: int, dst_off: int, count: int) -> None:
+        # Through the scheduler: the copy runs after this instance's forwards submitted before it.
+        inst.check_alive()
+        pm.check_pages(inst.pages, [src_page], writable_from=1)
+        pm.check_writable(inst.pages, dst_page)
+        if src_off + count > page_size or dst_off + count > page_size:
+            raise GuestError(f"copy of {count} tokens at offsets {src_off}/{dst_off} runs past the page size {page_size}")
+        if count == 0:
+            return
+        fut = scheduler.submit(CopyRequest(src_page, src_off, dst_page, dst_off, count, inst.label), inst.id)
+        fut.add_done_callback(inst.wake)
+        inst.wait_until(fut.done)
+        fut.wait()
+
+    return {"page-size": kv_page_size, "free-pages": free_pages, "allocate": allocate, "release": release,
+            "export-pages": export_pages, "import-pages": import_pages, "unexport": unexport,
+            "list-exports": list_exports, "copy-tokens": copy_tokens}

@@ -1,0 +1,81 @@
+"""`pie-serve`: load the host and serve protocol v1 over WebSocket until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from host.cli.options import add_host_options, host_config_from_args
+from host.client.protocol import MAX_FRAME_BYTES
+from host.config import default_data_dir
+from host.server import Server, ServerConfig
+from host.server.programs import DEFAULT_MAX_PROGRAM_BYTES
+
+__all__ = ["main", "parse_args", "server_config_from_args"]
+
+EXIT_USAGE = 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """pie-serve's arguments: where to listen, the host flags, the program store and limits."""
+    return _parser().parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pie-serve", description="Serve inferlets over WebSocket (protocol v1).")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8080, help="port (0 picks a free one; default 8080)")
+    ap.add_argument("--auth-token", default=os.environ.get("PIE_AUTH_TOKEN"),
+                    help="require this token (default: $PIE_AUTH_TOKEN; none = no authentication)")
+    add_host_options(ap)
+    ap.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                    help="program store and key-value store (default: $PIE_DATA_DIR or the host cache dir)")
+    ap.add_argument("--max-frame-bytes", type=int, default=MAX_FRAME_BYTES,
+                    help=f"largest accepted WebSocket frame (default {MAX_FRAME_BYTES})")
+    ap.add_argument("--max-program-mb", type=int, default=DEFAULT_MAX_PROGRAM_BYTES // 2**20,
+                    help=f"largest accepted program (default {DEFAULT_MAX_PROGRAM_BYTES // 2**20} MiB)")
+    ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return ap
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The `ServerConfig` for parsed pie-serve arguments (an empty token means none)."""
+    return ServerConfig(host=args.host, port=args.port, auth_token=args.auth_token or None,
+                        data_dir=args.data_dir, max_frame_bytes=args.max_frame_bytes,
+                        max_program_bytes=args.max_program_mb * 2**20)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `pie-serve`: load the host and serve until SIGINT/SIGTERM."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from host import Host
+
+    try:
+        config = host_config_from_args(args)
+    except ValueError as exc:
+        print(f"pie-serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    host = Host(config)
+    server = Server(host, server_config_from_args(args))
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.request_stop)
+        await server.serve_forever()
+
+    try:
+        asyncio.run(serve())
+    finally:
+        host.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

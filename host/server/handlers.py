@@ -1,0 +1,155 @@
+"""The protocol v1 requests, one handler each: authentication, queries, uploads, instance control.
+
+A handler returns the response's result or raises `RequestError` with the reason sent back; it
+reaches the host only through the `HostFacade` methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from host.client import protocol as p
+from host.server.config import HostFacade, ServerConfig
+from host.server.connection import Connection, RequestError
+from host.server.instances import InstanceRecord, InstanceTable
+from host.server.programs import ProgramRejected, ProgramStore, Upload, UploadError
+
+__all__ = ["RequestHandlers", "ServerCounters", "MAX_AUTH_FAILURES"]
+
+MAX_AUTH_FAILURES = 3
+
+
+@dataclass
+class ServerCounters:
+    """Totals since start, reported by `query stats`."""
+
+    connections_total: int = 0
+    requests: int = 0
+    errors: int = 0
+    launched: int = 0
+    uploads: int = 0
+
+
+class RequestHandlers:
+    """Carries out decoded requests for one server."""
+
+    def __init__(self, host: HostFacade, config: ServerConfig, store: ProgramStore, instances: InstanceTable,
+                 connections: set[Connection], counters: ServerCounters) -> None:
+        self.host = host
+        self.config = config
+        self.store = store
+        self.instances = instances
+        self.connections = connections
+        self.counters = counters
+        self._table: dict[type, Callable[[Connection, Any], Awaitable[Any]]] = {
+            p.Authenticate: self._authenticate, p.Ping: self._ping, p.Query: self._query,
+            p.UploadProgram: self._upload, p.LaunchInstance: self._launch, p.SignalInstance: self._signal,
+            p.CloseInput: self._close_input, p.TerminateInstance: self._terminate, p.AttachInstance: self._attach,
+        }
+
+    async def handle(self, conn: Connection, request: p.Request) -> Any:
+        """The result for `request` from `conn`; raises RequestError with the reason to send back."""
+        if not conn.authenticated and not isinstance(request, p.Authenticate | p.Ping):
+            raise RequestError("not authenticated: send authenticate with the server's token first")
+        return await self._table[type(request)](conn, request)
+
+    async def _authenticate(self, conn: Connection, req: p.Authenticate) -> str:
+        expected = self.config.auth_token
+        if expected is None or hmac.compare_digest(req.token.encode(), expected.encode()):
+            conn.authenticated = True
+            return "authenticated"
+        conn.auth_failures += 1
+        if conn.auth_failures >= MAX_AUTH_FAILURES:
+            conn.send(p.encode_response(req.corr_id, False, "invalid token"))
+            conn.close(p.CLOSE_POLICY, f"{MAX_AUTH_FAILURES} failed authentication attempts")
+        raise RequestError("invalid token")
+
+    async def _ping(self, conn: Connection, req: p.Ping) -> str:
+        return "pong"
+
+    async def _query(self, conn: Connection, req: p.Query) -> Any:
+        if req.subject == "program_exists":
+            if not isinstance(req.record, str):
+                raise RequestError(f"query program_exists: record must be a program hash string, got {req.record!r:.80}")
+            return self.store.exists(req.record)
+        if req.subject == "models":
+            return self.host.model_names()
+        if req.subject == "instances":
+            return [self._describe(info) for info in self.host.instances()]
+        server = dict(asdict(self.counters), connections=len(self.connections), instances=len(self.instances),
+                      programs=len(self.store.hashes()))
+        return {"host": self.host.stats(), "server": server}
+
+    def _describe(self, info: dict[str, Any]) -> dict[str, Any]:
+        record = self.instances.get(info["id"])
+        return dict(info, detached=bool(record and record.detached),
+                    attached=bool(record and record.owner is not None))
+
+    async def _upload(self, conn: Connection, req: p.UploadProgram) -> Any:
+        try:
+            if req.chunk_index == 0:
+                conn.upload = Upload(req.program_hash, req.total_chunks, self.config.max_program_bytes)
+            elif conn.upload is None:
+                raise UploadError(f"out-of-order chunk: got chunk_index {req.chunk_index} with no upload "
+                                  "in progress (start at chunk 0)")
+            done = conn.upload.add(req.program_hash, req.chunk_index, req.total_chunks, req.chunk_data)
+            if not done:
+                return req.chunk_index
+            data = conn.upload.finish()
+        except UploadError as exc:
+            conn.upload = None
+            raise RequestError(f"upload_program: {exc}; upload discarded, restart at chunk 0") from exc
+        conn.upload = None
+        try:
+            program_hash = await asyncio.to_thread(self.store.put, data)
+        except ProgramRejected as exc:
+            raise RequestError(f"upload_program: program {req.program_hash} failed to compile: {exc}") from exc
+        self.counters.uploads += 1
+        return program_hash
+
+    async def _launch(self, conn: Connection, req: p.LaunchInstance) -> str:
+        if not self.store.exists(req.program_hash):
+            raise RequestError(f"launch_instance: unknown program {req.program_hash}; upload it first")
+        try:
+            await asyncio.to_thread(self.store.ensure_compiled, req.program_hash)
+        except ProgramRejected as exc:
+            raise RequestError(f"launch_instance: stored program no longer compiles: {exc}") from exc
+        record = InstanceRecord(program=req.program_hash, detached=req.detached, owner=conn)
+        on_event = self.instances.sink(record, asyncio.get_running_loop())
+        try:
+            iid = self.host.launch(req.program_hash, list(req.arguments), on_event)
+        except KeyError as exc:
+            raise RequestError(f"launch_instance: host does not know program {req.program_hash}") from exc
+        record.id = iid
+        # Events wait on the loop until this returns; a disconnect is handled after this request
+        # finishes (same task), so `release` sees the instance.
+        self.instances.add(record)
+        self.counters.launched += 1
+        return iid
+
+    async def _signal(self, conn: Connection, req: p.SignalInstance) -> None:
+        self._control(conn, "signal_instance", req.instance_id, lambda: self.host.signal(req.instance_id, req.message))
+
+    async def _close_input(self, conn: Connection, req: p.CloseInput) -> None:
+        self._control(conn, "close_input", req.instance_id, lambda: self.host.close_input(req.instance_id))
+
+    async def _terminate(self, conn: Connection, req: p.TerminateInstance) -> None:
+        self._control(conn, "terminate_instance", req.instance_id,
+                      lambda: self.host.terminate(req.instance_id, "terminated by request"))
+
+    def _control(self, conn: Connection, kind: str, iid: str, action: Callable[[], None]) -> None:
+        self.instances.owned(conn, kind, iid)
+        try:
+            action()
+        except KeyError as exc:
+            raise RequestError(f"{kind}: instance {iid} has finished") from exc
+
+    async def _attach(self, conn: Connection, req: p.AttachInstance) -> None:
+        record = self.instances.attach(conn, req.instance_id)
+        if record is not None:
+            # Buffered events go out after this request's response (queued right after we return).
+            asyncio.get_running_loop().call_soon(self.instances.flush, record)

@@ -1,0 +1,170 @@
+"""Which connection owns each instance, and the events held for detached instances.
+
+An instance belongs to the connection that launched it; a disconnect terminates it unless it was
+launched detached. A detached instance with no connection attached buffers its events (up to
+`event_buffer_limit`, oldest dropped) until a connection attaches. Invariants: a record stays in
+the table until its terminal event was delivered, or, finished detached and never attached, until
+more than MAX_FINISHED_DETACHED such records exist; while a record has buffered events, new ones
+queue behind them, so attach keeps the order. Every method runs on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from host.client import protocol as p
+from host.events import TERMINAL_EVENTS, InstanceEvent
+from host.server.connection import Connection, RequestError
+
+__all__ = ["InstanceRecord", "InstanceTable", "MAX_FINISHED_DETACHED"]
+
+log = logging.getLogger(__name__)
+
+MAX_FINISHED_DETACHED = 1024
+
+
+@dataclass(eq=False)
+class InstanceRecord:
+    """The server's view of one instance: its owner and the event frames held for it."""
+
+    program: str
+    detached: bool
+    owner: Connection | None
+    id: str = ""
+    finished: bool = False
+    buffer: deque[bytes] = field(default_factory=deque)
+    dropped: int = 0
+
+
+class InstanceTable:
+    """The server's instances by id. `terminate(iid, reason)` is the host's."""
+
+    def __init__(self, terminate: Callable[[str, str], None], event_buffer_limit: int) -> None:
+        self.records: dict[str, InstanceRecord] = {}
+        self._terminate = terminate
+        self._buffer_limit = event_buffer_limit
+        self._finished_detached: deque[str] = deque()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def get(self, iid: str) -> InstanceRecord | None:
+        return self.records.get(iid)
+
+    def add(self, record: InstanceRecord) -> None:
+        """Track a launched instance (`record.id` set) for its owner."""
+        self.records[record.id] = record
+        if record.owner is not None:
+            record.owner.instances.add(record.id)
+
+    def owned(self, conn: Connection, kind: str, iid: str) -> InstanceRecord:
+        """The running instance `iid` if `conn` owns it; else RequestError naming request `kind`."""
+        record = self.records.get(iid)
+        if record is None or record.finished:
+            raise RequestError(f"{kind}: unknown or finished instance {iid!r}")
+        if record.owner is not conn:
+            hint = "; attach_instance first" if record.detached and record.owner is None else ""
+            raise RequestError(f"{kind}: instance {iid} is not attached to this connection{hint}")
+        return record
+
+    def attach(self, conn: Connection, iid: str) -> InstanceRecord | None:
+        """Give a detached, unattached instance to `conn`; None if `conn` has it already.
+
+        The caller sends the buffered events with `flush` after the attach response.
+        """
+        record = self.records.get(iid)
+        if record is None:
+            raise RequestError(f"attach_instance: unknown instance {iid!r}")
+        if record.owner is conn:
+            return None
+        if record.owner is not None:
+            raise RequestError(f"attach_instance: instance {iid} is attached to another connection")
+        if not record.detached:
+            raise RequestError(f"attach_instance: instance {iid} was not launched detached")
+        record.owner = conn
+        conn.instances.add(record.id)
+        return record
+
+    def sink(self, record: InstanceRecord, loop: asyncio.AbstractEventLoop) -> Callable[[InstanceEvent], None]:
+        """The `on_event` to launch `record`'s instance with: hands each event to `loop`."""
+
+        def on_event(event: InstanceEvent) -> None:  # runs on the instance's thread
+            try:
+                loop.call_soon_threadsafe(self.on_event, record, event)
+            except RuntimeError:  # loop closed: the server has stopped, nobody can receive it
+                log.debug("dropping %s event of %s: server stopped", event.event, event.instance_id)
+
+        return on_event
+
+    def on_event(self, record: InstanceRecord, event: InstanceEvent) -> None:
+        """Send the event to the owner, or buffer it; forget the record once it is delivered."""
+        frame = p.encode_event(event.instance_id, event.event, event.message)
+        owner = record.owner
+        if owner is not None and not record.buffer:
+            owner.send(frame)
+        elif owner is not None or record.detached:
+            record.buffer.append(frame)
+            if len(record.buffer) > self._buffer_limit:
+                record.buffer.popleft()
+                record.dropped += 1
+        if event.event in TERMINAL_EVENTS:
+            record.finished = True
+            if owner is None and record.detached:
+                self._finished_detached.append(record.id)
+                self._evict_finished_detached()
+            elif owner is None or not record.buffer:
+                self._forget(record)
+
+    def flush(self, record: InstanceRecord) -> None:
+        """Send the buffered events to the owner that just attached."""
+        owner = record.owner
+        if owner is None:
+            return
+        if record.dropped:
+            log.warning("instance %s: %d buffered events were dropped before attach", record.id, record.dropped)
+        while record.buffer:
+            owner.send(record.buffer.popleft())
+        if record.finished:
+            self._forget(record)
+
+    def release(self, conn: Connection) -> None:
+        """The connection is gone: detach its detached instances, terminate the others."""
+        for iid in conn.instances:
+            record = self.records.get(iid)
+            if record is None or record.owner is not conn:
+                continue
+            record.owner = None
+            if record.finished:
+                self._forget(record)
+            elif not record.detached:
+                self.terminate_quietly(iid, "client disconnected")
+        conn.instances.clear()
+
+    def terminate_all(self, reason: str) -> None:
+        """Terminate every instance still running (the server is stopping)."""
+        for record in list(self.records.values()):
+            if not record.finished:
+                self.terminate_quietly(record.id, reason)
+
+    def terminate_quietly(self, iid: str, reason: str) -> None:
+        """Terminate `iid` unless it has already ended."""
+        try:
+            self._terminate(iid, reason)
+        except KeyError:
+            log.debug("instance %s already ended before terminate(%r)", iid, reason)
+
+    def _forget(self, record: InstanceRecord) -> None:
+        self.records.pop(record.id, None)
+        if record.owner is not None:
+            record.owner.instances.discard(record.id)
+
+    def _evict_finished_detached(self) -> None:
+        # Finished detached instances nobody attached to are kept (for their events) up to a bound.
+        while len(self._finished_detached) > MAX_FINISHED_DETACHED:
+            record = self.records.get(self._finished_detached.popleft())
+            if record is not None and record.owner is None:
+                self._forget(record)

@@ -1,0 +1,111 @@
+"""Fake of the WIT interface `forward`: the host-side checks of a pass, then `TinyBackend.forward`.
+
+Every pass is recorded in `requests` (also the ones that trap). The checks mirror the real host:
+the page list against what the instance holds here, the rest by `gpu_backend.validate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inferlet.testing.kv import FakeKv
+from inferlet.testing.records import Request, WitOutput, WitOutputSpec, WitSampler, trap
+from inferlet.testing.tiny import TinyBackend
+
+from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams
+from gpu_backend.validate import check_request
+
+__all__ = ["FakeForward"]
+
+
+def _spec(rec: WitOutputSpec) -> OutputSpec:
+    s = rec.sample
+    sample = (
+        None
+        if s is None
+        else SamplerParams(
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed
+        )
+    )
+    return OutputSpec(index=rec.index, sample=sample, dist=rec.dist)
+
+
+class FakeForward:
+    Sampler, OutputSpec, Output = WitSampler, WitOutputSpec, WitOutput
+
+    def __init__(self, kv: FakeKv, backend: TinyBackend) -> None:
+        self.kv, self.backend = kv, backend
+        self.requests: list[Request] = []
+        self.results: dict[int, list[WitOutput]] = {}
+        self.next_handle = 1
+        self.decode_step_calls = 0  # passes that came through decode_step (also in `requests`)
+
+    @property
+    def script(self) -> list[int]:
+        """When set, sampled tokens are taken from here in order (`TinyBackend.script`)."""
+        return self.backend.script
+
+    @script.setter
+    def script(self, tokens: list[int]) -> None:
+        self.backend.script = list(tokens)
+
+    def run(self, pages, last_page_len, tokens, positions, mask, outputs) -> list[WitOutput]:  # noqa: ANN001
+        rec = Request(
+            list(pages), last_page_len, list(tokens), list(positions), [list(r) for r in mask], list(outputs)
+        )
+        self.requests.append(rec)
+        req = ForwardRequest(rec.pages, rec.last_page_len, rec.tokens, rec.positions, rec.mask or None,
+                             [_spec(o) for o in rec.outputs], name="fake-instance")  # fmt: skip
+        self._check(req)
+        try:
+            (result,) = self.backend.forward([check_request(req, self.backend.info)])
+        except ValueError as e:  # from check_request, or a ForwardError from the backend
+            raise trap("forward", str(e)) from None
+        return [WitOutput(r.token, r.ids, r.probs) for r in result]
+
+    def _check(self, req: ForwardRequest) -> None:
+        """What the host checks before the validator: page list, lengths, holds, mask shape."""
+        ps, kv, n = self.kv.ps, self.kv, len(req.tokens)
+        if not req.pages or not 1 <= req.last_page_len <= ps:
+            raise trap(
+                "forward", f"last-page-len {req.last_page_len} out of 1..{ps} ({len(req.pages)} pages)"
+            )
+        total, ctx = req.total_len(ps), req.context_len(ps)
+        if ctx < 0 or len(req.positions) != n:
+            raise trap("forward", f"{n} tokens / {len(req.positions)} positions do not fit {total} slots")
+        for p in req.pages:
+            if p not in kv.held:
+                raise trap("forward", f"page {p} is not held by this instance")
+        rows = req.mask or []
+        if rows and len(rows) != n:
+            raise trap("forward", f"mask has {len(rows)} rows for {n} tokens")
+        for i, row in enumerate(rows):
+            if sum(row) != ctx + i + 1 or min(row, default=0) < 0:
+                raise trap("forward", f"mask row {i} sums to {sum(row)}, expected {ctx + i + 1}")
+        for page in req.pages[req.first_written_page(ps) :]:
+            if page not in kv.owned:
+                raise trap("forward", f"page {page} is read-only (imported)")
+        for spec in req.outputs:
+            if not 0 <= spec.index < n:
+                raise trap("forward", f"output index {spec.index} out of 0..{n - 1}")
+
+    def decode_step(self, pages, last_page_len, token, position, sampler) -> int:  # noqa: ANN001
+        self.decode_step_calls += 1
+        out = self.run(pages, last_page_len, [token], [position], [], [WitOutputSpec(0, sampler, 0)])
+        assert out[0].token is not None
+        return out[0].token
+
+    def submit(self, *args: Any) -> int:
+        h = self.next_handle
+        self.next_handle += 1
+        self.results[h] = self.run(*args)
+        return h
+
+    def wait(self, handle: int) -> list[WitOutput]:
+        if handle not in self.results:
+            raise trap("forward.wait", f"unknown handle {handle}")
+        return self.results.pop(handle)
+
+    def wait_any(self, handles: list[int]) -> tuple[int, list[WitOutput]]:
+        h = max(handles)  # the newest: callers must not rely on submission order
+        return h, self.wait(h)

@@ -1,0 +1,39 @@
+"""`FakeHost`: the six host interfaces in memory, over a `TinyBackend`."""
+
+from __future__ import annotations
+
+from inferlet import _host
+from inferlet.testing.forward import FakeForward
+from inferlet.testing.kv import FakeKv
+from inferlet.testing.services import FakeMessaging, FakeModel, FakeRuntime, FakeStore
+from inferlet.testing.tiny import TinyBackend
+
+__all__ = ["FakeHost"]
+
+
+class FakeHost:
+    """All six host interfaces, faked in memory. `install()` binds them into the SDK.
+
+    `backend` is the model behind `model` and `forward`: a `TinyBackend` unless one is given.
+    """
+
+    def __init__(self, page_size: int = 4, num_pages: int = 64, args: list[str] | None = None,
+                 max_pages: int | None = None, backend: TinyBackend | None = None) -> None:  # fmt: skip
+        self.backend = backend or TinyBackend(page_size=page_size, num_pages=num_pages)
+        self.runtime = FakeRuntime(args or [])
+        self.messaging = FakeMessaging()
+        self.store = FakeStore()
+        self.model = FakeModel(self.backend)
+        self.kv = FakeKv(self.backend, max_pages)
+        self.forward = FakeForward(self.kv, self.backend)
+
+    def install(self) -> FakeHost:
+        """Bind this host into the SDK and forget the SDK's cached host state."""
+        from inferlet.model import get_model
+        from inferlet.pages import PAGES
+
+        _host.bind(runtime=self.runtime, messaging=self.messaging, store=self.store,
+                   model=self.model, kv=self.kv, forward=self.forward)  # fmt: skip
+        PAGES.reset()
+        get_model()._reset()
+        return self

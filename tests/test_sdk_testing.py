@@ -1,0 +1,78 @@
+"""`inferlet.testing.TinyBackend`: the SDK test host's model implements the one `Backend` protocol."""
+
+from __future__ import annotations
+
+import pytest
+from inferlet.testing import FakeHost, FakeTrap, TinyBackend
+
+from gpu_backend.types import (
+    Backend,
+    BackendInfo,
+    ForwardError,
+    ForwardRequest,
+    OutputSpec,
+    SamplerParams,
+    Tokenizer,
+)
+
+GREEDY = SamplerParams()
+
+
+def expected_token(pairs: list[tuple[int, int]]) -> int:
+    """The documented rule, written out again: fold the attended (token, position) pairs."""
+    acc = 7
+    for tok, pos in pairs:
+        acc = (acc * 31 + 7 * tok + pos) % 1_000_003
+    return 3 + 97 + acc % 26  # the byte "a" + acc % 26, offset by the three specials
+
+
+def test_tiny_backend_implements_the_protocol() -> None:
+    b = TinyBackend(page_size=4, num_pages=8)
+    assert isinstance(b, Backend) and isinstance(b.info, BackendInfo) and isinstance(b.tokenizer, Tokenizer)
+    assert (b.info.page_size, b.info.num_pages) == (4, 8)
+    chat = b.tokenizer.apply_chat_template([{"role": "user", "content": "hé"}])
+    assert b.tokenizer.decode(b.tokenizer.encode(chat)) == chat == "<s>user\nhé<|im_end|>\n<s>assistant\n"
+
+
+def test_tiny_backend_forward_follows_the_rule_across_pages_and_masks() -> None:
+    b = TinyBackend(page_size=4, num_pages=8)
+    b.erase([5, 2])
+    prompt = [(40, 10), (41, 11), (42, 12), (43, 13), (44, 14), (45, 15)]  # pages 5 then 2
+    first = ForwardRequest(pages=[5, 2], last_page_len=2, tokens=[t for t, _ in prompt],
+                           positions=[p for _, p in prompt],
+                           outputs=[OutputSpec(index=5, sample=GREEDY), OutputSpec(index=2, dist=3)])  # fmt: skip
+    (out,) = b.forward([first])
+    assert out[0].token == expected_token(prompt) and out[0].ids == []
+    row2 = expected_token(prompt[:3])
+    assert out[1].token is None and out[1].ids == [row2, row2 + 1, row2 + 2]
+    assert b.slots[5] == prompt[:4] and b.slots[2][:2] == prompt[4:]
+
+    # One more token, with context tokens 1..3 masked: BRLE [attend 1, masked 3, attend 3].
+    nxt = ForwardRequest(pages=[5, 2], last_page_len=3, tokens=[46], positions=[16], mask=[[1, 3, 3]],
+                         outputs=[OutputSpec(index=0, sample=GREEDY)])  # fmt: skip
+    (out,) = b.forward([nxt])
+    assert out[0].token == expected_token([prompt[0], prompt[4], prompt[5], (46, 16)])
+
+
+def test_tiny_backend_rejects_unwritten_context_and_copies_slots() -> None:
+    b = TinyBackend(page_size=4, num_pages=8)
+    b.erase([1, 3])
+    read_unwritten = ForwardRequest(pages=[1], last_page_len=3, tokens=[50], positions=[2])
+    with pytest.raises(ForwardError, match="slot 0 of the sequence was never written") as err:
+        b.forward([ForwardRequest(pages=[3], last_page_len=1, tokens=[9], positions=[0]), read_unwritten])
+    assert err.value.request_index == 1 and b.slots[3] == [None] * 4  # nothing written on failure
+    b.forward([ForwardRequest(pages=[1], last_page_len=2, tokens=[20, 21], positions=[0, 1])])
+    b.copy_tokens(1, 0, 3, 1, 2)
+    assert b.slots[3] == [None, (20, 0), (21, 1), None]
+
+
+def test_fake_host_runs_passes_through_its_backend() -> None:
+    backend = TinyBackend(page_size=4, num_pages=16)
+    host = FakeHost(backend=backend).install()
+    (page,) = host.kv.allocate(1)
+    out = host.forward.run([page], 2, [60, 61], [0, 1], [], [host.forward.OutputSpec(1, None, 2)])
+    want = expected_token([(60, 0), (61, 1)])
+    assert out[0].token is None and out[0].ids == [want, want + 1]
+    assert host.kv.slots is backend.slots and host.kv.slots[page][:2] == [(60, 0), (61, 1)]
+    with pytest.raises(FakeTrap, match=r"forward: .*token 999 out of range"):
+        host.forward.run([page], 3, [999], [2], [], [])  # the shared validator's check

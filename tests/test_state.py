@@ -1,0 +1,54 @@
+"""host/state: pub/sub topics and the key-value store, without a host."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from host.state.kvstore import KeyValueStore
+from host.state.topics import Topics
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self.got: list[tuple[str, str]] = []
+
+    def deliver(self, topic: str, message: str) -> None:
+        self.got.append((topic, message))
+
+
+def test_publish_reaches_current_subscribers_only() -> None:
+    t = Topics()
+    a, b = Inbox(), Inbox()
+    t.subscribe(a, "news")
+    t.subscribe(b, "news")
+    t.subscribe(b, "other")
+    assert t.publish("news", "1") == 2
+    t.unsubscribe(a, "news")
+    assert t.publish("news", "2") == 1
+    assert t.publish("nobody", "x") == 0
+    assert a.got == [("news", "1")]
+    assert b.got == [("news", "1"), ("news", "2")]
+
+
+def test_drop_forgets_every_subscription_and_empty_topics() -> None:
+    t = Topics()
+    a = Inbox()
+    t.subscribe(a, "x")
+    t.subscribe(a, "y")
+    assert t.topic_count() == 2
+    t.drop(a)
+    assert t.topic_count() == 0
+    assert t.publish("x", "m") == 0 and a.got == []
+
+
+def test_kvstore_persists_across_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "kv.sqlite3"
+    s = KeyValueStore(path)
+    s.set("b", "2")
+    s.set("a", "1")
+    s.set("a", "3")
+    s.delete("b")
+    s.close()
+    s = KeyValueStore(path)
+    assert s.get("a") == "3" and s.get("b") is None and s.keys() == ["a"]
+    s.close()
