@@ -24,12 +24,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from host.build import resolve_inferlet  # noqa: E402
-from host.runtime import Host, HostConfig  # noqa: E402
-
-TERMINAL = ("completed", "exception", "aborted", "out_of_resources")
+from host import Host, HostConfig
+from host.cli.build import resolve_inferlet
+from host.events import TERMINAL_EVENTS
 
 
 def run_agents(host: Host, prog: str, n: int, args: list[str], tool_ms: float) -> dict:
@@ -41,7 +38,7 @@ def run_agents(host: Host, prog: str, n: int, args: list[str], tool_ms: float) -
     ids: list[str] = []
 
     def on_event(ev) -> None:
-        if ev.event in TERMINAL:
+        if ev.event in TERMINAL_EVENTS:
             with lock:
                 ends[ev.instance_id] = (time.perf_counter(), ev.event, ev.message)
                 if len(ends) == n:

@@ -27,17 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from gpu_backend.types import SamplerParams
+from host import Host, HostConfig
+from host.cli.build import build_inferlet, resolve_inferlet
 
-from gpu_backend.types import SamplerParams  # noqa: E402
-from host.build import build_inferlet, resolve_inferlet  # noqa: E402
-from host.config import HostConfig  # noqa: E402
-from host.runtime import Host  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TOPICS = ["the ocean", "mountains", "computers", "music", "cooking", "trains", "the moon", "gardens"]
 

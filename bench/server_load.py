@@ -30,13 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from host.build import resolve_inferlet  # noqa: E402
-from host.client import PieClient  # noqa: E402
-from host.runtime import Host, HostConfig  # noqa: E402
-from host.server import Server, ServerConfig  # noqa: E402
+from host import Host, HostConfig
+from host.cli.build import resolve_inferlet
+from host.client import PieClient
+from host.server import Server, ServerConfig
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "Say hello in Spanish.",
            "What is 2 + 2?", "Give me a fruit.", "What is water made of?"]

@@ -194,3 +194,18 @@ def test_out_of_pages_is_a_condition_and_the_sdk_waits(tmp_path) -> None:
         assert h.free_pages() == 8
     finally:
         h.shutdown()
+
+
+@pytest.mark.build
+def test_copy_tokens_runs_after_the_instances_earlier_forwards(tmp_path) -> None:
+    """kv.copy-tokens goes through the scheduler: it copies what a forward submitted before it wrote."""
+    fb = FakeBackend(page_size=4, num_pages=16, delay_s=0.05)
+    h = Host(HostConfig(data_dir=tmp_path), backend=fb)
+    try:
+        end = Run(h, h.compile(wasm_bytes("misbehave")), ["copy_after_submit"]).finish(60)
+        assert end.event == "completed", end.message
+        a, b = map(int, end.message.split())
+        assert [fb.slots.get((b, i)) for i in range(3)] == [7, 8, 9]
+        assert h.scheduler.stats.copies == 1
+    finally:
+        h.shutdown()
