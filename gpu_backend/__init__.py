@@ -34,7 +34,15 @@ if TYPE_CHECKING:
     from .backend import TorchBackend, load_backend
     from .config import ModelConfig, ModelInfo
     from .tokenizer import Tokenizer
-    from .types import Backend, BackendInfo, ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
+    from .types import (
+        Backend,
+        BackendInfo,
+        ForwardError,
+        ForwardRequest,
+        OutputResult,
+        OutputSpec,
+        SamplerParams,
+    )
 
 
 def __getattr__(name: str) -> Any:

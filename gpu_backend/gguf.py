@@ -40,7 +40,8 @@ def _cache_key(path: Path) -> str:
 def load_gguf_cached(path: Path, progress: bool) -> LoadedModel:
     """Load a GGUF file, from the disk cache of its dequantized weights when there is one."""
     base = default_cache_dir() / f"{path.stem}-{_cache_key(path)}"
-    meta_file, weight_file = base.with_suffix(".json"), base.with_suffix(".safetensors")
+    # the key is in the name; with_suffix would cut it off after a dot in the model file's stem
+    meta_file, weight_file = base.parent / f"{base.name}.json", base.parent / f"{base.name}.safetensors"
     if meta_file.exists() and weight_file.exists():
         meta = json.loads(meta_file.read_text())
         with tqdm(total=1, desc=f"loading {path.name} (cached)", disable=not progress) as bar:

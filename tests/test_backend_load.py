@@ -13,11 +13,11 @@ from gpu_backend.kv_cache import KVCache
 
 def test_default_model_info(backend):
     info = backend.info
-    assert info.vocab_size == 49152 and info.page_size == 16 and info.num_pages == 512
+    assert info.vocab_size == 49152 and info.page_size == 16 and info.num_pages == 2048
     assert info.bos_token_id == 1 and info.eos_token_id == 2 and info.stop_tokens == [2]
     assert "<|im_start|>" in info.chat_template
     assert info.device == "cpu" and info.dtype == "float32"
-    assert backend.cache.data.shape == (30, 512 * 16, 2, 3, 64)
+    assert backend.cache.data.shape == (30, 2048 * 16, 2, 3, 64)
 
 
 def test_kv_pages_from_memory_budget_and_fast_reload(backend):

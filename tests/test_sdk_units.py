@@ -19,7 +19,7 @@ from inferlet import (
     _host,
 )
 from inferlet.entry import make_world
-from inferlet.mask import brle, pass_rows
+from inferlet.mask import brle, masked_full_pages, pass_rows
 from inferlet.testing import FakeHost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +51,12 @@ def test_pass_rows_cover_context_plus_prefix_and_attend_self() -> None:
     for i, row in enumerate(rows):
         assert sum(row) == 2 + i + 1
         assert len(row) % 2 == 1  # ends with an attend run: the token itself
+
+
+def test_masked_full_pages_skips_partly_masked_and_partial_pages() -> None:
+    flags = [True] * 4 + [True, False, True, True] + [True] * 4 + [True] * 3  # the last page is partial
+    assert masked_full_pages(flags, 4) == {0, 2}
+    assert masked_full_pages([], 4) == set()
 
 
 # ---- samplers and stops ----------------------------------------------------------------------
