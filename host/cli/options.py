@@ -7,23 +7,24 @@ flags that were given, so the rest keep `HostConfig`'s defaults (shown in the he
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from host.batching.policy import POLICIES
 from host.config import HostConfig
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["add_host_options", "host_config_from_args", "split_inferlet_args", "DTYPES", "POLICIES"]
+__all__ = ["add_host_options", "host_config_from_args", "split_inferlet_args", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
-POLICIES = ("adaptive", "k-or-t")
 MIB = 2**20
-_DEFAULTS = HostConfig.__dataclass_fields__  # the defaults shown in the help come from HostConfig
 
 
 def _default(name: str) -> Any:
-    return _DEFAULTS[name].default
+    """HostConfig's default for field `name`, shown in the help so it is stated in one place."""
+    return next(f.default for f in dataclasses.fields(HostConfig) if f.name == name)
 
 
 def add_host_options(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--num-pages", type=int,
                         help=f"KV pages to preallocate (default: from a {_default('kv_memory_bytes') // MIB} MiB budget)")
     budget.add_argument("--kv-memory", type=int, metavar="MB", help="KV cache size in MiB (instead of --num-pages)")
-    parser.add_argument("--policy", choices=POLICIES, help=f"batching policy (default {_default('policy')})")
+    parser.add_argument("--policy", choices=list(POLICIES), help=f"batching policy (default {_default('policy')})")
     parser.add_argument("--max-batch-tokens", type=int,
                         help=f"cap on tokens per batch (default {_default('max_batch_tokens')})")
     parser.add_argument("--memory-limit-mb", type=int,
