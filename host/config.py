@@ -9,7 +9,9 @@ from pathlib import Path
 from gpu_backend.paths import default_cache_dir
 from host.batching.policy import POLICIES
 
-__all__ = ["HostConfig", "default_cache_dir", "default_data_dir"]
+__all__ = ["DTYPES", "HostConfig", "default_cache_dir", "default_data_dir"]
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def default_data_dir() -> Path:
@@ -54,8 +56,8 @@ class HostConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown batching policy {self.policy!r}: use one of {', '.join(POLICIES)}")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(f"unknown dtype {self.dtype!r}: use float32, bfloat16 or float16")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if self.batch_k < 1 or self.batch_t_ms < 0:

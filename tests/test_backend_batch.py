@@ -2,55 +2,16 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
-
 import pytest
 import torch
-
-from gpu_backend import ForwardRequest, OutputSpec, TorchBackend
-from gpu_backend.kv_cache import KVCache
-
-TOL = 1e-3  # same weights, same dtype: only summation order differs between batch shapes
-
-
-class Pages:
-    """A trivial page allocator over a backend's cache, for tests."""
-
-    def __init__(self, backend: TorchBackend, start: int = 0) -> None:
-        self.next = start
-        self.backend = backend
-
-    def take(self, n: int) -> list[int]:
-        out = list(range(self.next, self.next + n))
-        self.next += n
-        assert self.next <= self.backend.info.num_pages
-        return out
-
-
-def req(pages: list[int], ctx: int, tokens: list[int], ps: int, positions: list[int] | None = None,
-        mask: list[list[int]] | None = None, outputs: list[int] | None = None) -> ForwardRequest:
-    """A request appending `tokens` after `ctx` tokens already in `pages` (only the pages needed)."""
-    total = ctx + len(tokens)
-    used = math.ceil(total / ps)
-    return ForwardRequest(
-        pages=pages[:used], last_page_len=total - (used - 1) * ps, tokens=tokens,
-        positions=positions if positions is not None else list(range(ctx, total)), mask=mask,
-        outputs=[OutputSpec(index=i) for i in (outputs if outputs is not None else range(len(tokens)))],
-    )
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    diff = (a - b).abs().max().item()
-    assert diff < TOL, f"{what}: max |diff| {diff}"
-    assert torch.equal(a.argmax(-1), b.argmax(-1)), f"{what}: top-1 differs"
-
-
-def with_page_size(backend: TorchBackend, page_size: int, num_pages: int) -> TorchBackend:
-    """Same model, a fresh cache with another page size."""
-    info = replace(backend.info, page_size=page_size, num_pages=num_pages)
-    cache = KVCache(backend.model.cfg, page_size, num_pages, backend.model.device, backend.model.dtype)
-    return TorchBackend(backend.model, backend.tokenizer, info, cache)
+from backend_checks import (
+    Pages,
+    assert_close,
+    check_ragged_batch_equals_each_alone,
+    check_tree_mask_equals_separate_branches,
+    req,
+    with_page_size,
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +25,7 @@ def texts(backend):
 
 
 def test_ragged_batch_equals_each_alone(backend, texts):
-    ps = backend.info.page_size
-    a, b, c = texts["a"], texts["b"], texts["c"]
-    c_ctx, c_new = c[:-3], c[-3:]
-    pg = Pages(backend)
-    # alone
-    pa, pb, pc = pg.take(4), pg.take(4), pg.take(4)
-    alone_a = backend.logits([req(pa, 0, a, ps)])[0]
-    alone_b = backend.logits([req(pb, 0, b, ps)])[0]
-    backend.logits([req(pc, 0, c_ctx, ps, outputs=[])])
-    alone_c = backend.logits([req(pc, len(c_ctx), c_new, ps)])[0]
-    # together: two prefills of different lengths and a continuation over existing context
-    pa2, pb2, pc2 = pg.take(4), pg.take(4), pg.take(4)
-    backend.logits([req(pc2, 0, c_ctx, ps, outputs=[])])
-    got = backend.logits([req(pa2, 0, a, ps), req(pb2, 0, b, ps), req(pc2, len(c_ctx), c_new, ps)])
-    for name, x, y in zip("abc", got, [alone_a, alone_b, alone_c], strict=True):
-        assert_close(x, y, f"request {name}")
+    check_ragged_batch_equals_each_alone(backend, texts)
 
 
 def test_decode_batch_equals_each_alone(backend, texts):
@@ -93,22 +39,7 @@ def test_decode_batch_equals_each_alone(backend, texts):
 
 
 def test_tree_mask_equals_separate_branches(backend, texts):
-    ps = backend.info.page_size
-    prefix, b1, b2 = texts["a"][:5], texts["b"][:4], texts["c"][:3]
-    pg = Pages(backend, 200)
-    # separately
-    p1, p2 = pg.take(2), pg.take(2)
-    sep1 = backend.logits([req(p1, 0, prefix + b1, ps)])[0][len(prefix):]
-    sep2 = backend.logits([req(p2, 0, prefix + b2, ps)])[0][len(prefix):]
-    # one pass: prefix in context, both branches in the same pass with a tree mask
-    pt = pg.take(2)
-    backend.logits([req(pt, 0, prefix, ps, outputs=[])])
-    n = len(prefix)
-    mask = [[n + i + 1] for i in range(len(b1))] + [[n, len(b1), j + 1] for j in range(len(b2))]
-    positions = list(range(n, n + len(b1))) + list(range(n, n + len(b2)))
-    tree = backend.logits([req(pt, n, b1 + b2, ps, positions=positions, mask=mask)])[0]
-    assert_close(tree[: len(b1)], sep1, "branch 1")
-    assert_close(tree[len(b1):], sep2, "branch 2")
+    check_tree_mask_equals_separate_branches(backend, texts)
 
 
 def test_mask_hiding_a_token_equals_sequence_without_it(backend, texts):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 
 import pytest
-import test_backend_batch as batch_tests
 import torch
-from test_backend_parity import PROMPTS, run_parity
+from backend_checks import check_ragged_batch_equals_each_alone, check_tree_mask_equals_separate_branches
+from parity import PROMPTS, run_parity
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,11 +78,11 @@ def cuda_texts(cuda_backend):
 
 
 def test_cuda_ragged_batch(cuda_backend, cuda_texts):
-    batch_tests.test_ragged_batch_equals_each_alone(cuda_backend, cuda_texts)
+    check_ragged_batch_equals_each_alone(cuda_backend, cuda_texts)
 
 
 def test_cuda_tree_mask(cuda_backend, cuda_texts):
-    batch_tests.test_tree_mask_equals_separate_branches(cuda_backend, cuda_texts)
+    check_tree_mask_equals_separate_branches(cuda_backend, cuda_texts)
 
 
 def test_cuda_seeded_sampling_matches_itself(cuda_backend):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_backend_parity import run_parity
+from parity import run_parity
 
 from gpu_backend import load_backend
 from gpu_backend.loader import default_model_path

@@ -27,10 +27,10 @@ class BatchPolicy(ABC):
     def wait_s(self, queue: Sequence[ForwardFuture], now: float) -> float | None:
         """How long the scheduler may sleep before `ready` can change without a submit (None: until one)."""
 
-    def launched(self, owner: str, now: float) -> None:
+    def launched(self, owner: str, now: float) -> None:  # noqa: B027 - an optional hook
         """A new instance will submit soon."""
 
-    def submitted(self, owner: str) -> None:
+    def submitted(self, owner: str) -> None:  # noqa: B027 - an optional hook
         """`owner` queued a forward."""
 
     def expects(self, owner: str) -> bool:
@@ -41,7 +41,7 @@ class BatchPolicy(ABC):
         """`owner` ended or blocked on something else; returns whether anything changed."""
         return False
 
-    def batch_done(self, owners: Sequence[str], start: float, end: float) -> None:
+    def batch_done(self, owners: Sequence[str], start: float, end: float) -> None:  # noqa: B027 - an optional hook
         """A batch of these owners' forwards ran from `start` to `end`."""
 
 

@@ -11,14 +11,13 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from host.batching.policy import POLICIES
-from host.config import HostConfig
+from host.config import DTYPES, HostConfig
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = ["add_host_options", "host_config_from_args", "split_inferlet_args", "DTYPES"]
 
-DTYPES = ("float32", "bfloat16", "float16")
 MIB = 2**20
 
 
