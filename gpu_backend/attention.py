@@ -56,22 +56,7 @@ def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device,
         write[start : start + n_tok[i]] = slots[ctx[i] : lens[i]]
         start += n_tok[i]
 
-    has_mask = any(r.mask is not None for r in reqs)
-    mask_t: torch.Tensor | None = None
-    if has_mask or t_max > 1 or min(lens) != l_max:
-        rows = np.arange(t_max)[None, :, None]
-        cols = np.arange(l_max)[None, None, :]
-        c = np.asarray(ctx)[:, None, None]
-        t = np.asarray(n_tok)[:, None, None]
-        # causal: row t sees slots up to ctx + t; padding rows (t >= n_tok) see slot 0 only (no NaN).
-        mask = np.where(rows < t, cols <= c + rows, cols == 0)
-        for i, r in enumerate(reqs):
-            if r.mask is not None:
-                for row, runs in enumerate(r.mask):
-                    mask[i, row, : ctx[i] + row + 1] = brle_row(runs)
-        # rows ordered (query head in group, token), as paged_attention folds them
-        mask = np.repeat(mask[:, None], group, axis=1).reshape(b, 1, group * t_max, l_max)
-        mask_t = torch.from_numpy(mask).to(device)
+    mask_t = _mask(reqs, ctx, n_tok, lens, group, device)
 
     q_index = o_index = None
     if min(n_tok) != t_max:
@@ -127,3 +112,24 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan) -> torch
     o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.mask)
     o = o.view(b, kvh, group, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, h * d)
     return o if plan.o_index is None else o[plan.o_index]
+
+
+def _mask(reqs: list[ForwardRequest], ctx: list[int], n_tok: list[int], lens: list[int], group: int,
+          device: torch.device) -> torch.Tensor | None:
+    """The [batch, 1, group * t_max, l_max] attention mask, or None when plain causal decode needs none."""
+    b, t_max, l_max = len(reqs), max(n_tok), max(lens)
+    if not (any(r.mask is not None for r in reqs) or t_max > 1 or min(lens) != l_max):
+        return None
+    rows = np.arange(t_max)[None, :, None]
+    cols = np.arange(l_max)[None, None, :]
+    c = np.asarray(ctx)[:, None, None]
+    t = np.asarray(n_tok)[:, None, None]
+    # causal: row t sees slots up to ctx + t; padding rows (t >= n_tok) see slot 0 only (no NaN).
+    mask = np.where(rows < t, cols <= c + rows, cols == 0)
+    for i, r in enumerate(reqs):
+        if r.mask is not None:
+            for row, runs in enumerate(r.mask):
+                mask[i, row, : ctx[i] + row + 1] = brle_row(runs)
+    # rows ordered (query head in group, token), as paged_attention folds them
+    mask = np.repeat(mask[:, None], group, axis=1).reshape(b, 1, group * t_max, l_max)
+    return torch.from_numpy(mask).to(device)

@@ -19,7 +19,7 @@ from .model import LlamaModel
 from .sampling import Sampler
 from .tokenizer import Tokenizer
 from .types import ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
-from .validate import as_sampler, check_request
+from .validate import as_sampler, check_batch, check_request
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +59,7 @@ class TorchBackend:
         """
         if not reqs:
             return []
-        checked = []
-        for i, r in enumerate(reqs):
-            try:
-                checked.append(check_request(r, self.info))
-            except ValueError as e:
-                raise ForwardError(i, str(e)) from None
+        checked = check_batch(reqs, self.info)
         self._check_write_conflicts(checked)
         with self._lock, torch.inference_mode():
             plan = build_plan(checked, self.info.page_size, self.model.device, self.model.group)

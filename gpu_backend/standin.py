@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .types import ForwardError, ForwardRequest, OutputResult
-from .validate import check_request
+from .types import ForwardRequest, OutputResult
+from .validate import check_batch
 
 __all__ = ["StandInBackend", "StandInInfo", "StandInTokenizer"]
 
@@ -58,13 +58,7 @@ class StandInBackend:
         self.slots: dict[tuple[int, int], int] = {}
 
     def forward(self, reqs: Sequence[ForwardRequest]) -> list[list[OutputResult]]:
-        checked = []
-        for i, r in enumerate(reqs):
-            try:
-                checked.append(check_request(r, self.info))  # the real validator: same errors as the model
-            except ValueError as e:
-                raise ForwardError(i, str(e)) from None
-        reqs = checked
+        reqs = check_batch(reqs, self.info)  # the real validator: same errors as the model
         if self.delay_s:
             time.sleep(self.delay_s)
         ps = self.info.page_size

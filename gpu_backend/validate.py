@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
-from .types import BackendInfo, ForwardRequest, OutputSpec, SamplerParams
+from .types import BackendInfo, ForwardError, ForwardRequest, OutputSpec, SamplerParams
 
 _SAMPLER_FIELDS = {f.name for f in fields(SamplerParams)}
 
@@ -39,6 +39,17 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def check_batch(reqs: Sequence[ForwardRequest], info: BackendInfo) -> list[ForwardRequest]:
+    """`check_request` on each request; raises ForwardError carrying the index of the first bad one."""
+    checked = []
+    for i, r in enumerate(reqs):
+        try:
+            checked.append(check_request(r, info))
+        except ValueError as e:
+            raise ForwardError(i, str(e)) from None
+    return checked
+
+
 def check_request(req: ForwardRequest, info: BackendInfo) -> ForwardRequest:
     """Raise ValueError naming `req.name` and the bad value; return the request, samplers normalised
     and marked `checked` (a checked request is returned as is)."""
@@ -67,27 +78,9 @@ def check_request(req: ForwardRequest, info: BackendInfo) -> ForwardRequest:
             f"({len(req.pages)} pages of {page_size}, last page length {lpl})"
         )
     ctx = capacity - n
-    for t in req.tokens:
-        if not _is_int(t) or not 0 <= t < vocab_size:
-            raise ValueError(f"{who}: token {t!r} out of range [0, {vocab_size})")
-    if len(req.positions) != n:
-        raise ValueError(f"{who}: {len(req.positions)} positions for {n} tokens")
-    for pos in req.positions:
-        if not _is_int(pos) or not 0 <= pos < max_position:
-            raise ValueError(f"{who}: position {pos!r} out of range [0, {max_position})")
+    _check_values(req, who, vocab_size, max_position)
     if req.mask is not None:
-        if len(req.mask) != n:
-            raise ValueError(f"{who}: {len(req.mask)} mask rows for {n} tokens")
-        for i, row in enumerate(req.mask):
-            if any(not _is_int(r) or r < 0 for r in row):
-                raise ValueError(f"{who}: mask row {i} has a negative or non-int run length: {row}")
-            if sum(row) != ctx + i + 1:
-                raise ValueError(
-                    f"{who}: mask row {i} covers {sum(row)} tokens, expected {ctx + i + 1} "
-                    f"(context {ctx} + {i + 1} new)"
-                )
-            if not any(row[0::2]):
-                raise ValueError(f"{who}: mask row {i} attends to no token: {row}")
+        _check_mask(req.mask, who, n, ctx)
     outputs = []
     for j, o in enumerate(req.outputs):
         if not isinstance(o, OutputSpec):
@@ -102,3 +95,30 @@ def check_request(req: ForwardRequest, info: BackendInfo) -> ForwardRequest:
         req = replace(req, outputs=outputs)
     req.checked = True
     return req
+
+
+def _check_values(req: ForwardRequest, who: str, vocab_size: int, max_position: int) -> None:
+    n = len(req.tokens)
+    for t in req.tokens:
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise ValueError(f"{who}: token {t!r} out of range [0, {vocab_size})")
+    if len(req.positions) != n:
+        raise ValueError(f"{who}: {len(req.positions)} positions for {n} tokens")
+    for pos in req.positions:
+        if not _is_int(pos) or not 0 <= pos < max_position:
+            raise ValueError(f"{who}: position {pos!r} out of range [0, {max_position})")
+
+
+def _check_mask(mask: list[list[int]], who: str, n: int, ctx: int) -> None:
+    if len(mask) != n:
+        raise ValueError(f"{who}: {len(mask)} mask rows for {n} tokens")
+    for i, row in enumerate(mask):
+        if any(not _is_int(r) or r < 0 for r in row):
+            raise ValueError(f"{who}: mask row {i} has a negative or non-int run length: {row}")
+        if sum(row) != ctx + i + 1:
+            raise ValueError(
+                f"{who}: mask row {i} covers {sum(row)} tokens, expected {ctx + i + 1} "
+                f"(context {ctx} + {i + 1} new)"
+            )
+        if not any(row[0::2]):
+            raise ValueError(f"{who}: mask row {i} attends to no token: {row}")

@@ -45,19 +45,25 @@ def imports(pm: PageManager, scheduler: Scheduler, page_size: int) -> dict[str, 
 
     @guest_import("kv.copy-tokens")
     def copy_tokens(inst: Instance, src_page: int, src_off: int, dst_page: int, dst_off: int, count: int) -> None:
-        # Through the scheduler: the copy runs after this instance's forwards submitted before it.
-        inst.check_alive()
-        pm.check_pages(inst.pages, [src_page], writable_from=1)
-        pm.check_writable(inst.pages, dst_page)
-        if src_off + count > page_size or dst_off + count > page_size:
-            raise GuestError(f"copy of {count} tokens at offsets {src_off}/{dst_off} runs past the page size {page_size}")
-        if count == 0:
-            return
-        fut = scheduler.submit(CopyRequest(src_page, src_off, dst_page, dst_off, count, inst.label), inst.id)
-        fut.add_done_callback(inst.wake)
-        inst.wait_until(fut.done)
-        fut.wait()
+        _copy_tokens(pm, scheduler, page_size, inst, CopyRequest(src_page, src_off, dst_page, dst_off, count,
+                                                                 inst.label))
 
     return {"page-size": kv_page_size, "free-pages": free_pages, "allocate": allocate, "release": release,
             "export-pages": export_pages, "import-pages": import_pages, "unexport": unexport,
             "list-exports": list_exports, "copy-tokens": copy_tokens}
+
+
+def _copy_tokens(pm: PageManager, scheduler: Scheduler, page_size: int, inst: Instance, c: CopyRequest) -> None:
+    """Through the scheduler: the copy runs after this instance's forwards submitted before it."""
+    inst.check_alive()
+    pm.check_pages(inst.pages, [c.src_page], writable_from=1)
+    pm.check_writable(inst.pages, c.dst_page)
+    if c.src_offset + c.count > page_size or c.dst_offset + c.count > page_size:
+        raise GuestError(f"copy of {c.count} tokens at offsets {c.src_offset}/{c.dst_offset} runs past "
+                         f"the page size {page_size}")
+    if c.count == 0:
+        return
+    fut = scheduler.submit(c, inst.id)
+    fut.add_done_callback(inst.wake)
+    inst.wait_until(fut.done)
+    fut.wait()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpu_backend.types import ForwardError, ForwardRequest, OutputResult
-from gpu_backend.validate import check_request
+from gpu_backend.validate import check_batch
 
 __all__ = ["SPECIALS", "VOCAB", "ByteTokenizer", "TinyBackend", "TinyInfo", "next_token"]
 
@@ -123,12 +123,7 @@ class TinyBackend:
 
     def forward(self, reqs: Sequence[ForwardRequest]) -> list[list[OutputResult]]:
         """Validate every request, then write each one's slots and compute its outputs, in order."""
-        checked = []
-        for i, r in enumerate(reqs):
-            try:
-                checked.append(check_request(r, self.info))
-            except ValueError as e:
-                raise ForwardError(i, str(e)) from None
+        checked = check_batch(reqs, self.info)
         for i, r in enumerate(checked):
             self._check_written(i, r)
         return [self._run(r) for r in checked]
