@@ -66,10 +66,10 @@ class Host:
         assert backend is not None
         self.backend = backend
         info = backend.info
-        self.scheduler.bind(backend.forward, backend.copy_tokens, info.page_size)
         self.model_name: str = info.name
         self.total_pages: int = info.num_pages
         self.pages = PageManager(info.num_pages, config.max_pages_per_instance)
+        self.scheduler.bind(backend.forward, backend.copy_tokens, info.page_size, pins=self.pages)
         self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms)
         self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3")
         self.topics = Topics()
@@ -144,12 +144,13 @@ class Host:
             if len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
         self.topics.drop(inst)
-        for h, fut in list(inst.forwards.items()):
-            # A forward still queued or running finishes on its own; the pages go back only
-            # after it completes, so the backend never writes into a page someone else owns.
+        # A forward still queued or running finishes on its own (its pages stay pinned until it
+        # has, so the backend never writes into a page someone else owns); waiting for it here
+        # means the instance's pages are all free by the time its end is reported.
+        for fut in inst.forwards.values():
             if not fut.done():
                 fut.wait()
-            del inst.forwards[h]
+        inst.forwards.clear()
         self.pages.release_all(inst.pages)
         self.scheduler.forget(inst.id)
 

@@ -209,3 +209,24 @@ def test_copy_tokens_runs_after_the_instances_earlier_forwards(tmp_path) -> None
         assert h.scheduler.stats.copies == 1
     finally:
         h.shutdown()
+
+
+@pytest.mark.build
+def test_a_released_page_is_not_reused_while_a_queued_forward_still_writes_it(tmp_path) -> None:
+    """Issue 11.1: the attacker releases page P while its own write into P is still queued; the
+    victim's prefill must never be overwritten by that write."""
+    fb = FakeBackend(page_size=4, num_pages=16, delay_s=0.4)
+    h = Host(HostConfig(data_dir=tmp_path), backend=fb)
+    try:
+        prog = h.compile(wasm_bytes("misbehave"))
+        free0 = h.free_pages()
+        victim = Run(h, prog, ["victim", "released-11-1"])
+        attacker = Run(h, prog, ["release_queued", "released-11-1"])
+        assert attacker.finish(60).event == "completed"
+        end = victim.finish(60)
+        assert end.event == "completed", end.message
+        page = int(end.message)
+        assert [fb.slots.get((page, i)) for i in range(4)] == [10, 11, 12, 13]  # the victim's own K/V
+        wait_for(lambda: h.free_pages() == free0, what="every page back")
+    finally:
+        h.shutdown()

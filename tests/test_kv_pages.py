@@ -85,3 +85,15 @@ def test_persistent_export_outlives_exporter() -> None:
     pm.release_all(b)
     assert pm.free_count == 4
     check_invariants(pm, [a, b])
+
+
+def test_a_pinned_page_stays_off_the_free_list_until_unpinned() -> None:
+    pm = PageManager(4)
+    t = InstancePages("a")
+    (p,) = pm.allocate(t, 1)  # type: ignore[misc]
+    pm.pin([p])
+    pm.release(t, [p])
+    assert pm.free_count == 3 and p not in pm.allocate(InstancePages("b"), 3)  # type: ignore[operator]
+    pm.unpin([p])
+    assert pm.free_count == 1 and pm.refcount(p) == 0 and pm.pinned(p) == 0
+    assert pm.allocate(InstancePages("c"), 1) == [p]

@@ -13,10 +13,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from gpu_backend.types import ForwardError, ForwardRequest, OutputResult
 from host.batching.future import CopyRequest, ForwardFuture, Job
@@ -28,6 +28,20 @@ log = logging.getLogger(__name__)
 
 ForwardFn = Callable[[Sequence[ForwardRequest]], list[list[OutputResult]]]
 CopyFn = Callable[[int, int, int, int, int], None]
+
+
+class PagePins(Protocol):
+    """Keeps pages off the free list while a job that touches them is queued or running."""
+
+    def pin(self, pages: Iterable[int]) -> None: ...
+
+    def unpin(self, pages: Iterable[int]) -> None: ...
+
+
+def _pages(job: Job) -> list[int]:
+    if isinstance(job, CopyRequest):
+        return [job.src_page, job.dst_page]
+    return job.pages
 
 
 @dataclass
@@ -73,6 +87,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._forward: ForwardFn | None = None
         self._copy: CopyFn | None = None
+        self._pins: PagePins | None = None
         self._page_size = 1
         self._queue: list[ForwardFuture] = []
         self._copies_queued = 0
@@ -82,9 +97,9 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="pie-scheduler", daemon=True)
         self._thread.start()
 
-    def bind(self, forward: ForwardFn, copy: CopyFn | None, page_size: int) -> None:
-        """Attach the backend (its forward and copy_tokens, and its page size)."""
-        self._forward, self._copy, self._page_size = forward, copy, page_size
+    def bind(self, forward: ForwardFn, copy: CopyFn | None, page_size: int, pins: PagePins | None = None) -> None:
+        """Attach the backend (its forward and copy_tokens, and its page size) and the page pins."""
+        self._forward, self._copy, self._page_size, self._pins = forward, copy, page_size, pins
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the scheduler thread between batches; returns its result or raises its error."""
@@ -104,6 +119,8 @@ class Scheduler:
         with self._cv:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
+            if self._pins is not None:
+                self._pins.pin(_pages(request))
             self._queue.append(fut)
             if isinstance(request, CopyRequest):
                 self._copies_queued += 1
@@ -130,7 +147,7 @@ class Scheduler:
             self._cv.notify()
         self._thread.join(timeout=5)
         for fut in self._queue:
-            fut.finish(None, RuntimeError("host is shutting down"))
+            self._complete(fut, None, RuntimeError("host is shutting down"))
         self._queue.clear()
         for _fn, cfut in self._calls:
             cfut.set_exception(RuntimeError("host is shutting down"))
@@ -175,11 +192,9 @@ class Scheduler:
         copies: list[ForwardFuture] = []
         batch: list[ForwardFuture] = []
         rest: list[ForwardFuture] = []
-        reads: set[int] = set()  # pages read / written by the jobs ahead that are not taken as copies
+        reads: set[int] = set()  # pages read / written by the jobs ahead, except copies run at once
         writes: set[int] = set()
         behind: set[str] = set()  # owners with a job ahead that stays queued
-        batch_reads: set[int] = set()
-        batch_writes: set[int] = set()
         tokens = 0
         for fut in self._queue:
             req = fut.request
@@ -189,12 +204,11 @@ class Scheduler:
                 if not owner_busy and not (r & writes or w & reads or w & writes):
                     copies.append(fut)  # runs before the batch: nothing ahead of it is affected
                     continue
-            elif fire and fut.owner not in behind and not (r & batch_writes or w & batch_reads):
+            elif fire and fut.owner not in behind and not (r & writes or w & reads):
+                # no conflict with any job ahead (taken or staying queued): order of page access kept
                 if tokens + len(req.tokens) <= self.max_batch_tokens or not batch:
                     batch.append(fut)
                     tokens += len(req.tokens)
-                    batch_reads |= r
-                    batch_writes |= w
                     reads |= r
                     writes |= w
                     continue
@@ -215,10 +229,10 @@ class Scheduler:
         except Exception as e:  # fails this copy only
             log.exception("backend failed on a KV copy for %s", c.name)
             self.stats.errors += 1
-            fut.finish(None, RuntimeError(f"backend error in copy-tokens: {type(e).__name__}: {e}"))
+            self._complete(fut, None, RuntimeError(f"backend error in copy-tokens: {type(e).__name__}: {e}"))
             return
         self.stats.copies += 1
-        fut.finish(None, None)
+        self._complete(fut, None, None)
 
     def _run(self, batch: list[ForwardFuture]) -> None:
         """Run one batch; a request the backend rejects fails alone and the others run without it."""
@@ -232,14 +246,14 @@ class Scheduler:
                     self._fail(batch, e)
                     return
                 self.stats.errors += 1
-                batch.pop(e.request_index).finish(None, e)
+                self._complete(batch.pop(e.request_index), None, e)
                 continue
             except Exception as e:  # the backend failed: every forward in this batch fails, host carries on
                 self._fail(batch, e)
                 return
             self._record(batch, start, time.perf_counter())
             for f, r in zip(batch, results, strict=True):
-                f.finish(r, None)
+                self._complete(f, r, None)
             return
 
     def _fail(self, batch: list[ForwardFuture], e: Exception) -> None:
@@ -247,7 +261,13 @@ class Scheduler:
         self.stats.errors += 1
         err = RuntimeError(f"backend error while running a batch: {type(e).__name__}: {e}")
         for f in batch:
-            f.finish(None, err)
+            self._complete(f, None, err)
+
+    def _complete(self, fut: ForwardFuture, result: Any, error: BaseException | None) -> None:
+        """End a job: its pages may become free again, then its waiter wakes."""
+        if self._pins is not None:
+            self._pins.unpin(_pages(fut.request))
+        fut.finish(result, error)
 
     def _record(self, batch: list[ForwardFuture], start: float, end: float) -> None:
         st = self.stats

@@ -1,12 +1,16 @@
 """KV page ownership: the host-wide free list, ref-counts, per-instance holdings and exports.
 
-Invariants (checked by tests): a page is on the free list iff its ref-count is 0; the
-ref-count of a page = holds by instances + 1 per export name that lists it.
+Invariants (checked by tests): a page is on the free list iff its ref-count is 0 and no job
+pins it; the ref-count of a page = holds by instances + 1 per export name that lists it; a page
+is pinned while a forward or copy that reads or writes it is queued or running (the scheduler
+pins at submit and unpins when the job ends), so a page an instance releases with a write still
+queued cannot be handed to another instance before that write has landed.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -38,6 +42,7 @@ class PageManager:
         self.max_pages_per_instance = max_pages_per_instance
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._refs = [0] * num_pages
+        self._pins = [0] * num_pages  # queued or running jobs touching each page
         self._exports: dict[str, _Export] = {}
         self.refused = 0  # allocations refused for lack of free pages (a condition the guest waits out)
         self._lock = threading.Lock()
@@ -91,8 +96,31 @@ class PageManager:
 
     def _unref(self, page: int) -> None:
         self._refs[page] -= 1
-        if self._refs[page] == 0:
+        if self._refs[page] == 0 and self._pins[page] == 0:
             self._free.append(page)
+
+    def pin(self, pages: Iterable[int]) -> None:
+        """A job that reads or writes `pages` was queued: none of them may become free until `unpin`."""
+        with self._lock:
+            pins = self._pins
+            for p in pages:
+                pins[p] += 1
+
+    def unpin(self, pages: Iterable[int]) -> None:
+        """The job has ended: pages nobody refers to any more go back to the free list now."""
+        with self._lock:
+            pins, refs = self._pins, self._refs
+            freed = False
+            for p in pages:
+                pins[p] -= 1
+                if pins[p] == 0 and refs[p] == 0:
+                    self._free.append(p)
+                    freed = True
+            if freed:
+                self._freed.notify_all()
+
+    def pinned(self, page: int) -> int:
+        return self._pins[page]
 
     def check_pages(self, table: InstancePages, pages: list[int], writable_from: int) -> None:
         """Raise PageError unless all pages are held and pages[writable_from:] are writable."""
