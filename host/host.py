@@ -97,12 +97,15 @@ class Host:
 
     # ---- instances ----
     def launch(self, program_hash: str, args: list[str],
-               on_event: Callable[[InstanceEvent], None] | None = None) -> str:
-        """Start an instance of a compiled program; returns its id. KeyError for an unknown program."""
+               on_event: Callable[[InstanceEvent], None] | None = None, tenant: str = "local") -> str:
+        """Start an instance of a compiled program; returns its id. KeyError for an unknown program.
+
+        `tenant` is the client identity the instance acts for: it sees only that tenant's KV exports."""
         if self._closed:
             raise RuntimeError("host is shut down")
         self.wasm.get(program_hash)  # KeyError with a clear message if unknown
         inst = Instance(self._env, program_hash, args, on_event or (lambda ev: None))
+        inst.pages.tenant = tenant
         with self._lock:
             self._instances[inst.id] = inst
         self.scheduler.expect(inst.id)

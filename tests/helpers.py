@@ -32,11 +32,11 @@ def wasm_bytes(name: str) -> bytes:
 class Run:
     """Collects one instance's events."""
 
-    def __init__(self, host: Host, program: str, args: list[str]) -> None:
+    def __init__(self, host: Host, program: str, args: list[str], tenant: str = "local") -> None:
         self.events: queue.Queue[InstanceEvent] = queue.Queue()
         self.messages: list[str] = []
         self.host = host
-        self.id = host.launch(program, args, self.events.put)
+        self.id = host.launch(program, args, self.events.put, tenant=tenant)
         self.end: InstanceEvent | None = None
 
     def finish(self, timeout: float = 120.0) -> InstanceEvent:

@@ -122,6 +122,7 @@ class FakeHost:
         self.programs: set[str] = set()
         self.compile_calls = 0
         self.running: dict[str, _FakeInstance] = {}
+        self.tenants: dict[str, str] = {}  # instance id -> the tenant it was launched for
         self.terminations: list[tuple[str, str]] = []
         self.open_gates: set[str] = set()
 
@@ -133,10 +134,12 @@ class FakeHost:
         self.programs.add(h)
         return h
 
-    def launch(self, program_hash: str, args: list[str], on_event: Callable[[InstanceEvent], None]) -> str:
+    def launch(self, program_hash: str, args: list[str], on_event: Callable[[InstanceEvent], None],
+               tenant: str = "local") -> str:
         if program_hash not in self.programs:
             raise KeyError(program_hash)
         inst = _FakeInstance(self, program_hash, list(args), on_event)
+        self.tenants[inst.id] = tenant
         with self.lock:
             self.running[inst.id] = inst
             self.free -= PAGES_PER_INSTANCE

@@ -230,3 +230,23 @@ def test_a_released_page_is_not_reused_while_a_queued_forward_still_writes_it(tm
         wait_for(lambda: h.free_pages() == free0, what="every page back")
     finally:
         h.shutdown()
+
+
+@pytest.mark.build
+def test_another_tenant_cannot_see_import_or_remove_a_persistent_export(host: Host, misbehave: str) -> None:
+    """Issue 11.8: export names belong to the tenant (client identity) that launched the exporter."""
+    free0 = host.free_pages()
+    good = start_good(host, misbehave, 2)
+
+    def run_as(tenant: str, *args: str) -> str:
+        r = Run(host, misbehave, list(args), tenant=tenant)
+        return r.finish(30).message
+
+    assert run_as("alice", "export", "kept-11-8") == "exported"
+    assert run_as("mallory", "import", "kept-11-8") == "error: no export named 'kept-11-8'"
+    assert run_as("mallory", "unexport", "kept-11-8") == "error: no export named 'kept-11-8'"
+    assert run_as("alice", "import", "kept-11-8") == "imported 1"
+    assert run_as("alice", "unexport", "kept-11-8") == "unexported"
+    for run, want in good:
+        assert run.finish(60).message == want
+    assert host.free_pages() == free0

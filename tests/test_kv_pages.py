@@ -54,7 +54,7 @@ def test_export_import_refcounts_and_read_only() -> None:
     assert isinstance(pages, list)
     assert pm.export(a, "prefix", pages[:2], persistent=False) is None
     assert "already in use" in pm.export(a, "prefix", pages[:1], persistent=False)
-    assert pm.list_exports() == [("prefix", 2)]
+    assert pm.list_exports(b) == [("prefix", 2)]
     got = pm.import_(b, "prefix")
     assert got == pages[:2]
     assert "no export" in pm.import_(c, "nope")
@@ -63,7 +63,7 @@ def test_export_import_refcounts_and_read_only() -> None:
     pm.check_pages(b, got, writable_from=2)  # reading imported pages is fine
     check_invariants(pm, [a, b, c])
     pm.release_all(a)  # exporter ends: its non-persistent export goes, b still holds the pages
-    assert pm.list_exports() == []
+    assert pm.list_exports(b) == []
     assert pm.free_count == 6 - 2
     check_invariants(pm, [a, b, c])
     pm.release(b, got)
@@ -80,8 +80,8 @@ def test_persistent_export_outlives_exporter() -> None:
     pm.release_all(a)
     assert pm.free_count == 2
     assert pm.import_(b, "keep") == pages
-    assert pm.unexport("keep") is None
-    assert "no export" in pm.unexport("keep")
+    assert pm.unexport(b, "keep") is None
+    assert "no export" in pm.unexport(b, "keep")
     pm.release_all(b)
     assert pm.free_count == 4
     check_invariants(pm, [a, b])
@@ -97,3 +97,27 @@ def test_a_pinned_page_stays_off_the_free_list_until_unpinned() -> None:
     pm.unpin([p])
     assert pm.free_count == 1 and pm.refcount(p) == 0 and pm.pinned(p) == 0
     assert pm.allocate(InstancePages("c"), 1) == [p]
+
+
+def test_export_names_belong_to_a_tenant() -> None:
+    pm = PageManager(6)
+    alice, alice2 = InstancePages("a1", tenant="alice"), InstancePages("a2", tenant="alice")
+    mallory = InstancePages("m", tenant="mallory")
+    pages = pm.allocate(alice, 2)
+    assert isinstance(pages, list)
+    assert pm.export(alice, "prefix", pages, persistent=True) is None
+    # another tenant neither sees, imports, removes nor takes the name over
+    assert pm.list_exports(mallory) == []
+    assert "no export" in pm.import_(mallory, "prefix")
+    assert "no export" in pm.unexport(mallory, "prefix")
+    own = pm.allocate(mallory, 1)
+    assert isinstance(own, list) and pm.export(mallory, "prefix", own, persistent=False) is None
+    assert pm.list_exports(mallory) == [("prefix", 1)]
+    # the same tenant shares it across instances
+    pm.release_all(alice)
+    assert pm.import_(alice2, "prefix") == pages
+    assert pm.unexport(alice2, "prefix") is None
+    pm.release_all(alice2)
+    pm.release_all(mallory)
+    assert pm.free_count == 6
+    check_invariants(pm, [alice, alice2, mallory])

@@ -14,6 +14,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from host.client import PieClient, PieError
+from host.server import ServerConfig
 from host.client.protocol import CHUNK_SIZE, pack
 
 WASM_HASH = hashlib.sha256(WASM).hexdigest()
@@ -129,6 +130,26 @@ def test_auth_token_required(tmp_path) -> None:
 
     with running_server(tmp_path, auth_token="s3cret") as srv:
         asyncio.run(main(srv.url))
+
+
+def test_each_token_is_a_tenant_and_instances_act_for_theirs(tmp_path) -> None:
+    host = FakeHost()
+
+    async def launch_as(url: str, token: str | None) -> str:
+        async with await PieClient.connect(url, token=token) as client:
+            program = await client.ensure_program(WASM)
+            return await client.launch(program, ["echo", "x"])
+
+    with running_server(tmp_path, host=host, auth_token="s3cret", tenants=(("alice", "a-tok"),)) as srv:
+        a = asyncio.run(launch_as(srv.url, "a-tok"))
+        d = asyncio.run(launch_as(srv.url, "s3cret"))
+        with pytest.raises(PieError, match="not authenticated"):
+            asyncio.run(launch_as(srv.url, None))
+    assert (host.tenants[a], host.tenants[d]) == ("alice", "default")
+    with running_server(tmp_path, host=host) as srv:  # no token: one tenant, "local"
+        assert host.tenants[asyncio.run(launch_as(srv.url, None))] == "local"
+    with pytest.raises(ValueError, match="its own non-empty token"):
+        ServerConfig(auth_token="same", tenants=(("bob", "same"),))
 
 
 def test_repeated_bad_tokens_close_the_connection(tmp_path) -> None:

@@ -37,11 +37,11 @@ def imports(pm: PageManager, scheduler: Scheduler, page_size: int) -> dict[str, 
 
     @guest_import("kv.unexport")
     def unexport(inst: Instance, name: str) -> str | None:
-        return pm.unexport(name)
+        return pm.unexport(inst.pages, name)
 
     @guest_import("kv.list-exports")
     def list_exports(inst: Instance) -> list[tuple[str, int]]:
-        return pm.list_exports()
+        return pm.list_exports(inst.pages)
 
     @guest_import("kv.copy-tokens")
     def copy_tokens(inst: Instance, src_page: int, src_off: int, dst_page: int, dst_off: int, count: int) -> None:

@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8080, help="port (0 picks a free one; default 8080)")
     ap.add_argument("--auth-token", default=os.environ.get("PIE_AUTH_TOKEN"),
                     help="require this token (default: $PIE_AUTH_TOKEN; none = no authentication)")
+    ap.add_argument("--tenant", action="append", default=[], metavar="NAME=TOKEN", type=_tenant,
+                    help="another client identity with its own token (repeatable); each tenant sees only "
+                         "its own KV exports")
     add_host_options(ap)
     ap.add_argument("--data-dir", type=Path, default=default_data_dir(),
                     help="program store and key-value store (default: $PIE_DATA_DIR or the host cache dir)")
@@ -43,9 +46,17 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _tenant(value: str) -> tuple[str, str]:
+    name, sep, token = value.partition("=")
+    if not sep or not name or not token:
+        raise argparse.ArgumentTypeError(f"expected NAME=TOKEN, got {value!r}")
+    return name, token
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The `ServerConfig` for parsed pie-serve arguments (an empty token means none)."""
     return ServerConfig(host=args.host, port=args.port, auth_token=args.auth_token or None,
+                        tenants=tuple(args.tenant),
                         data_dir=args.data_dir, max_frame_bytes=args.max_frame_bytes,
                         max_program_bytes=args.max_program_mb * 2**20)
 
@@ -58,11 +69,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = host_config_from_args(args)
+        server_config = server_config_from_args(args)
     except ValueError as exc:
         print(f"pie-serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
     host = Host(config)
-    server = Server(host, server_config_from_args(args))
+    server = Server(host, server_config)
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()

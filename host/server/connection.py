@@ -34,6 +34,7 @@ class Connection:
         self.ws = ws
         self.max_queued = max_queued
         self.authenticated = authenticated
+        self.tenant = "local"  # who this client is, once authenticated (see ServerConfig.tenants)
         self.auth_failures = 0
         self.upload: Upload | None = None
         self.instances: set[str] = set()

@@ -7,7 +7,6 @@ reaches the host only through the `HostFacade` methods.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -58,9 +57,12 @@ class RequestHandlers:
         return await self._table[type(request)](conn, request)
 
     async def _authenticate(self, conn: Connection, req: p.Authenticate) -> str:
-        expected = self.config.auth_token
-        if expected is None or hmac.compare_digest(req.token.encode(), expected.encode()):
+        if not self.config.requires_auth:
             conn.authenticated = True
+            return "authenticated"
+        tenant = self.config.tenant_for(req.token)
+        if tenant is not None:
+            conn.authenticated, conn.tenant = True, tenant
             return "authenticated"
         conn.auth_failures += 1
         if conn.auth_failures >= MAX_AUTH_FAILURES:
@@ -121,7 +123,7 @@ class RequestHandlers:
         record = InstanceRecord(program=req.program_hash, detached=req.detached, owner=conn)
         on_event = self.instances.sink(record, asyncio.get_running_loop())
         try:
-            iid = self.host.launch(req.program_hash, list(req.arguments), on_event)
+            iid = self.host.launch(req.program_hash, list(req.arguments), on_event, tenant=conn.tenant)
         except KeyError as exc:
             raise RequestError(f"launch_instance: host does not know program {req.program_hash}") from exc
         record.id = iid

@@ -69,7 +69,7 @@ class Server:
         self._ws_server = await serve(self._handle, self.config.host, self.config.port,
                                       max_size=self.config.max_frame_bytes, compression=None)
         self.port = self._ws_server.sockets[0].getsockname()[1]
-        log.info("pie-serve listening on %s (auth %s)", self.url, "on" if self.config.auth_token else "off")
+        log.info("pie-serve listening on %s (auth %s)", self.url, "on" if self.config.requires_auth else "off")
 
     async def stop(self) -> None:
         """Close every connection (terminating their instances), then terminate detached ones."""
@@ -124,7 +124,7 @@ class Server:
     # ---- connections -----------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        conn = Connection(ws, self.config.auth_token is None, self.config.max_queued_frames)
+        conn = Connection(ws, not self.config.requires_auth, self.config.max_queued_frames)
         self.connections.add(conn)
         self.counters.connections_total += 1
         sender = asyncio.create_task(conn.send_loop())

@@ -1,5 +1,9 @@
 """KV page ownership: the host-wide free list, ref-counts, per-instance holdings and exports.
 
+Export names belong to a tenant (the client identity that launched the exporter; "local" for
+the embedded host and a server without tokens): an instance sees, imports and unexports only
+its own tenant's exports, and a name in use within a tenant cannot be taken over.
+
 Invariants (checked by tests): a page is on the free list iff its ref-count is 0 and no job
 pins it; the ref-count of a page = holds by instances + 1 per export name that lists it; a page
 is pinned while a forward or copy that reads or writes it is queued or running (the scheduler
@@ -23,6 +27,7 @@ class InstancePages:
     """The pages one instance holds: page -> [hold count, writable]."""
 
     owner: str
+    tenant: str = "local"  # whose export names this instance sees (set by the host at launch)
     held: dict[int, list] = field(default_factory=dict)
     owned_count: int = 0  # pages this instance allocated and still holds (for its cap)
 
@@ -43,7 +48,7 @@ class PageManager:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._refs = [0] * num_pages
         self._pins = [0] * num_pages  # queued or running jobs touching each page
-        self._exports: dict[str, _Export] = {}
+        self._exports: dict[tuple[str, str], _Export] = {}  # (tenant, name) -> export
         self.refused = 0  # allocations refused for lack of free pages (a condition the guest waits out)
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
@@ -145,9 +150,10 @@ class PageManager:
             for p in pages:
                 if p not in table.held:
                     raise PageError(f"page {p} is not held by this instance")
-            if name in self._exports:
+            key = (table.tenant, name)
+            if key in self._exports:
                 return f"export name {name!r} is already in use"
-            self._exports[name] = _Export(list(pages), table.owner, persistent)
+            self._exports[key] = _Export(list(pages), table.owner, persistent)
             for p in pages:
                 self._refs[p] += 1
             return None
@@ -155,7 +161,7 @@ class PageManager:
     def import_(self, table: InstancePages, name: str) -> list[int] | str:
         """Hold the pages exported under `name`, read-only; an error string if unknown."""
         with self._lock:
-            exp = self._exports.get(name)
+            exp = self._exports.get((table.tenant, name))
             if exp is None:
                 return f"no export named {name!r}"
             for p in exp.pages:
@@ -167,9 +173,10 @@ class PageManager:
                 self._refs[p] += 1
             return list(exp.pages)
 
-    def unexport(self, name: str) -> str | None:
+    def unexport(self, table: InstancePages, name: str) -> str | None:
+        """Remove one of the table's tenant's exports; an error string if it has none by that name."""
         with self._lock:
-            exp = self._exports.pop(name, None)
+            exp = self._exports.pop((table.tenant, name), None)
             if exp is None:
                 return f"no export named {name!r}"
             for p in exp.pages:
@@ -177,15 +184,16 @@ class PageManager:
             self._freed.notify_all()
             return None
 
-    def list_exports(self) -> list[tuple[str, int]]:
+    def list_exports(self, table: InstancePages) -> list[tuple[str, int]]:
+        """The table's tenant's exports: (name, page count)."""
         with self._lock:
-            return [(n, len(e.pages)) for n, e in self._exports.items()]
+            return [(n, len(e.pages)) for (t, n), e in self._exports.items() if t == table.tenant]
 
     def release_all(self, table: InstancePages) -> None:
         """Drop every hold of an ending instance and its non-persistent exports."""
         with self._lock:
-            for name in [n for n, e in self._exports.items() if e.owner == table.owner and not e.persistent]:
-                for p in self._exports.pop(name).pages:
+            for key in [k for k, e in self._exports.items() if e.owner == table.owner and not e.persistent]:
+                for p in self._exports.pop(key).pages:
                     self._unref(p)
             for p, entry in list(table.held.items()):
                 for _ in range(entry[0]):
