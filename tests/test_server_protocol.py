@@ -14,8 +14,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from host.client import PieClient, PieError
-from host.server import ServerConfig
 from host.client.protocol import CHUNK_SIZE, pack
+from host.server import ServerConfig
 
 WASM_HASH = hashlib.sha256(WASM).hexdigest()
 
