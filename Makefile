@@ -25,7 +25,7 @@ lint: $(VENV)/.installed
 	$(BIN)/mypy host gpu_backend
 
 test: $(VENV)/.installed lint
-	$(BIN)/python -m pytest -q
+	PIE_FUZZ_EXAMPLES=400 $(BIN)/python -m pytest -q
 
 # The developer's loop: every test that needs neither the real model nor a componentize-py build.
 test-fast: $(VENV)/.installed
