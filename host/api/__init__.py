@@ -1,7 +1,9 @@
-"""The WIT imports of world `pie:inferlet/inferlet@0.1.0`, one module per WIT interface.
+"""The WIT imports of world `pie:inferlet/inferlet`, one module per WIT interface.
 
 Each module's `imports(...)` takes the services that interface needs (not the whole host) and
-returns its functions by WIT name; `build_linker` registers them all. One linker serves every
+returns its functions by WIT name; `build_linker` registers them all, for every WIT version
+shipped (`WIT_VERSIONS`): a component built against 0.1.0 keeps running on this host, its calls
+served by the same functions (0.2.0 only adds `forward.generate`). One linker serves every
 instance: an import finds its caller with `host.wasm.instance.current()`.
 """
 
@@ -13,7 +15,7 @@ from wasmtime import Engine
 from wasmtime.component import Linker
 
 from gpu_backend.types import BackendInfo, Tokenizer
-from host.api import forward, kv, messaging, model, runtime, store
+from host.api import forward, kv, messaging, model, runtime, store, wasi
 from host.api.fastcall import add_func
 from host.api.guest import Import
 from host.batching.scheduler import Scheduler
@@ -21,10 +23,12 @@ from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
 from host.state.topics import Topics
 
-__all__ = ["ApiServices", "PACKAGE", "WIT_VERSION", "build_linker", "import_tables"]
+__all__ = ["ApiServices", "PACKAGE", "WIT_VERSION", "WIT_VERSIONS", "build_linker", "import_tables"]
 
 PACKAGE = "pie:inferlet"
-WIT_VERSION = "0.1.0"
+WIT_VERSION = "0.2.0"  # the newest: what runtime.version reports and pie-build targets
+# Every version served, with the functions each added (the rest exist in all versions).
+WIT_VERSIONS: dict[str, set[str]] = {"0.1.0": set(), "0.2.0": {"forward.generate"}}
 
 
 @dataclass(frozen=True)
@@ -47,17 +51,31 @@ def import_tables(s: ApiServices) -> dict[str, dict[str, Import]]:
         "store": store.imports(s.kvstore),
         "model": model.imports(s.info, s.tokenizer),
         "kv": kv.imports(s.pages, s.scheduler, s.info.page_size),
-        "forward": forward.imports(s.pages, s.scheduler, s.info),
+        "forward": forward.imports(s.pages, s.scheduler, s.info, s.tokenizer),
     }
 
 
+def version_tables(s: ApiServices) -> dict[str, dict[str, dict[str, Import]]]:
+    """Every import of every WIT version served: version -> interface -> name -> function."""
+    tables = import_tables(s)
+    out: dict[str, dict[str, dict[str, Import]]] = {}
+    newer: set[str] = set()
+    for version in sorted(WIT_VERSIONS, key=lambda v: tuple(map(int, v.split("."))), reverse=True):
+        out[version] = {iface: {n: fn for n, fn in table.items() if f"{iface}.{n}" not in newer}
+                        for iface, table in tables.items()}
+        newer |= WIT_VERSIONS[version]
+    return out
+
+
 def build_linker(engine: Engine, services: ApiServices) -> Linker:
-    """A linker with WASI p2 and every import of our world."""
+    """A linker with WASI p2 and every import of our world, in every version shipped."""
     linker = Linker(engine)
     linker.add_wasip2()
+    wasi.add_clock_waits(linker)  # clock waits that terminate and the budget can end
     with linker.root() as root:
-        for iface, table in import_tables(services).items():
-            with root.add_instance(f"{PACKAGE}/{iface}@{WIT_VERSION}") as li:
-                for name, fn in table.items():
-                    add_func(li, name, fn)
+        for version, tables in version_tables(services).items():
+            for iface, table in tables.items():
+                with root.add_instance(f"{PACKAGE}/{iface}@{version}") as li:
+                    for name, fn in table.items():
+                        add_func(li, name, fn)
     return linker

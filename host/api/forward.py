@@ -1,4 +1,5 @@
-"""WIT interface `forward`: submit forward passes, wait on one or any, and the one-token decode step.
+"""WIT interface `forward`: submit forward passes, wait on one or any, the one-token decode step, and
+the host-side generation loop (`generate`, 0.2.0).
 
 Each pass is checked here, once, where it enters the host: the page list against what the
 instance holds, the rest by `gpu_backend.validate.check_request` (the backend trusts a checked
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_backend.types import BackendInfo, ForwardRequest, OutputResult, OutputSpec, SamplerParams
+from wasmtime.component import Record
+
+from gpu_backend.types import BackendInfo, ForwardRequest, OutputResult, OutputSpec, SamplerParams, Tokenizer
 from gpu_backend.validate import as_sampler, check_request
 from host.api.guest import GuestError, Import, guest_import
+from host.batching.generation import Generation, GenerationResult, StopRules
 from host.batching.scheduler import Scheduler
 from host.state.pages import PageManager
 from host.wasm.instance import Instance
@@ -91,7 +95,33 @@ class _Passes:
         return req
 
 
-def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo) -> dict[str, Import]:
+def _generation(passes: _Passes, tok: Tokenizer, inst: Instance, pages: list[int], last_len: int,
+                tokens: list[int], positions: list[int], sampler: Any, max_tokens: int, stop_tokens: list[int],
+                stop_strings: list[str], stream: bool) -> Generation:
+    """The checked first step and the loop state of `forward.generate`."""
+    if max_tokens < 1:
+        raise GuestError(f"max-tokens must be >= 1, got {max_tokens}")
+    if any(not s for s in stop_strings):
+        raise GuestError("a stop string is empty")
+    if not tokens:
+        raise GuestError("no pending tokens to start from")
+    sample = as_sampler(_sampler(sampler), "sampler")
+    req = ForwardRequest(pages=list(pages), last_page_len=last_len, tokens=tokens, positions=positions,
+                         outputs=[OutputSpec(index=len(tokens) - 1, sample=sample)], name=inst.label)
+    passes.check_pages(inst, req)
+    req = check_request(req, passes.info)
+    rules = StopRules(max_tokens, frozenset(stop_tokens), tuple(stop_strings), passes.max_position)
+    send = (lambda text: inst.emit("message", text)) if stream else None
+    return Generation(req, sample, rules, passes.page_size, passes.pm, inst.pages, tok.decode, send)
+
+
+def _generation_record(res: GenerationResult) -> Record:
+    rec = Record()
+    rec.__dict__.update({"tokens": res.tokens, "new-pages": res.new_pages, "trim": res.trim, "finish": res.finish})
+    return rec
+
+
+def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Tokenizer) -> dict[str, Import]:
     passes = _Passes(pm, scheduler, info)
 
     @guest_import("forward.submit")
@@ -133,4 +163,18 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo) -> dict[st
         assert out is not None  # the spec asked for a sampled token
         return out
 
-    return {"submit": submit, "wait": wait, "wait-any": wait_any, "run": run, "decode-step": decode_step}
+    @guest_import("forward.generate")
+    def generate(inst: Instance, *args: Any) -> Record:
+        gen = _generation(passes, tok, inst, *args)
+        fut = scheduler.submit(gen.request, inst.id, generation=gen)
+        fut.add_done_callback(inst.wake)
+        try:
+            inst.wait_until(fut.done)
+        except BaseException:
+            gen.cancelled = True  # terminated or out of budget: the loop ends at its next step
+            raise
+        result: GenerationResult = fut.wait()
+        return _generation_record(result)
+
+    return {"submit": submit, "wait": wait, "wait-any": wait_any, "run": run, "decode-step": decode_step,
+            "generate": generate}

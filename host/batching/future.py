@@ -6,9 +6,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_backend.types import ForwardRequest
+
+if TYPE_CHECKING:
+    from host.batching.generation import Generation
 
 __all__ = ["CopyRequest", "ForwardFuture", "Job"]
 
@@ -38,11 +41,13 @@ class ForwardFuture:
     wait on their own condition (woken by a done-callback), and finishing a batch is on the
     per-step critical path."""
 
-    __slots__ = ("request", "owner", "submitted", "_done", "_event", "_result", "_error", "_callbacks")
+    __slots__ = ("request", "owner", "generation", "submitted", "_done", "_event", "_result", "_error",
+                 "_callbacks")
 
-    def __init__(self, request: Job, owner: str) -> None:
+    def __init__(self, request: Job, owner: str, generation: Generation | None = None) -> None:
         self.request = request
         self.owner = owner
+        self.generation = generation  # a host-side loop: the scheduler keeps its request in every batch
         self.submitted = time.perf_counter()
         self._done = False
         self._event: threading.Event | None = None

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from gpu_backend.types import ForwardError, ForwardRequest, OutputResult
 from host.batching.future import CopyRequest, ForwardFuture, Job
+from host.batching.generation import Generation
 from host.batching.policy import AdaptivePolicy, BatchPolicy
 
 __all__ = ["Scheduler", "SchedulerStats", "ForwardFn", "CopyFn"]
@@ -90,6 +91,7 @@ class Scheduler:
         self._pins: PagePins | None = None
         self._page_size = 1
         self._queue: list[ForwardFuture] = []
+        self._resident: list[ForwardFuture] = []  # generation loops: in every batch until they end
         self._copies_queued = 0
         self._cv = threading.Condition()
         self._stopped = False
@@ -111,11 +113,14 @@ class Scheduler:
             self._cv.notify()
         return fut.result()
 
-    def submit(self, request: Job, owner: str) -> ForwardFuture:
-        """Queue a forward (a checked ForwardRequest) or a KV copy for `owner`; returns its future."""
+    def submit(self, request: Job, owner: str, generation: Generation | None = None) -> ForwardFuture:
+        """Queue a forward (a checked ForwardRequest) or a KV copy for `owner`; returns its future.
+
+        With `generation` (whose `request` this is), the forward is the first step of a host-side
+        loop: the future completes with the loop's result when it ends."""
         if self._forward is None:
             raise RuntimeError("scheduler has no backend yet")
-        fut = ForwardFuture(request, owner)
+        fut = ForwardFuture(request, owner, generation)
         with self._cv:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
@@ -146,9 +151,10 @@ class Scheduler:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=5)
-        for fut in self._queue:
+        for fut in self._queue + self._resident:
             self._complete(fut, None, RuntimeError("host is shutting down"))
         self._queue.clear()
+        self._resident.clear()
         for _fn, cfut in self._calls:
             cfut.set_exception(RuntimeError("host is shutting down"))
         self._calls.clear()
@@ -175,16 +181,22 @@ class Scheduler:
             if batch:
                 self._run(batch)
 
+    def _pending(self) -> list[ForwardFuture]:
+        """What the policy looks at: the resident loops (always ready) and the queue."""
+        return self._resident + self._queue if self._resident else self._queue
+
     def _forwards_ready(self) -> bool:
-        return len(self._queue) > self._copies_queued and self.policy.ready(self._queue, time.perf_counter())
+        if len(self._queue) <= self._copies_queued and not self._resident:
+            return False
+        return self.policy.ready(self._pending(), time.perf_counter())
 
     def _has_work(self) -> bool:
         return self._forwards_ready() or (self._copies_queued > 0 and bool(self._take(dry=True)[0]))
 
     def _wait_s(self) -> float | None:
-        if len(self._queue) <= self._copies_queued:
+        if len(self._queue) <= self._copies_queued and not self._resident:
             return None
-        return self.policy.wait_s(self._queue, time.perf_counter())
+        return self.policy.wait_s(self._pending(), time.perf_counter())
 
     def _take(self, dry: bool = False) -> tuple[list[ForwardFuture], list[ForwardFuture]]:
         """Runnable copies and the next batch of forwards; everything else stays queued, in order."""
@@ -196,6 +208,15 @@ class Scheduler:
         writes: set[int] = set()
         behind: set[str] = set()  # owners with a job ahead that stays queued
         tokens = 0
+        if fire and self._resident:
+            batch.extend(self._resident)
+            self._resident = [] if not dry else self._resident
+            if self._queue:  # the loops' pages count as ahead of every queued job
+                for fut in batch:
+                    r, w = _footprint(fut.request, self._page_size)
+                    reads |= r
+                    writes |= w
+            tokens = len(batch)
         for fut in self._queue:
             req = fut.request
             r, w = _footprint(req, self._page_size)
@@ -251,10 +272,29 @@ class Scheduler:
             except Exception as e:  # the backend failed: every forward in this batch fails, host carries on
                 self._fail(batch, e)
                 return
-            self._record(batch, start, time.perf_counter())
+            end = time.perf_counter()
             for f, r in zip(batch, results, strict=True):
-                self._complete(f, r, None)
+                if f.generation is None:
+                    self._complete(f, r, None)
+                else:
+                    self._step(f, f.generation, r)
+            self._record(batch, start, end)
             return
+
+    def _step(self, fut: ForwardFuture, gen: Generation, outputs: list[OutputResult]) -> None:
+        """One step of a host-side loop is done: it stays for the next batch or ends."""
+        try:
+            token = outputs[0].token
+            assert token is not None  # a generation's pass samples its one output
+            ended = gen.advance(token)
+        except Exception as e:  # a host bug ends this loop only
+            log.exception("generation loop of %s failed", fut.owner)
+            self._complete(fut, None, RuntimeError(f"host error in generate: {type(e).__name__}: {e}"))
+            return
+        if ended:
+            self._complete(fut, gen.result, None)
+        else:
+            self._resident.append(fut)
 
     def _fail(self, batch: list[ForwardFuture], e: Exception) -> None:
         log.error("backend failed on a batch of %d forwards: %s: %s", len(batch), type(e).__name__, e)
@@ -277,5 +317,6 @@ class Scheduler:
         st.max_batch_size = max(st.max_batch_size, len(batch))
         st.queue_wait_s += sum(start - f.submitted for f in batch)
         st.backend_s += end - start
-        with self._cv:
-            self.policy.batch_done([f.owner for f in batch], start, end)
+        with self._cv:  # loops that go on are not waited for: they are in the next batch anyway
+            self.policy.batch_done([f.owner for f in batch if f.generation is None or f.generation.result],
+                                   start, end)

@@ -6,10 +6,12 @@ the page list against what the instance holds here, the rest by `gpu_backend.val
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from inferlet import _host
 from inferlet.testing.kv import FakeKv
-from inferlet.testing.records import Request, WitOutput, WitOutputSpec, WitSampler, trap
+from inferlet.testing.records import Request, WitGeneration, WitOutput, WitOutputSpec, WitSampler, trap
 from inferlet.testing.tiny import TinyBackend
 
 from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams
@@ -33,12 +35,13 @@ def _spec(rec: WitOutputSpec) -> OutputSpec:
 class FakeForward:
     Sampler, OutputSpec, Output = WitSampler, WitOutputSpec, WitOutput
 
-    def __init__(self, kv: FakeKv, backend: TinyBackend) -> None:
-        self.kv, self.backend = kv, backend
+    def __init__(self, kv: FakeKv, backend: TinyBackend, send: Callable[[str], None] = print) -> None:
+        self.kv, self.backend, self.send = kv, backend, send
         self.requests: list[Request] = []
         self.results: dict[int, list[WitOutput]] = {}
         self.next_handle = 1
         self.decode_step_calls = 0  # passes that came through decode_step (also in `requests`)
+        self.generate_calls = 0  # host-side generation loops (their passes are in `requests`)
 
     @property
     def script(self) -> list[int]:
@@ -109,3 +112,49 @@ class FakeForward:
     def wait_any(self, handles: list[int]) -> tuple[int, list[WitOutput]]:
         h = max(handles)  # the newest: callers must not rely on submission order
         return h, self.wait(h)
+
+    def generate(self, pages, last_page_len, tokens, positions, sampler, max_tokens, stop_tokens,  # noqa: ANN001
+                 stop_strings, stream) -> WitGeneration:  # noqa: ANN001
+        """The host-side loop, written out plainly: one `run` per token, the documented stop order."""
+        self.generate_calls += 1
+        if max_tokens < 1 or any(not s for s in stop_strings):
+            raise trap("forward.generate", f"bad max-tokens {max_tokens} or an empty stop string")
+        pages, toks, poss, last = list(pages), list(tokens), list(positions), last_page_len
+        drawn: list[int] = []
+        new_pages: list[int] = []
+        sent = 0
+        while True:
+            seed = None if sampler.seed is None else (sampler.seed + len(drawn)) % 2**64
+            s = WitSampler(sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p, seed)
+            out = self.run(pages, last, toks, poss, [], [WitOutputSpec(len(toks) - 1, s, 0)])
+            drawn.append(out[0].token)
+            finish, trim = self._stop(drawn, max_tokens, stop_tokens, stop_strings)
+            if stream:
+                text = self.backend.tokenizer.decode(drawn[: len(drawn) - trim])
+                if len(text) > sent:
+                    self.send(text[sent:])
+                    sent = len(text)
+            if finish is not None:
+                return WitGeneration(drawn, new_pages, trim, finish)
+            if last == self.kv.ps:
+                try:
+                    (page,) = self.kv.allocate(1)
+                except _host.Err:
+                    return WitGeneration(drawn, new_pages, 0, "out-of-pages")
+                pages.append(page)
+                new_pages.append(page)
+                last = 1
+            else:
+                last += 1
+            toks, poss = [drawn[-1]], [poss[-1] + 1]
+
+    def _stop(self, drawn: list[int], max_tokens: int, stop_tokens: list[int],
+              stop_strings: list[str]) -> tuple[str | None, int]:
+        if len(drawn) >= max_tokens:
+            return "length", 0
+        if drawn[-1] in stop_tokens:
+            return "stop-token", 1
+        text = self.backend.tokenizer.decode(drawn)
+        if any(s in text for s in stop_strings):
+            return "stop-string", 0
+        return None, 0

@@ -25,7 +25,7 @@ class FakeHost:
         self.store = FakeStore()
         self.model = FakeModel(self.backend)
         self.kv = FakeKv(self.backend, max_pages)
-        self.forward = FakeForward(self.kv, self.backend)
+        self.forward = FakeForward(self.kv, self.backend, self.messaging.send)
 
     def install(self) -> FakeHost:
         """Bind this host into the SDK and forget the SDK's cached host state."""

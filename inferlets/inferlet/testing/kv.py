@@ -5,6 +5,8 @@ The pages' contents live in the backend (`TinyBackend.slots`); this side keeps w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from inferlet import _host
 from inferlet.testing.records import trap
 from inferlet.testing.tiny import Slot, TinyBackend
@@ -21,6 +23,8 @@ class FakeKv:
         self.exports: dict[str, list[int]] = {}
         self.export_refs: dict[int, int] = {}
         self.allocations = 0
+        # called once, at the next allocation refused for lack of free pages (e.g. to free some)
+        self.on_refused: Callable[[], None] | None = None
 
     @property
     def slots(self) -> dict[int, list[Slot | None]]:
@@ -51,6 +55,9 @@ class FakeKv:
         if count > self.num_pages:
             raise _host.Err(f"requested {count} KV pages but the host has only {self.num_pages} in total")
         if count > len(self.free):
+            hook, self.on_refused = self.on_refused, None
+            if hook is not None:
+                hook()
             raise _host.Err(f"out of KV pages: {count} asked, {len(self.free)} free")
         pages = [self.free.pop() for _ in range(count)]
         for p in pages:

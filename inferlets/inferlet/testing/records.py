@@ -40,6 +40,16 @@ class WitOutput:
 
 
 @dataclass
+class WitGeneration:
+    """The WIT `generation` record (`finish` as its kebab-case name)."""
+
+    tokens: list[int]
+    new_pages: list[int]
+    trim: int
+    finish: str
+
+
+@dataclass
 class WitMessage:
     role: str
     content: str

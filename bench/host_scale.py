@@ -1,0 +1,142 @@
+"""Can the host keep up with a GPU? The real host in front of a stand-in backend that sleeps per batch.
+
+Usage: python bench/host_scale.py --json OUT [--step-ms 10 2] [--instances 1 16 64 256] [--tokens 64]
+
+The stand-in (gpu_backend/standin.py) sleeps `step-ms` per batch with the GIL released, as a GPU
+step does, and returns deterministic tokens (next = last + 1), so every output is checked. Two
+workloads, N instances launched at once:
+- `app`: the standard `text_completion` inferlet, greedy, `--tokens` new tokens;
+- `step`: a guest that drives every token itself with `decode-step` (bench/inferlets/stepper).
+The ideal is the backend alone: one prefill step and `tokens` decode steps for all N together, so
+ideal_tok_s = N * tokens / ((tokens + 1) * step) and efficiency = tok_s / ideal_tok_s; tok_s counts
+the whole wall time from the first launch to the last instance's end. mean_batch = forwards per
+backend call. rss_mb_per_instance: resident memory added by 256 live `step` instances.
+Writes JSON to --json and a markdown table next to it (.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from common import ROOT, Run, compile_inferlet
+
+from gpu_backend.standin import StandInBackend
+from host import Host, HostConfig
+
+PROMPT = "Write a story about a lighthouse."
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, required=True, help="where to write the results")
+    ap.add_argument("--step-ms", type=float, nargs="+", default=[10.0, 2.0], help="backend time per batch")
+    ap.add_argument("--instances", type=int, nargs="+", default=[1, 16, 64, 256], help="concurrent instances")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per instance")
+    return ap.parse_args()
+
+
+def expected_text(host: Host, tokens: int) -> str:
+    """text_completion's output on the stand-in: the tokens after the chat prompt's last one."""
+    tok = host.backend.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}], True))
+    vocab = host.backend.info.vocab_size
+    return tok.decode([(prompt[-1] + 1 + i) % vocab for i in range(tokens)])
+
+
+def workload_args(name: str, tokens: int) -> list[str]:
+    if name == "app":
+        return ["--prompt", PROMPT, "--max-tokens", str(tokens)]
+    return [str(tokens), PROMPT]
+
+
+def run_once(host: Host, backend: StandInBackend, program: str, args: list[str], n: int, want: str,
+             step_s: float, tokens: int) -> dict[str, float]:
+    backend.batches.clear()
+    t0 = time.perf_counter()
+    runs = [Run(host, program, args) for _ in range(n)]
+    for r in runs:
+        end = r.finish(600)
+        if end.event != "completed" or end.message != want:
+            raise RuntimeError(f"wrong result: {end.event}: {end.message[:200]!r} (expected {want[:80]!r})")
+    wall = time.perf_counter() - t0
+    tok_s = n * tokens / wall
+    ideal = n * tokens / ((tokens + 1) * step_s)
+    return {"tok_s": round(tok_s, 1), "ideal_tok_s": round(ideal, 1), "efficiency": round(tok_s / ideal, 3),
+            "mean_batch": round(statistics.fmean(backend.batches), 1), "wall_s": round(wall, 3)}
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rss_per_instance(host: Host, program: str, n: int = 256) -> float:
+    """Resident memory added per live instance (each holding a prompt in the cache, waiting)."""
+    before = rss_mb()
+    runs = [Run(host, program, ["1", PROMPT, "--hold"]) for _ in range(n)]
+    deadline = time.monotonic() + 300
+    while sum(i["state"] == "running" for i in host.instances()) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # let the last ones reach receive()
+    during = rss_mb()
+    for r in runs:
+        host.signal(r.id, "go")
+    for r in runs:
+        r.finish(600)
+    return round((during - before) / n, 2)
+
+
+def table(results: dict[str, Any], rss: float, tokens: int) -> str:
+    lines = [f"# bench/host_scale.py ({tokens} tokens per instance; efficiency = tok/s / ideal)", ""]
+    for step, by_workload in results.items():
+        for workload, by_n in by_workload.items():
+            lines += [f"## {step} ms step, `{workload}`", "", "| instances | " + " | ".join(by_n) + " |",
+                      "|---|" + "---|" * len(by_n)]
+            for key in ("tok_s", "ideal_tok_s", "efficiency", "mean_batch"):
+                lines.append(f"| {key} | " + " | ".join(str(v[key]) for v in by_n.values()) + " |")
+            lines.append("")
+    lines.append(f"rss per live instance: {rss} MB")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    opts = parse_args()
+    backend = StandInBackend(page_size=16, num_pages=16384)
+    host = Host(HostConfig(), backend=backend)
+    programs = {"app": compile_inferlet(host, "text_completion"),
+                "step": compile_inferlet(host, ROOT / "bench" / "inferlets" / "stepper")}
+    want_app = expected_text(host, opts.tokens)
+    last = host.backend.tokenizer.encode(PROMPT)[-1]
+    want = {"app": want_app, "step": " ".join(str(last + 1 + i) for i in range(opts.tokens))}
+    results: dict[str, Any] = {}
+    for step_ms in opts.step_ms:
+        backend.delay_s = step_ms / 1000
+        key = f"{step_ms:g}"
+        results[key] = {}
+        for workload in ("app", "step"):
+            args = workload_args(workload, opts.tokens)
+            run_once(host, backend, programs[workload], args, 1, want[workload], backend.delay_s, opts.tokens)
+            results[key][workload] = {
+                str(n): run_once(host, backend, programs[workload], args, n, want[workload], backend.delay_s,
+                                 opts.tokens) for n in opts.instances}
+            print(key, workload, json.dumps(results[key][workload]), flush=True)
+    backend.delay_s = 0.0
+    rss = rss_per_instance(host, programs["step"])
+    host.shutdown()
+    res = {**results, "rss_mb_per_instance": rss, "tokens": opts.tokens}
+    opts.json.parent.mkdir(parents=True, exist_ok=True)
+    opts.json.write_text(json.dumps(res, indent=2))
+    md = table(results, rss, opts.tokens)
+    opts.json.with_suffix(".md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

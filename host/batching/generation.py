@@ -1,0 +1,123 @@
+"""Host-side generation loops (WIT `forward.generate`): decode steps with no guest wake-up per token.
+
+A `Generation` is one sequence the scheduler keeps in every batch until it stops: after each
+step it takes the drawn token, checks the stop rules, grows the page list from its instance's
+quota, and turns its (reused) request into the next step. All of that runs on the scheduler
+thread between two backend calls, so it is kept to a few attribute updates per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams
+from host.state.pages import InstancePages, PageManager
+
+__all__ = ["Generation", "GenerationResult", "StopRules"]
+
+U64 = 2**64
+
+
+@dataclass(frozen=True)
+class StopRules:
+    """When a generation ends, checked in this order after every token."""
+
+    max_tokens: int
+    stop_tokens: frozenset[int]
+    stop_strings: tuple[str, ...]
+    max_position: int  # positions must stay below it
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    new_pages: list[int]
+    trim: int
+    finish: str  # length | stop-token | stop-string | out-of-pages | max-position | cancelled
+
+
+class Generation:
+    """One host-side generation loop. `advance` is called with each drawn token, on the scheduler thread."""
+
+    def __init__(self, request: ForwardRequest, sampler: SamplerParams, rules: StopRules, page_size: int,
+                 pages: PageManager, table: InstancePages, decode: Callable[[list[int]], str],
+                 send: Callable[[str], None] | None) -> None:
+        self.request = request  # the next step's pass; mutated in place from step to step
+        self.sampler = sampler
+        self.rules = rules
+        self.page_size = page_size
+        self._pm, self._table = pages, table
+        self._decode = decode
+        self._send = send
+        self._sent = 0
+        self.tokens: list[int] = []
+        self.new_pages: list[int] = []
+        self.result: GenerationResult | None = None
+        self.cancelled = False  # set by the instance when it stops waiting (terminated, out of budget)
+        # with a seed, step i draws with seed + i (as the SDK's own loop does)
+        self._seeded = sampler.seed is not None
+
+    def advance(self, token: int) -> bool:
+        """Take the token drawn by the last step; True when the generation has ended (see `result`)."""
+        if self.cancelled:
+            return self._end("cancelled")
+        tokens = self.tokens
+        tokens.append(token)
+        finish, trim = self._stop(tokens)
+        if self._send is not None:
+            self._stream(tokens, 0 if finish is None else trim)
+        if finish is not None:
+            self.result = GenerationResult(tokens, self.new_pages, trim, finish)
+            return True
+        return self._next_step(token)
+
+    def _stop(self, tokens: list[int]) -> tuple[str | None, int]:
+        rules = self.rules
+        if len(tokens) >= rules.max_tokens:
+            return "length", 0
+        if tokens[-1] in rules.stop_tokens:
+            return "stop-token", 1
+        if rules.stop_strings:
+            tail = self._decode(tokens[-max(len(s.encode()) + 4 for s in rules.stop_strings):])
+            if any(s in tail for s in rules.stop_strings):
+                return "stop-string", 0
+        return None, 0
+
+    def _stream(self, tokens: list[int], trim: int) -> None:
+        text = self._decode(tokens[: len(tokens) - trim])
+        if len(text) > self._sent:
+            assert self._send is not None
+            self._send(text[self._sent:])
+            self._sent = len(text)
+
+    def _next_step(self, token: int) -> bool:
+        """Turn the request into the step that writes `token`; False if it can, else end the loop."""
+        req = self.request
+        position = req.positions[-1] + 1
+        if position >= self.rules.max_position:
+            return self._end("max-position")
+        if req.last_page_len == self.page_size:
+            got = self._pm.allocate(self._table, 1)
+            if isinstance(got, str):
+                return self._end("out-of-pages")
+            self._pm.pin(got)  # like the pages it started with: not freed while the loop may write it
+            req.pages.append(got[0])
+            self.new_pages.append(got[0])
+            req.last_page_len = 1
+        else:
+            req.last_page_len += 1
+        if len(req.tokens) == 1:
+            req.tokens[0] = token
+            req.positions[0] = position
+        else:  # after the first step (all pending tokens), every step is one token
+            req.tokens, req.positions = [token], [position]
+            req.outputs = [OutputSpec(index=0, sample=self.sampler)]
+        if self._seeded:
+            seed = (self.sampler.seed + len(self.tokens)) % U64  # type: ignore[operator]
+            req.outputs = [OutputSpec(index=0, sample=replace(self.sampler, seed=seed))]
+        return False
+
+    def _end(self, finish: str) -> bool:
+        self.result = GenerationResult(self.tokens, self.new_pages, 0, finish)
+        return True
