@@ -8,18 +8,19 @@ from pathlib import Path
 import pytest
 from fakes import FakeBackend
 
-from host.api import PACKAGE, WIT_VERSION, ApiServices, import_tables
+from host.api import PACKAGE, WIT_VERSION, WIT_VERSIONS, ApiServices, import_tables, version_tables
 from host.batching.scheduler import Scheduler
 from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
 from host.state.topics import Topics
 
 WIT = Path(__file__).resolve().parents[1] / "wit" / "inferlet.wit"
+WIT_0_1 = Path(__file__).resolve().parents[1] / "wit" / "v0.1.0" / "inferlet.wit"
 
 
-def declared() -> dict[str, set[str]]:
+def declared(path: Path = WIT) -> dict[str, set[str]]:
     """Interface -> function names, read from the WIT text (independently of the host's code)."""
-    text = WIT.read_text()
+    text = path.read_text()
     out: dict[str, set[str]] = {}
     for m in re.finditer(r"^interface ([\w-]+) \{(.*?)^\}", text, re.S | re.M):
         out[m.group(1)] = set(re.findall(r"^\s*([\w-]+): func\(", m.group(2), re.M))
@@ -39,6 +40,16 @@ def test_registered_imports_equal_the_wit_declarations(services: ApiServices) ->
     assert all(wit.values())  # the parser found functions in every interface
     registered = {iface: set(table) for iface, table in import_tables(services).items()}
     assert registered == wit
+    services.scheduler.stop()
+
+
+def test_every_version_shipped_is_served_with_exactly_its_functions(services: ApiServices) -> None:
+    tables = version_tables(services)
+    assert set(tables) == set(WIT_VERSIONS) == {"0.1.0", "0.2.0"}
+    for version, path in (("0.2.0", WIT), ("0.1.0", WIT_0_1)):
+        head = re.search(r"^package [\w:-]+@([\d.]+);", path.read_text(), re.M)
+        assert head is not None and head.group(1) == version
+        assert {iface: set(t) for iface, t in tables[version].items()} == declared(path), version
     services.scheduler.stop()
 
 

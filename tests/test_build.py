@@ -75,7 +75,16 @@ class StubHost:
             ("kv", "release"): lambda pages: None,
             ("forward", "run"): self._run,
             ("forward", "decode-step"): lambda pages, last_len, token, pos, sampler: self.script.pop(0),
+            ("forward", "generate"): self._generate,
         }
+
+    def _generate(self, pages, last_len, tokens, positions, sampler, max_tokens, stops, texts, stream):  # noqa: ANN001
+        drawn: list[int] = []
+        while len(drawn) < max_tokens:
+            drawn.append(self.script.pop(0))
+            if drawn[-1] in stops:
+                return _record(tokens=drawn, **{"new-pages": []}, trim=1, finish="stop-token")
+        return _record(tokens=drawn, **{"new-pages": []}, trim=0, finish="length")
 
     def _set_return(self, value: str) -> None:
         self.returned = value
@@ -93,7 +102,7 @@ class StubHost:
         linker.add_wasip2()
         with linker.root() as root:
             for iface, funcs in wit_functions().items():
-                with root.add_instance(f"pie:inferlet/{iface}@0.1.0") as inst:
+                with root.add_instance(f"pie:inferlet/{iface}@0.2.0") as inst:
                     for name in funcs:
                         inst.add_func(name, self._stub(iface, name))
         return linker
@@ -130,8 +139,8 @@ def test_component_runs_on_stub_imports(component: tuple[Engine, Component]) -> 
     host = StubHost(["--prompt", "hi", "--max-tokens", "8"], [ord(c) for c in "Paris."] + [0])
     assert run_component(engine, comp, host) is None  # result<_, string>: ok is None
     assert host.returned == "Paris."
-    # one pass per generated token: the first also prefills (run), the rest are plain decode steps
-    assert host.calls.count("forward.run") == 1 and host.calls.count("forward.decode-step") == 6
+    # the whole generation (prefill included) is one host-side loop: one call, no pass per token
+    assert host.calls.count("forward.generate") == 1 and "forward.decode-step" not in host.calls
     assert host.calls[-2:] == ["kv.release", "runtime.set-return"]
 
 

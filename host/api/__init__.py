@@ -23,7 +23,7 @@ from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
 from host.state.topics import Topics
 
-__all__ = ["ApiServices", "PACKAGE", "WIT_VERSION", "WIT_VERSIONS", "build_linker", "import_tables"]
+__all__ = ["ApiServices", "PACKAGE", "WIT_VERSION", "WIT_VERSIONS", "build_linker", "import_tables", "version_tables"]
 
 PACKAGE = "pie:inferlet"
 WIT_VERSION = "0.2.0"  # the newest: what runtime.version reports and pie-build targets
@@ -71,7 +71,7 @@ def build_linker(engine: Engine, services: ApiServices) -> Linker:
     """A linker with WASI p2 and every import of our world, in every version shipped."""
     linker = Linker(engine)
     linker.add_wasip2()
-    wasi.add_clock_waits(linker)  # clock waits that terminate and the budget can end
+    wasi.add_clock_waits(linker, engine)  # clock waits that terminate and the budget can end
     with linker.root() as root:
         for version, tables in version_tables(services).items():
             for iface, table in tables.items():

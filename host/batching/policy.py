@@ -6,6 +6,7 @@ not block. Pie has the same cut (a `BatchPolicy` trait); see REFERENCE.md for it
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -50,44 +51,63 @@ class AdaptivePolicy(BatchPolicy):
 
     The instances of the batch that just returned need a moment (guest code, host calls) to
     submit their next step; firing at the first arrival would split them into many small
-    batches, so the policy waits until each has resubmitted (or ended, or blocked on something
-    else), at most half the last batch's time (<= `max_grace_s`). Instances just launched are
-    expected the same way, up to `launch_grace_s`, so requests arriving together prefill together.
+    batches, so the policy waits for them: at first for half the last batch's time (at most
+    `max_grace_s`), and for as long after that as they keep coming back (each arrival allows
+    `slack_s` more), never past `max_wait_s` after the batch. An instance that ends or blocks on
+    something else is not waited for. Instances just launched are expected the same way, for
+    `launch_grace_s` after the last launch, so requests arriving together prefill together.
+    Host-side generation loops are in every batch anyway and are never waited for.
+    Every method is O(1): they run on the per-step path, with hundreds of instances.
     """
 
     name = "adaptive"
 
-    def __init__(self, launch_grace_s: float = 0.05, max_grace_s: float = 0.02) -> None:
+    def __init__(self, launch_grace_s: float = 0.05, max_grace_s: float = 0.02, slack_s: float = 0.002,
+                 max_wait_s: float = 0.05) -> None:
         self.launch_grace_s = launch_grace_s
         self.max_grace_s = max_grace_s
-        self._expect: dict[str, float] = {}  # owner -> time after which it is not waited for
+        self.slack_s = slack_s
+        self.max_wait_s = max_wait_s
+        self._expect: set[str] = set()  # owners whose next forward is due soon
+        self._until = 0.0  # stop waiting at this time (moved on by arrivals) ...
+        self._cap = 0.0  # ... and never later than this
 
     def ready(self, queue: Sequence[ForwardFuture], now: float) -> bool:
-        if self._expect:
-            self._expect = {o: t for o, t in self._expect.items() if t > now}
+        if self._expect and now >= min(self._until, self._cap):
+            self._expect.clear()  # the rest are late: they join a later batch
         return not self._expect
 
     def wait_s(self, queue: Sequence[ForwardFuture], now: float) -> float | None:
         if not self._expect:
             return None
-        return max(min(self._expect.values()) - now, 0.0002)
+        return max(min(self._until, self._cap) - now, 0.0002)
 
     def launched(self, owner: str, now: float) -> None:
-        self._expect[owner] = now + self.launch_grace_s
+        self._expect.add(owner)
+        self._until = max(self._until, now + self.launch_grace_s)
+        self._cap = max(self._cap, now + self.launch_grace_s)
 
     def submitted(self, owner: str) -> None:
-        self._expect.pop(owner, None)
+        if owner in self._expect:
+            self._expect.discard(owner)
+            if self._expect:
+                self._until = max(self._until, time.perf_counter() + self.slack_s)
 
     def expects(self, owner: str) -> bool:
         return owner in self._expect
 
     def forget(self, owner: str) -> bool:
-        return self._expect.pop(owner, None) is not None
+        if owner not in self._expect:
+            return False
+        self._expect.discard(owner)
+        return True
 
     def batch_done(self, owners: Sequence[str], start: float, end: float) -> None:
-        until = end + min(0.5 * (end - start), self.max_grace_s)
-        for o in owners:
-            self._expect[o] = max(self._expect.get(o, 0.0), until)
+        if not owners:
+            return
+        self._expect.update(owners)
+        self._until = max(self._until, end + min(0.5 * (end - start), self.max_grace_s))
+        self._cap = max(self._cap, end + self.max_wait_s)
 
 
 class KOrTPolicy(BatchPolicy):
