@@ -8,13 +8,14 @@ The WIT imports find the instance calling them with `current()` (each runs on it
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import wasmtime
 from wasmtime import Store, WasiConfig
@@ -85,6 +86,7 @@ class Instance:
         self.topics: set[str] = set()
         self.forwards: dict[int, ForwardFuture] = {}
         self._next_handle = 1
+        self.wasi_helper: Any = None  # host/api/wasi.py's helper in this instance's store, once made
         self.return_value: str | None = None
         self.trap_reason: str | None = None  # set by an import before it traps the guest
         self.stop_reason: str | None = None  # set by terminate()
@@ -122,14 +124,22 @@ class Instance:
 
     def on_epoch(self) -> str | None:
         """Epoch tick while the guest runs: a trap message if it must stop, else None."""
+        self._enforce_budget()
         if self.stop_reason is not None:
             return f"instance terminated: {self.stop_reason}"
-        budget = self.env.limits.wall_budget_s
-        if budget is not None and self.elapsed_ms() > budget * 1000:
-            self.trap_reason = f"wall-clock budget of {budget:g} s exceeded"
-            return self.trap_reason
         self.env.gate.leave_if_long()  # a guest running for long lets the other instances run
         return None
+
+    def budget_left_s(self) -> float | None:
+        """Seconds left of the wall-clock budget (may be negative); None if it has none."""
+        budget = self.env.limits.wall_budget_s
+        return None if budget is None else budget - (time.perf_counter() - self._t0)
+
+    def _enforce_budget(self) -> None:
+        """Past its budget, the instance is stopped like a terminate, ending as an exception."""
+        left = self.budget_left_s()
+        if left is not None and left <= 0 and self.stop_reason is None:
+            self.terminate(f"wall-clock budget of {self.env.limits.wall_budget_s:g} s exceeded", "exception")
 
     def deliver(self, topic: str, message: str) -> None:
         """A message published on a topic this instance subscribed to."""
@@ -150,20 +160,27 @@ class Instance:
             self.cond.notify_all()
 
     def check_alive(self) -> None:
+        """Raise Terminated if the instance was told to stop or has run past its wall-clock budget."""
+        self._enforce_budget()
         if self.stop_reason is not None:
             raise Terminated(self.stop_reason)
 
     def wait_until(self, ready: Callable[[], bool], timeout_s: float | None = None) -> bool:
-        """Block (GIL released) until ready() or timeout; raises Terminated if stopped meanwhile."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        """Block (GIL released) until ready() or timeout; raises Terminated if stopped meanwhile.
+
+        The wait also ends when the wall-clock budget runs out (then Terminated, with the budget
+        reason), so a guest blocked in an import cannot outlive its budget.
+        """
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         blocked = False
         try:
             with self.cond:
                 while not ready():
                     self.check_alive()
-                    remaining = None if deadline is None else deadline - time.monotonic()
+                    remaining = None if deadline is None else deadline - time.perf_counter()
                     if remaining is not None and remaining <= 0:
                         return False
+                    remaining = _earliest(remaining, self.budget_left_s())
                     if not blocked:
                         blocked = True
                         self.env.on_block(self.id)  # the scheduler need not wait for us
@@ -223,7 +240,7 @@ class Instance:
         epoch_key = 0
         try:
             store = Store(env.engine.engine)
-            store.set_limits(memory_size=env.limits.memory_bytes)
+            env.limits.apply(store)
             epoch_key = watch_epochs(store, self)
             wasi = WasiConfig()
             wasi.stdout_custom = self._capture_stdout
@@ -238,7 +255,7 @@ class Instance:
             _current.instance = self
             result = run(store)
             if isinstance(result, str):
-                event, message = "exception", f"inferlet returned an error: {result}"
+                event, message = "exception", f"inferlet returned an error: {result}{self._memory_note(result)}"
             else:
                 event, message = "completed", self.return_value or ""
         except wasmtime.WasmtimeError as e:
@@ -259,17 +276,57 @@ class Instance:
         self.emit(event, message)
 
     def _classify_trap(self, e: wasmtime.WasmtimeError) -> tuple[str, str]:
+        """The end event of a guest that trapped: the host's own reason if it stopped the guest,
+        else wasmtime's root cause first, then the guest's stderr tail and a short backtrace."""
         if self.stop_reason is not None:
             return self.stop_event, self.stop_reason
         if self.trap_reason is not None:
             return "exception", self.trap_reason
-        text = str(e).strip()
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        causes = [ln for ln in lines if "trap" in ln.lower() or "error" in ln.lower()]
-        first = (causes[-1] if causes else lines[0]) if lines else "trap"
+        cause, backtrace = _split_wasmtime_error(str(e))
+        limit = self.env.limits.explain(cause)
+        if limit is not None:
+            return "exception", limit
         stderr = self._stderr.decode("utf-8", "replace").strip()
-        if "memory" in text.lower() or "MemoryError" in stderr:
-            limit = self.env.limits.memory_bytes // 2**20
-            first = f"{first} (linear memory limit is {limit} MiB)"
+        first = f"trap: {cause}{self._memory_note(stderr)}"
         detail = f"\n{stderr[-2000:]}" if stderr else ""
-        return "exception", f"trap: {first}{detail}"
+        frames = f"\nwasm backtrace:\n{backtrace}" if backtrace else ""
+        return "exception", f"{first}{detail}{frames}"
+
+    def _memory_note(self, guest_output: str) -> str:
+        """" (memory limit ...)" when the guest's last words are a Python MemoryError: its heap
+        could not grow, which in wasm means the memory limit refused it. Else ""."""
+        lines = guest_output.strip().splitlines()
+        if lines and lines[-1].startswith("MemoryError"):
+            return f" ({self.env.limits.memory_note()})"
+        return ""
+
+
+_BACKTRACE_FRAMES = 8
+
+
+def _split_wasmtime_error(text: str) -> tuple[str, str]:
+    """wasmtime's error text as (cause, backtrace).
+
+    A trap reads "error while executing at wasm backtrace: <frames> Caused by: <causes>", the
+    causes outermost first ("0: ...", "1: ..."). The cause is those joined by ": " (after the
+    first line when that is not the backtrace header, as in anyhow's "outer: inner"), or the
+    first line alone when there is no "Caused by:" section. At most 8 frames are kept.
+    """
+    head, sep, tail = text.strip().partition("\nCaused by:")
+    head_lines = [ln.strip() for ln in head.splitlines() if ln.strip()] or ["trap"]
+    if not sep:
+        return head_lines[0], ""
+    causes = [re.sub(r"^\d+: ", "", ln.strip()) for ln in tail.splitlines() if ln.strip()]
+    has_frames = head_lines[0].startswith("error while executing")
+    frames = head_lines[1:] if has_frames else []
+    causes = causes if has_frames else head_lines[:1] + causes
+    if len(frames) > _BACKTRACE_FRAMES:
+        frames = frames[:_BACKTRACE_FRAMES] + [f"... {len(frames) - _BACKTRACE_FRAMES} more frames"]
+    return ": ".join(causes) or "trap", "\n".join(f"  {f}" for f in frames)
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    """The smaller of two optional timeouts (None = no limit)."""
+    if a is None:
+        return b
+    return a if b is None else min(a, b)

@@ -1,31 +1,121 @@
-"""Per-instance limits and the epoch callback that enforces them on running guest code.
+"""Per-instance limits, how a store enforces them, and the epoch callback for running guest code.
 
-wasmtime calls the epoch deadline callback on the instance's own thread each time the guest's
-deadline passes, i.e. once per epoch tick while wasm code runs. It traps the guest when the
-owner says so (terminated, over its wall-clock budget) and otherwise extends the deadline by one
-tick. Lowering a deadline from another thread does not work: compiled code caches the deadline,
-so the callback is the only prompt way to stop a spinning guest.
+Memory. `InstanceLimits.memory_bytes` caps everything an instance's component can allocate in
+linear memories and tables together, however many core instances it is made of. wasmtime's
+store limits count per store (one store per instance) but cap each memory and each table on its
+own, so the cap is split by a fixed rule (`InstanceLimits.store_limits`):
+
+    max_tables * table_elements * 8 B  +  max_memories * memory_size  <=  memory_bytes
+
+Tables get at most an eighth of the cap (`max_table_elements` each, fewer for small caps) and the
+memories share the rest equally. A componentize-py inferlet needs 1 memory (13.3 MiB at start),
+2 tables (the larger 5,710 elements) and 14 core instances; the defaults leave it the whole cap
+minus 2 MiB for tables (caps of 16 MiB and more); host/api/wasi.py adds one core instance on
+its first clock wait. A component that defines more memories, tables or instances than allowed
+is refused at instantiation with a message naming the limit; a `memory.grow` / `table.grow` past
+a limit returns -1 to the guest (a Python guest raises MemoryError).
+
+Time. wasmtime calls the epoch deadline callback on the instance's own thread each time the
+guest's deadline passes, i.e. once per epoch tick while wasm code runs. It traps the guest when
+the owner says so (terminated, over its wall-clock budget) and otherwise extends the deadline by
+one tick. Lowering a deadline from another thread does not work: compiled code caches the
+deadline, so the callback is the only prompt way to stop a spinning guest.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
 from wasmtime import Store
 from wasmtime import _ffi as ffi
 
-__all__ = ["EpochOwner", "InstanceLimits", "watch_epochs", "unwatch_epochs"]
+__all__ = ["EpochOwner", "InstanceLimits", "StoreLimits", "watch_epochs", "unwatch_epochs"]
+
+MIB = 2**20
+WASM_PAGE = 65536
+TABLE_ELEMENT_BYTES = 8  # wasmtime: "currently each table element takes 8 bytes"
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """The values handed to wasmtime's `Store.set_limits`, derived from `InstanceLimits`."""
+
+    memory_size: int  # bytes, per linear memory
+    table_elements: int  # per table
+    instances: int
+    tables: int
+    memories: int
+
+    @property
+    def total_bytes(self) -> int:
+        """The most the memories and tables can hold together."""
+        return self.memories * self.memory_size + self.tables * self.table_elements * TABLE_ELEMENT_BYTES
 
 
 @dataclass(frozen=True)
 class InstanceLimits:
-    """memory_bytes: linear memory cap; wall_budget_s: wall-clock budget (None = unlimited)."""
+    """What one instance may use (see the module docstring for how the memory cap is split).
 
-    memory_bytes: int = 512 * 2**20
+    memory_bytes: cap on all linear memories and tables of the component together.
+    wall_budget_s: wall-clock budget from launch, also while blocked in an import (None = unlimited).
+    max_memories / max_tables / max_instances: how many linear memories, tables and core wasm
+    instances the component may create. max_table_elements: elements per table, at most.
+    """
+
+    memory_bytes: int = 512 * MIB
     wall_budget_s: float | None = None
+    max_memories: int = 1
+    max_tables: int = 4
+    max_instances: int = 32
+    max_table_elements: int = 65536
+
+    def __post_init__(self) -> None:
+        for name in ("max_memories", "max_tables", "max_instances", "max_table_elements"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"InstanceLimits.{name} must be at least 1, got {getattr(self, name)}")
+        if self.store_limits.memory_size < WASM_PAGE:
+            raise ValueError(f"memory_bytes {self.memory_bytes} leaves less than one 64 KiB page per "
+                             f"linear memory for {self.max_memories} memories")
+
+    @property
+    def store_limits(self) -> StoreLimits:
+        table_elements = min(self.max_table_elements,
+                             self.memory_bytes // 8 // (self.max_tables * TABLE_ELEMENT_BYTES))
+        table_bytes = self.max_tables * max(table_elements, 1) * TABLE_ELEMENT_BYTES
+        return StoreLimits(memory_size=(self.memory_bytes - table_bytes) // self.max_memories,
+                           table_elements=max(table_elements, 1), instances=self.max_instances,
+                           tables=self.max_tables, memories=self.max_memories)
+
+    def apply(self, store: Store) -> None:
+        """Set these limits on a fresh store (before anything is instantiated in it)."""
+        s = self.store_limits
+        store.set_limits(memory_size=s.memory_size, table_elements=s.table_elements,
+                         instances=s.instances, tables=s.tables, memories=s.memories)
+
+    def memory_note(self) -> str:
+        s = self.store_limits
+        return f"memory limit: {s.memory_size / MIB:.1f} MiB per linear memory, {self.memory_bytes // MIB} MiB in all"
+
+    def explain(self, wasmtime_message: str) -> str | None:
+        """Which limit a wasmtime instantiation error hit, with its value; None if not a limit."""
+        s = self.store_limits
+        if m := re.search(r"(instance|memory|table) count too high at (\d+)", wasmtime_message):
+            kind, what = {"instance": ("instances", "core wasm instances"), "memory": ("memories", "linear memories"),
+                          "table": ("tables", "tables")}[m[1]]
+            return (f"{kind} limit exceeded: the component creates at least {m[2]} {what}, "
+                    f"the limit is {getattr(s, kind)}")
+        if m := re.search(r"memory minimum size of (\d+) pages exceeds memory limits", wasmtime_message):
+            need = int(m[1]) * WASM_PAGE
+            return (f"memory limit exceeded: a linear memory starts at {need / MIB:.1f} MiB ({m[1]} pages), "
+                    f"the limit is {s.memory_size / MIB:.1f} MiB per linear memory")
+        if m := re.search(r"table minimum size of (\d+) elements exceeds table limits", wasmtime_message):
+            return (f"table elements limit exceeded: a table starts at {m[1]} elements, "
+                    f"the limit is {s.table_elements} elements per table")
+        return None
 
 
 class EpochOwner(Protocol):
