@@ -27,7 +27,7 @@ class HostConfig:
     model: None for the default SmolLM2 GGUF, else a .gguf path or an HF safetensors dir.
     policy: "adaptive" (one batch in flight, fire all queued when it returns) or "k-or-t"
         (fire when `batch_k` forwards are queued or the oldest waited `batch_t_ms`).
-    memory_limit_bytes: linear memory cap per instance.
+    memory_limit_bytes: cap on all linear memories and tables of one instance together.
     wall_budget_s: wall-clock budget per instance (None = unlimited).
     max_pages_per_instance: KV pages one instance may own at once (None = no cap).
     run_gate: instance threads take turns running, `run_slots` at a time (see host/gate.py);
@@ -47,6 +47,8 @@ class HostConfig:
     memory_limit_bytes: int = 512 * 2**20
     wall_budget_s: float | None = None
     max_pages_per_instance: int | None = None
+    max_published_messages: int = 1024  # unread pub/sub messages kept per instance (oldest dropped)
+    max_published_bytes: int = 2**20
     epoch_tick_ms: float = 10.0
     run_gate: bool = True
     run_slots: int = 2
@@ -68,5 +70,8 @@ class HostConfig:
             raise ValueError(f"memory_limit_bytes must be at least 1 MiB, got {self.memory_limit_bytes}")
         if self.wall_budget_s is not None and self.wall_budget_s <= 0:
             raise ValueError(f"wall_budget_s must be positive, got {self.wall_budget_s}")
+        if self.max_published_messages < 1 or self.max_published_bytes < 1:
+            raise ValueError("max_published_messages and max_published_bytes must be >= 1, got "
+                             f"{self.max_published_messages}, {self.max_published_bytes}")
         if self.max_pages_per_instance is not None and self.max_pages_per_instance < 1:
             raise ValueError(f"max_pages_per_instance must be >= 1, got {self.max_pages_per_instance}")

@@ -80,7 +80,9 @@ class Host:
             kvstore=self.kvstore, topics=self.topics))
         self._env = InstanceEnv(
             engine=self.wasm, linker=self.linker, gate=self.gate,
-            limits=InstanceLimits(config.memory_limit_bytes, config.wall_budget_s),
+            limits=InstanceLimits(config.memory_limit_bytes, config.wall_budget_s,
+                                  max_published_messages=config.max_published_messages,
+                                  max_published_bytes=config.max_published_bytes),
             on_block=self.scheduler.forget, on_end=self._instance_ended)
         self._instances: dict[str, Instance] = {}
         self._ended: OrderedDict[str, Instance] = OrderedDict()
@@ -147,6 +149,8 @@ class Host:
             if len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
         self.topics.drop(inst)
+        with inst.cond:
+            inst.published.clear()  # unread messages go with their subscriber
         # A forward still queued or running finishes on its own (its pages stay pinned until it
         # has, so the backend never writes into a page someone else owns); waiting for it here
         # means the instance's pages are all free by the time its end is reported.

@@ -250,3 +250,24 @@ def test_another_tenant_cannot_see_import_or_remove_a_persistent_export(host: Ho
     for run, want in good:
         assert run.finish(60).message == want
     assert host.free_pages() == free0
+
+
+@pytest.mark.build
+def test_unread_published_messages_are_bounded_and_freed_with_their_subscriber(tmp_path) -> None:
+    """Issue 11.5: a subscriber that never reads holds at most its mailbox limits, and nothing after it ends."""
+    h = Host(HostConfig(data_dir=tmp_path, max_published_messages=100, max_published_bytes=64 * 1024),
+             backend=FakeBackend())
+    try:
+        prog = h.compile(wasm_bytes("misbehave"))
+        idle = Run(h, prog, ["subscribe_idle", "news-11-5"])
+        assert idle.events.get(timeout=60).message == "subscribed"
+        assert Run(h, prog, ["flood", "news-11-5", "2000", "1000"]).finish(60).message == "flooded"
+        mailbox = h._instances[idle.id].published
+        assert len(mailbox) <= 100 and mailbox.bytes <= 64 * 1024 and mailbox.dropped >= 2000 - 100
+        end = Run(h, prog, ["flood", "news-11-5", "1", str(70 * 1024)]).finish(60)
+        assert end.event == "exception" and "exceeds the 65536-byte limit" in end.message
+        h.signal(idle.id, "go")
+        assert idle.finish(30).message == "done"
+        assert len(mailbox) == 0 and mailbox.bytes == 0 and h.topics.topic_count() == 0
+    finally:
+        h.shutdown()

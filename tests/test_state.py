@@ -52,3 +52,16 @@ def test_kvstore_persists_across_reopen(tmp_path: Path) -> None:
     s = KeyValueStore(path)
     assert s.get("a") == "3" and s.get("b") is None and s.keys() == ["a"]
     s.close()
+
+
+def test_mailbox_drops_the_oldest_when_full_by_count_or_bytes() -> None:
+    from host.state.topics import Mailbox
+
+    m = Mailbox(max_messages=3, max_bytes=20)
+    for i in range(5):
+        m.put("t", f"m{i}")  # 3 bytes each
+    assert len(m) == 3 and m.dropped == 2 and m.bytes == 9
+    m.put("t", "x" * 15)  # 16 bytes: the two oldest must go to fit it
+    assert [m.get() for _ in range(len(m))] == [("t", "m4"), ("t", "x" * 15)]
+    m.put("t", "y" * 30)  # larger than the whole budget: dropped itself
+    assert len(m) == 0 and m.dropped == 5 and m.bytes == 0 and m.get() is None

@@ -73,6 +73,8 @@ ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "forward.run": st.tuples(SMALL_LIST, U32, SMALL_LIST, SMALL_LIST, st.lists(SMALL_LIST, max_size=3),
                              st.lists(OUTPUT_SPEC, max_size=3)),
     "forward.decode-step": st.tuples(SMALL_LIST, U32, U32, U32, SAMPLER),
+    "forward.generate": st.tuples(SMALL_LIST, U32, SMALL_LIST, SMALL_LIST, SAMPLER, st.integers(0, 12) | U32,
+                                  SMALL_LIST, st.lists(TEXT, max_size=2), st.booleans()),
 }
 CALL = st.sampled_from(sorted(ARGS)).flatmap(lambda name: st.tuples(st.just(name), ARGS[name]))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from host.api.guest import Import, guest_import, timeout_s
+from host.api.guest import GuestError, Import, guest_import, timeout_s
 from host.state.topics import Topics
 from host.wasm.instance import Instance
 
@@ -22,6 +22,10 @@ def imports(topics: Topics) -> dict[str, Import]:
 
     @guest_import("messaging.publish")
     def publish(inst: Instance, topic: str, message: str) -> None:
+        size = len(topic.encode()) + len(message.encode())
+        if size > inst.published.max_bytes:
+            raise GuestError(f"message of {size} bytes (topic included) exceeds the {inst.published.max_bytes}-byte "
+                             "limit of a subscriber's queue")
         topics.publish(topic, message)
 
     @guest_import("messaging.subscribe")
@@ -37,7 +41,7 @@ def imports(topics: Topics) -> dict[str, Import]:
         if not inst.wait_until(lambda: bool(inst.published), timeout_s(timeout_ms)):
             return None
         with inst.cond:
-            return inst.published.popleft()
+            return inst.published.get()
 
     return {"send": send, "receive": receive, "publish": publish, "subscribe": subscribe,
             "unsubscribe": unsubscribe, "receive-published": receive_published}

@@ -42,7 +42,7 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int,
                         help=f"cap on tokens per batch (default {_default('max_batch_tokens')})")
     parser.add_argument("--memory-limit-mb", type=int,
-                        help=f"linear memory limit per instance (default {_default('memory_limit_bytes') // MIB} MiB)")
+                        help=f"memory limit per instance, all linear memories and tables together (default {_default('memory_limit_bytes') // MIB} MiB)")
     parser.add_argument("--wall-budget-s", type=float, help="wall-clock budget per instance in seconds (default: none)")
     parser.add_argument("--max-pages-per-instance", type=int, help="KV pages one instance may hold (default: no cap)")
 

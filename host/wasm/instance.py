@@ -23,6 +23,7 @@ from wasmtime.component import Linker
 
 from host.events import InstanceEvent
 from host.state.pages import InstancePages
+from host.state.topics import Mailbox
 from host.wasm.limits import InstanceLimits, unwatch_epochs, watch_epochs
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class Instance:
         self._handed = False  # the gate has woken it for its turn (guarded by cond)
         self.inbox: deque[str] = deque()
         self.input_closed = False
-        self.published: deque[tuple[str, str]] = deque()
+        self.published = Mailbox(env.limits.max_published_messages, env.limits.max_published_bytes)
         self.topics: set[str] = set()
         self.forwards: dict[int, ForwardFuture] = {}
         self._next_handle = 1
@@ -144,7 +145,7 @@ class Instance:
     def deliver(self, topic: str, message: str) -> None:
         """A message published on a topic this instance subscribed to."""
         with self.cond:
-            self.published.append((topic, message))
+            self.published.put(topic, message)
             self.cond.notify_all()
 
     def signal(self, message: str) -> None:

@@ -64,6 +64,8 @@ class InstanceLimits:
     wall_budget_s: wall-clock budget from launch, also while blocked in an import (None = unlimited).
     max_memories / max_tables / max_instances: how many linear memories, tables and core wasm
     instances the component may create. max_table_elements: elements per table, at most.
+    max_published_messages / max_published_bytes: the instance's unread pub/sub messages
+    (host/state/topics.py `Mailbox`: when full, the oldest are dropped).
     """
 
     memory_bytes: int = 512 * MIB
@@ -72,6 +74,9 @@ class InstanceLimits:
     max_tables: int = 4
     max_instances: int = 32
     max_table_elements: int = 65536
+    # unread pub/sub messages kept per instance (count, bytes); when full the oldest are dropped
+    max_published_messages: int = 1024
+    max_published_bytes: int = 1 * MIB
 
     def __post_init__(self) -> None:
         for name in ("max_memories", "max_tables", "max_instances", "max_table_elements"):
