@@ -117,3 +117,14 @@ def test_pie_run_cli(hf_greedy: dict[str, str], tmp_path: Path) -> None:
     assert res.returncode == 2 and "not a .wasm file" in res.stderr
     res = pie_run("text_completion", "--page-size", "0")
     assert res.returncode != 0 and "page" in res.stderr.lower()
+
+
+@pytest.mark.build
+def test_host_side_generation_equals_the_guest_loop_on_the_real_model(host: Host) -> None:
+    """forward.generate vs one decode-step per token in the guest: same sampled text (seeded, T=1)."""
+    prog = host.compile(wasm_bytes("misbehave"))
+    for seed in (3, 11):
+        end = Run(host, prog, ["gen_compare", str(seed), "1.0", "24", "Name a fruit."]).finish(180)
+        assert end.event == "completed", end.message
+        on_host, in_guest = end.message.split("|||")
+        assert on_host == in_guest and on_host
