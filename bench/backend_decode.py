@@ -118,7 +118,12 @@ def load_hf(model_arg: str | None, device: str, dtype: torch.dtype):
     return m.to(device=device, dtype=dtype).eval()
 
 
-def main() -> None:
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# series: key -> (kind, dtype); "ours" and "transformers" are the headline pair
+Series = dict[str, tuple[str, torch.dtype]]
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True, help="write results here")
     ap.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M GGUF)")
@@ -132,18 +137,24 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return ap.parse_args()
+
+
+def make_series(args: argparse.Namespace) -> Series:
+    """The headline pair, plus the equal-dtype pairs unless --no-same-dtype (or the dtypes agree)."""
     cuda = args.device.startswith("cuda")
     ours_dt = getattr(torch, args.dtype)
     hf_dt = getattr(torch, args.hf_dtype or ("bfloat16" if cuda else "float32"))
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-    # series: key -> (kind, dtype); "ours" and "transformers" are the headline pair
     series = {"ours": ("ours", ours_dt), "transformers": ("hf", hf_dt)}
     if not args.no_same_dtype and ours_dt != hf_dt:
-        series[f"ours_{name[hf_dt]}"] = ("ours", hf_dt)
-        series[f"transformers_{name[ours_dt]}"] = ("hf", ours_dt)
+        series[f"ours_{DTYPE_NAMES[hf_dt]}"] = ("ours", hf_dt)
+        series[f"transformers_{DTYPE_NAMES[ours_dt]}"] = ("hf", ours_dt)
+    return series
+
+
+def load_models(args: argparse.Namespace, series: Series) -> tuple[dict, dict, float]:
+    """(our backends by dtype, transformers models by dtype, seconds to load the headline backend)."""
+    ours_dt = series["ours"][1]
     t = time.perf_counter()
     backends = {ours_dt: load_backend(args.model, device=args.device, dtype=ours_dt, num_pages=4096,
                                       progress=False)}
@@ -152,8 +163,13 @@ def main() -> None:
         if dt not in backends:
             backends[dt] = load_backend(args.model, device=args.device, dtype=dt, num_pages=4096, progress=False)
     hf = {dt: load_hf(args.model, args.device, dt) for kind, dt in series.values() if kind == "hf"}
-    main_backend = backends[ours_dt]
-    batches = [int(b) for b in args.batches.split(",")]
+    return backends, hf, load_s
+
+
+def measure_batches(args: argparse.Namespace, series: Series, backends: dict, hf: dict,
+                    batches: list[int]) -> dict:
+    """Decode tok/s per series and batch size: the best of --repeats alternating runs, after a warm-up."""
+    main_backend = backends[series["ours"][1]]
     results: dict = {key: {} for key in series}
 
     def measure(key: str, seqs: list[list[int]], n: int) -> float:
@@ -173,21 +189,32 @@ def main() -> None:
         for key in series:
             results[key][str(b)] = round(best[key], 2)
         print(f"batch {b}: " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()) + " tok/s", flush=True)
-    wbytes = {name[dt]: be.model.weight_bytes() for dt, be in backends.items()}
-    bw = copy_bandwidth(args.device)
-    results["meta"] = {
+    return results
+
+
+def meta(args: argparse.Namespace, series: Series, main_backend, wbytes: dict[str, int], bw: float,
+         load_s: float) -> dict:
+    return {
         "model": main_backend.info.name, "device": args.device,
-        "dtypes": {key: name[dt] for key, (_, dt) in series.items()},
+        "dtypes": {key: DTYPE_NAMES[dt] for key, (_, dt) in series.items()},
         "threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
         "prompt_tokens": len(prompts(main_backend, 1)[0]),
         "weight_bytes_per_decode_step": wbytes, "copy_bandwidth_bytes_per_s": round(bw),
         "batch1_bound_steps_per_s": {k: round(bw / 2 / v, 1) for k, v in wbytes.items()},
         "load_seconds": round(load_s, 2),
     }
-    out = Path(args.json)
+
+
+def write_results(path: str, results: dict) -> Path:
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
-    heads = [f"{k} ({name[dt]})" for k, (_, dt) in series.items()]
+    return out
+
+
+def print_table(results: dict, series: Series, batches: list[int]) -> None:
+    """The markdown table of tok/s per batch, and the equal-dtype ratios where measured."""
+    heads = [f"{k} ({DTYPE_NAMES[dt]})" for k, (_, dt) in series.items()]
     print("\n| batch | " + " | ".join(heads) + " | ours / transformers |")
     print("|---" * (len(series) + 2) + "|")
     for b in batches:
@@ -195,14 +222,34 @@ def main() -> None:
         ratio = results["ours"][str(b)] / results["transformers"][str(b)]
         print(f"| {b} | " + " | ".join(row) + f" | {ratio:.2f}x |")
     if len(series) > 2:
+        ours_name, hf_name = DTYPE_NAMES[series["ours"][1]], DTYPE_NAMES[series["transformers"][1]]
         print("\nequal dtype: " + ", ".join(
-            f"batch {b}: {name[hf_dt]} {results[f'ours_{name[hf_dt]}'][str(b)] / results['transformers'][str(b)]:.2f}x"
-            f" / {name[ours_dt]} {results['ours'][str(b)] / results[f'transformers_{name[ours_dt]}'][str(b)]:.2f}x"
+            f"batch {b}: {hf_name} {results[f'ours_{hf_name}'][str(b)] / results['transformers'][str(b)]:.2f}x"
+            f" / {ours_name} {results['ours'][str(b)] / results[f'transformers_{ours_name}'][str(b)]:.2f}x"
             for b in batches))
+
+
+def print_bounds(wbytes: dict[str, int], bw: float, load_s: float, out: Path) -> None:
     for k, v in wbytes.items():
         print(f"weights read per decode step ({k}): {v / 1e6:.0f} MB -> batch-1 bound ~{bw / 2 / v:.0f} steps/s")
     print(f"measured copy bandwidth: {bw / 1e9:.1f} GB/s (read+write; a step reads weights, so bound = bw/2 / bytes)")
     print(f"load_backend: {load_s:.1f} s; wrote {out}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    series = make_series(args)
+    backends, hf, load_s = load_models(args, series)
+    batches = [int(b) for b in args.batches.split(",")]
+    results = measure_batches(args, series, backends, hf, batches)
+    wbytes = {DTYPE_NAMES[dt]: be.model.weight_bytes() for dt, be in backends.items()}
+    bw = copy_bandwidth(args.device)
+    results["meta"] = meta(args, series, backends[series["ours"][1]], wbytes, bw, load_s)
+    out = write_results(args.json, results)
+    print_table(results, series, batches)
+    print_bounds(wbytes, bw, load_s, out)
 
 
 if __name__ == "__main__":

@@ -183,28 +183,25 @@ def launch_ms(host: Host, program: str, reps: int = 15) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, required=True, help="write results here")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: fp32 on CPU")
     ap.add_argument("--reps", type=int, default=7, help="repetitions of each tax measurement (median)")
-    opts = ap.parse_args()
+    return ap.parse_args()
 
-    # The host loads the model on its scheduler thread, where all its forwards run; the direct
-    # baseline runs there too (torch on CPU is ~15-20% slower on a thread other than the loader's).
-    host = Host(HostConfig(device=opts.device, dtype=opts.dtype, num_pages=4096))
+
+def direct(host: Host, texts: list[str], max_tokens: int) -> tuple[float, Timeline, int]:
+    """`run_direct` on the host's scheduler thread, where the model was loaded and its forwards run
+    (torch on CPU is ~15-20% slower on a thread other than the loader's)."""
     backend = host.backend
+    return host.scheduler.call(lambda: run_direct(backend, texts, max_tokens))
 
-    def direct(texts: list[str], max_tokens: int) -> tuple[float, Timeline, int]:
-        return host.scheduler.call(lambda: run_direct(backend, texts, max_tokens))
 
-    tc = host.compile(resolve_inferlet("text_completion").read_bytes())
-    calls = host.compile(build_inferlet(ROOT / "bench" / "inferlets" / "hostcalls").read_bytes())
-
-    res: dict = {"call_us": {}, "tax": {}, "scaling_tok_s": {}, "device": str(backend.info.device),
-                 "dtype": backend.info.dtype, "run_slots": host.gate.slots, "max_tokens": opts.max_tokens}
+def measure_calls(host: Host, calls: str, res: dict) -> None:
+    """call_us (empty import, forward.run and decode-step, with their host overhead) and launch_ms."""
     res["call_us"]["empty"] = statistics.median(guest_call(host, calls, ["empty", "2000"]) for _ in range(3))
     st = host.scheduler.stats
     for mode in ("forward", "decode"):
@@ -218,24 +215,34 @@ def main() -> None:
         res["call_us"][f"{mode}_host_overhead"] = statistics.median(over)
     res["launch_ms"] = launch_ms(host, calls)
 
+
+def tax_runs(host: Host, tc: str, n: int, opts: argparse.Namespace) -> tuple[list[float], ...]:
+    """--reps host/direct runs of n prompts: (TPOT ratios, end-to-end ratios, host ITLs, direct ITLs,
+    host step ratios)."""
+    ratios, e2e, itl_host, itl_direct, steps = [], [], [], [], []
+    for rep in range(opts.reps):
+        # alternate which side goes first, so a slow drift of the machine cancels out
+        if rep % 2 == 0:
+            t_direct, tl_direct, _ = direct(host, prompts(n), opts.max_tokens)
+            t_host, tl_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
+        else:
+            t_host, tl_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
+            t_direct, tl_direct, _ = direct(host, prompts(n), opts.max_tokens)
+        ratios.append(tl_host.tpot_s() / tl_direct.tpot_s())
+        e2e.append(t_host / t_direct)
+        itl_host += tl_host.itl
+        itl_direct += tl_direct.itl
+        steps += tl_host.step_ratios()
+    return ratios, e2e, itl_host, itl_direct, steps
+
+
+def measure_tax(host: Host, tc: str, opts: argparse.Namespace, res: dict) -> None:
+    """tax, tax_e2e, tax_itl, tax_step at 1 and 16 at once, then tax_no_gate(_step) with the run gate off."""
     run_host(host, tc, prompts(2), 4)  # warm-up
     for key, gate in (("tax", True), ("tax_no_gate", False)):
         host.gate.enabled = gate
         for n in (1, 16):
-            ratios, e2e, itl_host, itl_direct, steps = [], [], [], [], []
-            for rep in range(opts.reps):
-                # alternate which side goes first, so a slow drift of the machine cancels out
-                if rep % 2 == 0:
-                    t_direct, tl_direct, _ = direct(prompts(n), opts.max_tokens)
-                    t_host, tl_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
-                else:
-                    t_host, tl_host, _ = run_host(host, tc, prompts(n), opts.max_tokens)
-                    t_direct, tl_direct, _ = direct(prompts(n), opts.max_tokens)
-                ratios.append(tl_host.tpot_s() / tl_direct.tpot_s())
-                e2e.append(t_host / t_direct)
-                itl_host += tl_host.itl
-                itl_direct += tl_direct.itl
-                steps += tl_host.step_ratios()
+            ratios, e2e, itl_host, itl_direct, steps = tax_runs(host, tc, n, opts)
             itl = statistics.median(itl_host) / statistics.median(itl_direct)
             res.setdefault(key, {})[str(n)] = statistics.median(ratios)
             if gate:
@@ -246,16 +253,22 @@ def main() -> None:
                   f" end-to-end {statistics.median(e2e):.3f}; median inter-token latency ratio {itl:.3f};"
                   f" host step / its backend time {statistics.median(steps):.3f}", flush=True)
     host.gate.enabled = True
+
+
+def measure_scaling(host: Host, tc: str, opts: argparse.Namespace, res: dict) -> None:
     for n in (1, 4, 16, 64):
-        _, _, tokens = direct(prompts(n), opts.max_tokens)  # same greedy outputs: same token count
+        _, _, tokens = direct(host, prompts(n), opts.max_tokens)  # same greedy outputs: same token count
         t_host, _, _ = run_host(host, tc, prompts(n), opts.max_tokens)
         res["scaling_tok_s"][str(n)] = tokens / t_host
         print(f"scaling {n}: {tokens / t_host:.1f} tok/s", flush=True)
-    res["scheduler"] = host.scheduler.stats.as_dict()
-    host.shutdown()
 
-    opts.json.parent.mkdir(parents=True, exist_ok=True)
-    opts.json.write_text(json.dumps(res, indent=2))
+
+def write_results(path: Path, res: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2))
+
+
+def print_report(res: dict) -> None:
     print("\n| metric | value |\n|---|---|")
     print(f"| empty import call | {res['call_us']['empty']:.1f} us |")
     print(f"| forward submit+wait (1 token) | {res['call_us']['forward']:.1f} us |")
@@ -274,6 +287,25 @@ def main() -> None:
         print(f"| aggregate tok/s at {k} instances | {v:.1f} |")
     s1 = res["scaling_tok_s"]["1"]
     print(f"| scaling 16 vs 1 | {res['scaling_tok_s']['16'] / s1:.2f}x |")
+
+
+def main() -> None:
+    opts = parse_args()
+    # The host loads the model on its scheduler thread, where all its forwards run; the direct
+    # baseline runs there too (see `direct`).
+    host = Host(HostConfig(device=opts.device, dtype=opts.dtype, num_pages=4096))
+    backend = host.backend
+    tc = host.compile(resolve_inferlet("text_completion").read_bytes())
+    calls = host.compile(build_inferlet(ROOT / "bench" / "inferlets" / "hostcalls").read_bytes())
+    res: dict = {"call_us": {}, "tax": {}, "scaling_tok_s": {}, "device": str(backend.info.device),
+                 "dtype": backend.info.dtype, "run_slots": host.gate.slots, "max_tokens": opts.max_tokens}
+    measure_calls(host, calls, res)
+    measure_tax(host, tc, opts, res)
+    measure_scaling(host, tc, opts, res)
+    res["scheduler"] = host.scheduler.stats.as_dict()
+    host.shutdown()
+    write_results(opts.json, res)
+    print_report(res)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,17 @@ def host(real_host):
     return real_host
 
 
+def _ranked_candidates(beams: list[dict], outs) -> list[tuple[float, int, int, int]]:
+    """Every (score, beam index, rank, token) continuation, best first (ties: lower beam, then rank)."""
+    cands = []
+    for bi, (b, out) in enumerate(zip(beams, outs, strict=False)):
+        for rank, (tok, prob) in enumerate(zip(out[0].ids, out[0].probs, strict=False)):
+            if prob > 0.0:
+                cands.append((b["score"] + math.log(prob), bi, rank, tok))
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    return cands
+
+
 def reference_beam_search(host: Host, prompt_ids: list[int], width: int, max_tokens: int,
                           penalty: float) -> tuple[float, list[int]]:
     """The inferlet's algorithm written directly against the backend (own pages, copied on fork)."""
@@ -49,13 +60,7 @@ def reference_beam_search(host: Host, prompt_ids: list[int], width: int, max_tok
             reqs.append(ForwardRequest(pages=b["pages"], last_page_len=b["kv"] - (len(b["pages"]) - 1) * ps,
                                        tokens=[b["pending"]], positions=[b["kv"] - 1],
                                        outputs=[OutputSpec(index=0, dist=width)]))
-        outs = forward(reqs)
-        cands = []
-        for bi, (b, out) in enumerate(zip(beams, outs, strict=False)):
-            for rank, (tok, prob) in enumerate(zip(out[0].ids, out[0].probs, strict=False)):
-                if prob > 0.0:
-                    cands.append((b["score"] + math.log(prob), bi, rank, tok))
-        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+        cands = _ranked_candidates(beams, forward(reqs))
         new = []
         for score, bi, _rank, tok in cands[:width]:
             parent = beams[bi]

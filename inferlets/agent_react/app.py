@@ -180,56 +180,87 @@ class Agent:
             self.ctx.release()
 
 
-def main(args: list[str]) -> str | None:
-    p = PARSER
-    opts = p.parse(args)
-    choices = [c.strip() for c in opts.tool_choice.split(",") if c.strip()]
+def tool_choices(tool_choice: str, max_turns: int) -> list[str]:
+    """The --tool-choice entries, checked (with --max-turns)."""
+    choices = [c.strip() for c in tool_choice.split(",") if c.strip()]
     for c in choices:
         if c != "auto" and c not in TOOLS:
             raise InferletError(f"--tool-choice: unknown tool {c!r} (tools: {', '.join(TOOLS)}, or auto)")
-    if not choices or opts.max_turns < 0:
+    if not choices or max_turns < 0:
         raise InferletError("--tool-choice needs at least one entry and --max-turns must be >= 0")
+    return choices
+
+
+def think(agent: Agent, max_tokens: int) -> str:
+    """One "Thought:" line, then the "Action:" prompt; returns the thought as generated."""
+    agent.add("Thought:")
+    thought = agent.generate("\n", max_tokens)
+    if not thought.endswith("\n"):
+        agent.add("\n")
+    agent.add("Action:")
+    return thought
+
+
+def pick_tool(agent: Agent, turn: int, choices: list[str], max_turns: int) -> str:
+    """The turn's tool: forced "finish" on the last turn, else --tool-choice's entry or the model's pick."""
+    choice = choices[min(turn, len(choices) - 1)]
+    if turn == max_turns:
+        return "finish"
+    if choice == "auto":
+        return agent.choose(TOOLS)
+    return choice
+
+
+def tool_argument(agent: Agent, tool: str, max_tokens: int) -> str:
+    """Write `tool[`, let the model write the argument, and close the bracket."""
+    agent.add(f" {tool}[")
+    raw = agent.generate("]", max_tokens)
+    arg = raw.split("]")[0].split("\n")[0].strip()
+    if "]" not in raw:
+        agent.add("]")
+    return arg
+
+
+def call_tool(tool: str, arg: str, docs: list[str], turn: int, timeout_ms: int) -> str:
+    """The tool's observation, on one line."""
+    if tool == "calculator":
+        obs = calculator(arg)
+    elif tool == "lookup":
+        obs = lookup(arg, docs)
+    else:
+        obs = ask_user(arg, turn, timeout_ms)
+    return " ".join(obs.split())
+
+
+def run_agent(agent: Agent, opts, choices: list[str], docs: list[str]) -> tuple[str, list[dict[str, str]]]:
+    """Thought / Action / Observation turns until "finish"; (final answer, turns)."""
+    turns: list[dict[str, str]] = []
+    for turn in range(opts.max_turns + 1):
+        thought = think(agent, opts.thought_tokens)
+        tool = pick_tool(agent, turn, choices, opts.max_turns)
+        if tool == "finish":
+            agent.add(" finish\nFinal Answer:")
+            answer = agent.generate("\n", opts.answer_tokens).strip()
+            turns.append({"thought": thought.strip(), "tool": "finish", "arg": "", "observation": ""})
+            return answer, turns
+        arg = tool_argument(agent, tool, opts.arg_tokens)
+        obs = call_tool(tool, arg, docs, turn, opts.client_timeout_ms)
+        agent.add(f"\nObservation: {obs}\n")
+        turns.append({"thought": thought.strip(), "tool": tool, "arg": arg, "observation": obs})
+        send(json.dumps({"type": "step", "turn": turn, "tool": tool, "arg": arg, "observation": obs}))
+    return "", turns
+
+
+def main(args: list[str]) -> str | None:
+    opts = PARSER.parse(args)
+    choices = tool_choices(opts.tool_choice, opts.max_turns)
     docs = opts.doc if opts.doc else DEFAULT_DOCS
     model = get_model()
     prompt = model.apply_chat_template(
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Question: " + opts.question}], True)
     agent = Agent(opts.stateless, prompt)
-    turns: list[dict[str, str]] = []
-    answer = ""
     try:
-        for turn in range(opts.max_turns + 1):
-            agent.add("Thought:")
-            thought = agent.generate("\n", opts.thought_tokens)
-            if not thought.endswith("\n"):
-                agent.add("\n")
-            agent.add("Action:")
-            choice = choices[min(turn, len(choices) - 1)]
-            if turn == opts.max_turns:
-                tool = "finish"
-            elif choice == "auto":
-                tool = agent.choose(TOOLS)
-            else:
-                tool = choice
-            if tool == "finish":
-                agent.add(" finish\nFinal Answer:")
-                answer = agent.generate("\n", opts.answer_tokens).strip()
-                turns.append({"thought": thought.strip(), "tool": "finish", "arg": "", "observation": ""})
-                break
-            agent.add(f" {tool}[")
-            raw = agent.generate("]", opts.arg_tokens)
-            arg = raw.split("]")[0].split("\n")[0].strip()
-            if "]" not in raw:
-                agent.add("]")
-            if tool == "calculator":
-                obs = calculator(arg)
-            elif tool == "lookup":
-                obs = lookup(arg, docs)
-            else:
-                obs = ask_user(arg, turn, opts.client_timeout_ms)
-            obs = " ".join(obs.split())
-            agent.add(f"\nObservation: {obs}\n")
-            turns.append({"thought": thought.strip(), "tool": tool, "arg": arg, "observation": obs})
-            send(json.dumps({"type": "step", "turn": turn, "tool": tool, "arg": arg, "observation": obs}))
+        answer, turns = run_agent(agent, opts, choices, docs)
     finally:
         agent.close()
     if opts.json:

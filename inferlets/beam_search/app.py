@@ -38,64 +38,91 @@ def normalized(logprob: float, length: int, penalty: float) -> float:
     return logprob / (max(length, 1) ** penalty)
 
 
+# A beam: (context, logprob, generated tokens); a candidate: (logprob, beam index, rank, token).
+Beam = tuple[Context, float, list[int]]
+Candidate = tuple[float, int, int, int]
+
+
+def prompt_context(model, prompt: str, raw: bool) -> Context:
+    """A context holding the prompt (chat-templated unless `raw`), prefilled."""
+    root = Context(model)
+    if raw:
+        root.fill(prompt)
+    else:
+        root.fill_user(prompt)
+    root.flush()
+    return root
+
+
+def next_dists(beams: list[Beam], width: int) -> list[tuple[list[int], list[float]]]:
+    """The top-`width` next-token distribution of every beam, all passes submitted at once."""
+    passes = [ctx.submit_dist(width) for ctx, _, _ in beams]
+    pending = list(passes)
+    while pending:
+        pending.remove(wait_any(pending))
+    return [f.result for f in passes]
+
+
+def best_candidates(beams: list[Beam], dists: list[tuple[list[int], list[float]]], width: int) -> list[Candidate]:
+    """The `width` best continuations over all beams (ties: lower beam index, then higher rank)."""
+    cands: list[Candidate] = []
+    for bi, ((ids, probs), (_ctx, score, _toks)) in enumerate(zip(dists, beams, strict=False)):
+        for rank, (tok, prob) in enumerate(zip(ids, probs, strict=False)):
+            if prob > 0.0:
+                cands.append((score + math.log(prob), bi, rank, tok))
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    return cands[:width]
+
+
+def expand(beams: list[Beam], top: list[Candidate], stops: set[int],
+           finished: list[tuple[float, list[int]]]) -> list[Beam]:
+    """The next beams from the chosen candidates; stopped ones go to `finished`, dropped beams are released."""
+    left: dict[int, int] = {}
+    for _score, bi, _rank, tok in top:
+        if tok not in stops:
+            left[bi] = left.get(bi, 0) + 1
+    new: list[Beam] = []
+    for score, bi, _rank, tok in top:
+        parent, _, toks = beams[bi]
+        if tok in stops:
+            finished.append((score, toks + [tok]))
+            continue
+        left[bi] -= 1
+        # Fork for all children but the last, which continues in the parent's context.
+        child = parent if left[bi] == 0 else parent.fork()
+        child.fill_tokens([tok])
+        new.append((child, score, toks + [tok]))
+    for bi, (ctx, _score, _toks) in enumerate(beams):
+        if bi not in left:
+            ctx.release()
+    return new
+
+
+def search(root: Context, width: int, max_tokens: int, penalty: float, stops: set[int]) -> tuple[float, list[int]]:
+    """Beam search from `root`; the best (logprob, tokens) by normalized score. Releases every beam."""
+    beams: list[Beam] = [(root, 0.0, [])]
+    finished: list[tuple[float, list[int]]] = []
+    try:
+        for _step in range(max_tokens):
+            top = best_candidates(beams, next_dists(beams, width), width)
+            beams = expand(beams, top, stops, finished)
+            if not beams or len(finished) >= width:
+                break
+        hyps = finished + [(score, toks) for _ctx, score, toks in beams]
+        return max(hyps, key=lambda h: normalized(h[0], len(h[1]), penalty))
+    finally:
+        for ctx, _, _ in beams:
+            ctx.release()
+
+
 def main(args: list[str]) -> str | None:
-    p = PARSER
-    opts = p.parse(args)
+    opts = PARSER.parse(args)
     if opts.beam_width < 1 or opts.max_tokens < 1:
         raise InferletError("--beam-width and --max-tokens must be >= 1")
     model = get_model()
     stops = set(model.stop_tokens)
-    width = opts.beam_width
-
-    root = Context(model)
-    if opts.raw:
-        root.fill(opts.prompt)
-    else:
-        root.fill_user(opts.prompt)
-    root.flush()
-    # A beam: (context, logprob, generated tokens)
-    beams: list[tuple[Context, float, list[int]]] = [(root, 0.0, [])]
-    finished: list[tuple[float, list[int]]] = []
-    try:
-        for _step in range(opts.max_tokens):
-            passes = [ctx.submit_dist(width) for ctx, _, _ in beams]
-            pending = list(passes)
-            while pending:
-                pending.remove(wait_any(pending))
-            cands: list[tuple[float, int, int, int]] = []
-            for bi, (f, (_ctx, score, _toks)) in enumerate(zip(passes, beams, strict=False)):
-                ids, probs = f.result
-                for rank, (tok, prob) in enumerate(zip(ids, probs, strict=False)):
-                    if prob > 0.0:
-                        cands.append((score + math.log(prob), bi, rank, tok))
-            cands.sort(key=lambda c: (-c[0], c[1], c[2]))
-            top = cands[:width]
-            left: dict[int, int] = {}
-            for _score, bi, _rank, tok in top:
-                if tok not in stops:
-                    left[bi] = left.get(bi, 0) + 1
-            new: list[tuple[Context, float, list[int]]] = []
-            for score, bi, _rank, tok in top:
-                parent, _, toks = beams[bi]
-                if tok in stops:
-                    finished.append((score, toks + [tok]))
-                    continue
-                left[bi] -= 1
-                # Fork for all children but the last, which continues in the parent's context.
-                child = parent if left[bi] == 0 else parent.fork()
-                child.fill_tokens([tok])
-                new.append((child, score, toks + [tok]))
-            for bi, (ctx, _score, _toks) in enumerate(beams):
-                if bi not in left:
-                    ctx.release()
-            beams = new
-            if not beams or len(finished) >= width:
-                break
-        hyps = finished + [(score, toks) for _ctx, score, toks in beams]
-        best_logprob, best = max(hyps, key=lambda h: normalized(h[0], len(h[1]), opts.length_penalty))
-    finally:
-        for ctx, _, _ in beams:
-            ctx.release()
+    root = prompt_context(model, opts.prompt, opts.raw)
+    best_logprob, best = search(root, opts.beam_width, opts.max_tokens, opts.length_penalty, stops)
     text = model.decode([t for t in best if t not in stops])
     if opts.json:
         return json.dumps({"text": text, "tokens": best, "logprob": best_logprob,

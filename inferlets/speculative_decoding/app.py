@@ -77,20 +77,35 @@ class Sequence:
         self.pages, self.kv = [], 0
 
 
-def main(args: list[str]) -> str | None:
-    p = PARSER
-    opts = p.parse(args)
-    if opts.max_tokens < 1 or opts.draft < 0 or opts.ngram < 1:
-        raise InferletError("--max-tokens and --ngram must be >= 1, --draft >= 0")
-    model = get_model()
-    stops = set(model.stop_tokens)
+def prompt_tokens(model, prompt: str, raw: bool) -> list[int]:
+    """The prompt's token ids (chat-templated unless `raw`)."""
+    text = prompt if raw else model.apply_chat_template([{"role": "user", "content": prompt}], True)
+    return model.encode(text)
+
+
+def accepted_tokens(outs: list, draft: list[int], stops: set[int]) -> list[int]:
+    """The model's greedy tokens up to and including the first that differs from the draft (or stops)."""
+    got: list[int] = []
+    for i, out in enumerate(outs):
+        got.append(out.token)
+        if out.token in stops or i >= len(draft) or draft[i] != out.token:
+            break
+    return got
+
+
+def verify(s: Sequence, seq: list[int], draft: list[int], greedy, stops: set[int]) -> list[int]:
+    """One pass over [last token, draft...]; the accepted tokens. Rejected drafts' K/V is rolled back."""
+    tokens = [seq[-1]] + draft
+    before = s.kv
+    outs = s.run(tokens, [_host.forward.OutputSpec(index=i, sample=greedy, dist=0) for i in range(len(tokens))])
+    got = accepted_tokens(outs, draft, stops)
+    s.truncate(before + len(got))  # inputs up to the last accepted draft are valid K/V
+    return got
+
+
+def speculate(model, seq: list[int], opts, stops: set[int]) -> tuple[list[int], int, int, int]:
+    """Greedy decoding of `seq` with drafts: (generated tokens, passes, drafted, accepted drafts)."""
     greedy = Sampler.greedy().to_wit()
-    text = (
-        opts.prompt
-        if opts.raw
-        else model.apply_chat_template([{"role": "user", "content": opts.prompt}], True)
-    )
-    seq = model.encode(text)
     s = Sequence(model.page_size)
     generated: list[int] = []
     passes = drafted = accepted_drafts = 0
@@ -100,27 +115,27 @@ def main(args: list[str]) -> str | None:
         while len(generated) < opts.max_tokens:
             room = opts.max_tokens - len(generated) - 1
             draft = draft_tokens(seq, opts.ngram, min(opts.draft, room))
-            tokens = [seq[-1]] + draft
-            before = s.kv
-            outs = s.run(
-                tokens, [_host.forward.OutputSpec(index=i, sample=greedy, dist=0) for i in range(len(tokens))]
-            )
+            got = verify(s, seq, draft, greedy, stops)
             passes += 1
             drafted += len(draft)
-            got: list[int] = []
-            for i, out in enumerate(outs):
-                got.append(out.token)
-                if out.token in stops or i >= len(draft) or draft[i] != out.token:
-                    break
             accepted_drafts += len(got) - 1
-            s.truncate(before + len(got))  # inputs up to the last accepted draft are valid K/V
             seq.extend(got)
             generated.extend(got)
             if got[-1] in stops:
                 break
     finally:
         s.release()
-    generated = generated[: opts.max_tokens]
+    return generated[: opts.max_tokens], passes, drafted, accepted_drafts
+
+
+def main(args: list[str]) -> str | None:
+    opts = PARSER.parse(args)
+    if opts.max_tokens < 1 or opts.draft < 0 or opts.ngram < 1:
+        raise InferletError("--max-tokens and --ngram must be >= 1, --draft >= 0")
+    model = get_model()
+    stops = set(model.stop_tokens)
+    seq = prompt_tokens(model, opts.prompt, opts.raw)
+    generated, passes, drafted, accepted_drafts = speculate(model, seq, opts, stops)
     out_text = model.decode([t for t in generated if t not in stops])
     if opts.json:
         return json.dumps(

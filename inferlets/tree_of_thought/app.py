@@ -87,57 +87,73 @@ def judge_all(ctxs: list[Context], model) -> list[float]:
             f.release()
 
 
-def main(args: list[str]) -> str | None:
-    p = PARSER
-    opts = p.parse(args)
-    if min(opts.depth, opts.branch, opts.keep, opts.step_tokens, opts.answer_tokens) < 1:
-        raise InferletError("--depth, --branch, --keep, --step-tokens, --answer-tokens must be >= 1")
-    model = get_model()
-    stop_tokens = UntilTokens(model.stop_tokens)
-    step_stop = AnyOf(MaxTokens(opts.step_tokens), UntilText("\n"), stop_tokens)
+def question_context(model, question: str) -> Context:
+    """The root of the tree: the system instruction and the question, prefilled."""
     root = Context(model)
     root.fill_chat(
         [
             {"role": "system", "content": "Think step by step. Write one short step per line."},
-            {"role": "user", "content": opts.question},
+            {"role": "user", "content": question},
         ]
     )
     root.flush()
+    return root
+
+
+def branch(frontier: list[Node], n: int, depth: int, next_id: int) -> tuple[list[Node], int]:
+    """`n` children of every kept node, each prompted for the next step; (children, next free id)."""
+    children: list[Node] = []
+    for node in frontier:
+        for b in range(n):
+            # the last child continues in the parent's own context
+            ctx = node.ctx if b == n - 1 else node.ctx.fork()
+            ctx.fill(f"Step {depth + 1}:")
+            children.append(Node(next_id, node.id, ctx, list(node.scores)))
+            next_id += 1
+    return children, next_id
+
+
+def write_and_score(children: list[Node], opts, step_stop, model) -> None:
+    """Sample every child's step (all at once), end it with a newline, and score it by the judge."""
+    samplers = [
+        Sampler(opts.temperature, 0, 0.95, 0.0, opts.seed * 7919 + c.id * 104729) for c in children
+    ]
+    steps = decode_all([c.ctx for c in children], samplers, step_stop, model)
+    for c, s in zip(children, steps, strict=False):
+        c.step = s.strip()
+        if not s.endswith("\n"):
+            c.ctx.fill("\n")
+    for c, s in zip(children, judge_all([c.ctx for c in children], model), strict=False):
+        c.scores.append(s)
+
+
+def prune(children: list[Node], keep: int, levels: list[list[dict]]) -> list[Node]:
+    """The `keep` best children (ties: earlier first); records the level, releases the others."""
+    ranked = sorted(range(len(children)), key=lambda i: (-children[i].score, i))
+    kept = set(ranked[:keep])
+    levels.append(
+        [
+            {"id": c.id, "parent": c.parent, "step": c.step, "score": c.score, "kept": i in kept}
+            for i, c in enumerate(children)
+        ]
+    )
+    for i, c in enumerate(children):
+        if i not in kept:
+            c.ctx.release()
+    return [children[i] for i in ranked[:keep]]
+
+
+def grow_tree(root: Context, opts, model, stop_tokens) -> tuple[Node, str, list[list[dict]]]:
+    """Branch, score and prune for --depth levels; (best node, its final answer, the levels)."""
+    step_stop = AnyOf(MaxTokens(opts.step_tokens), UntilText("\n"), stop_tokens)
     frontier = [Node(0, None, root, [])]
     levels: list[list[dict]] = []
     next_id = 1
     try:
         for depth in range(opts.depth):
-            children: list[Node] = []
-            for node in frontier:
-                for b in range(opts.branch):
-                    # the last child continues in the parent's own context
-                    ctx = node.ctx if b == opts.branch - 1 else node.ctx.fork()
-                    ctx.fill(f"Step {depth + 1}:")
-                    children.append(Node(next_id, node.id, ctx, list(node.scores)))
-                    next_id += 1
-            samplers = [
-                Sampler(opts.temperature, 0, 0.95, 0.0, opts.seed * 7919 + c.id * 104729) for c in children
-            ]
-            steps = decode_all([c.ctx for c in children], samplers, step_stop, model)
-            for c, s in zip(children, steps, strict=False):
-                c.step = s.strip()
-                if not s.endswith("\n"):
-                    c.ctx.fill("\n")
-            for c, s in zip(children, judge_all([c.ctx for c in children], model), strict=False):
-                c.scores.append(s)
-            ranked = sorted(range(len(children)), key=lambda i: (-children[i].score, i))
-            kept = set(ranked[: opts.keep])
-            levels.append(
-                [
-                    {"id": c.id, "parent": c.parent, "step": c.step, "score": c.score, "kept": i in kept}
-                    for i, c in enumerate(children)
-                ]
-            )
-            for i, c in enumerate(children):
-                if i not in kept:
-                    c.ctx.release()
-            frontier = [children[i] for i in ranked[: opts.keep]]
+            children, next_id = branch(frontier, opts.branch, depth, next_id)
+            write_and_score(children, opts, step_stop, model)
+            frontier = prune(children, opts.keep, levels)
             send(f"level {depth + 1}: kept " + ", ".join(f"#{n.id} ({n.score:.3f})" for n in frontier))
         best = frontier[0]
         best.ctx.fill("Final answer:")
@@ -147,6 +163,16 @@ def main(args: list[str]) -> str | None:
     finally:
         for n in frontier:
             n.ctx.release()
+    return best, answer, levels
+
+
+def main(args: list[str]) -> str | None:
+    opts = PARSER.parse(args)
+    if min(opts.depth, opts.branch, opts.keep, opts.step_tokens, opts.answer_tokens) < 1:
+        raise InferletError("--depth, --branch, --keep, --step-tokens, --answer-tokens must be >= 1")
+    model = get_model()
+    stop_tokens = UntilTokens(model.stop_tokens)
+    best, answer, levels = grow_tree(question_context(model, opts.question), opts, model, stop_tokens)
     if opts.json:
         return json.dumps({"answer": answer, "levels": levels, "chosen": best.id, "chosen_score": best.score})
     return answer
