@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import threading
 import time
 from collections.abc import Sequence
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -16,7 +18,7 @@ from .config import ModelInfo
 from .kv_cache import KVCache
 from .loader import load_model_files
 from .model import LlamaModel
-from .sampling import Sampler
+from .sampling import SampleError, Sampler
 from .tokenizer import Tokenizer
 from .types import ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
 from .validate import as_sampler, check_batch, check_request
@@ -65,7 +67,13 @@ class TorchBackend:
             plan = build_plan(checked, self.info.page_size, self.model.device, self.model.group)
             specs = [o for r in checked for o in r.outputs]
             logits = self.model.forward(plan, self.cache)
-            flat = self.sampler(logits, specs) if specs else []
+            try:
+                flat = self.sampler(logits, specs) if specs else []
+            except SampleError as e:  # one request's row: fail it alone (its K/V writes are idempotent)
+                ends = list(accumulate(len(r.outputs) for r in checked))
+                i = bisect.bisect_right(ends, e.row)
+                j = e.row - (ends[i] - len(checked[i].outputs))
+                raise ForwardError(i, f"forward request {checked[i].name!r}: output {j}: {e.reason}") from None
         out, k = [], 0
         for r in checked:
             out.append(flat[k : k + len(r.outputs)])

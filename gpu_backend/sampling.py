@@ -1,37 +1,73 @@
 """Sampling on the device: greedy, temperature, top-k, top-p, min-p, seeded draws, top-k distributions.
 
 All sampled rows are filtered together (one sort of the batch's logits). A draw uses one uniform number
-per row through the inverse CDF, and a seeded row takes that number from its own generator seeded with
-the request's seed, so the token depends only on the seed and the row's distribution, never on the batch.
+per row through the inverse CDF. A seeded row takes that number from a hash of its seed (all 64 bits
+count), so the token depends only on the seed and the row's distribution, never on the batch or device.
+
+Any SamplerParams that `validate.as_sampler` accepts is safe here: the temperature divides the gap to
+the row's maximum (<= 0, so a tiny temperature gives -inf, never inf/inf) and is clamped into float32's
+normal range; the most probable token survives every filter, so a row's kept mass is > 0; a top-k
+past the vocabulary is no filter. A row whose logits are not finite (NaN, +inf, or all -inf) is drawn
+from harmlessly and then reported as a SampleError naming the row.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .types import OutputResult, OutputSpec
+from .types import OutputResult, OutputSpec, SamplerParams
+
+__all__ = ["SampleError", "Sampler", "draw", "filtered_probs", "seed_uniform"]
+
+_F32 = torch.finfo(torch.float32)
+_U64 = (1 << 64) - 1
+
+
+class SampleError(RuntimeError):
+    """Output row `row` of a batch could not be sampled, for `reason` (its logits are not finite)."""
+
+    def __init__(self, row: int, reason: str) -> None:
+        super().__init__(f"output row {row}: {reason}")
+        self.row, self.reason = row, reason
+
+
+def seed_uniform(seed: int) -> float:
+    """A number in [0, 1) fixed by a u64 seed: splitmix64's finaliser (a bijection on 64 bits), top 24 bits.
+
+    Seeds that differ in any bit give unrelated numbers; 24 bits are exact in float32.
+    """
+    z = (seed + 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return ((z ^ (z >> 31)) >> 40) / (1 << 24)
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted (descending) probabilities after temperature and filters, and their token ids.
 
-    logits [S, V] float32; temperature/top_p/min_p [S] float, top_k [S] long (0 = off).
-    Filtered-out entries are 0; the rest are renormalised.
+    logits [S, V] float32; temperature (> 0)/top_p/min_p [S] float, top_k [S] long (0 = off).
+    Filtered-out entries are 0; the rest are renormalised. Every row is finite with its first entry > 0.
     """
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    gap = logits - logits.amax(-1, keepdim=True)
+    gap = torch.where(gap.isnan(), 0.0, gap)  # a NaN/+inf/all -inf row: uniform here, failed by the caller
+    t = temperature.clamp(_F32.tiny, _F32.max)  # float32 rounds tiny temperatures to 0, huge ones to inf
+    probs = torch.softmax(gap / t[:, None], dim=-1)
     sorted_p, ids = probs.sort(dim=-1, descending=True)
     rank = torch.arange(sorted_p.shape[1], device=logits.device)[None, :]
     keep = (top_k[:, None] == 0) | (rank < top_k[:, None])
-    # top-p: keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+    # top-p: keep the smallest prefix whose mass reaches top_p
     keep &= (sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]
     keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
+    keep[:, 0] = True  # the most probable token always survives (top_p can round to 0 in float32)
     sorted_p = torch.where(keep, sorted_p, torch.zeros((), device=logits.device))
     return sorted_p / sorted_p.sum(-1, keepdim=True), ids
 
 
 def draw(sorted_p: torch.Tensor, ids: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: the first sorted entry whose cumulative mass exceeds `uniform` [S]."""
+    """Inverse-CDF draw: the first sorted entry whose cumulative mass exceeds `uniform` [S].
+
+    Needs sorted_p[:, 0] > 0 (as `filtered_probs` guarantees)."""
     cdf = sorted_p.cumsum(-1)
     idx = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True)
     # never pick a zeroed tail entry (rounding at the top of the CDF)
@@ -53,43 +89,53 @@ class Sampler:
 
     def _uniforms(self, seeds: list[int | None]) -> torch.Tensor:
         u = torch.rand(len(seeds), generator=self.generator, device=self.device)
-        for i, s in enumerate(seeds):
-            if s is not None:
-                g = torch.Generator(device=self.device)
-                g.manual_seed(s)
-                u[i] = torch.rand(1, generator=g, device=self.device)[0]
+        seeded = [i for i, s in enumerate(seeds) if s is not None]
+        if seeded:
+            fixed = [seed_uniform(s) for s in seeds if s is not None]
+            u[torch.tensor(seeded, device=self.device)] = torch.tensor(fixed, device=self.device)
         return u
 
+    def _sample(self, logits: torch.Tensor, params: list[SamplerParams]) -> torch.Tensor:
+        """Draw one token per row of logits [S, V] with temperature > 0."""
+        vocab = logits.shape[1]
+
+        def vec(vals: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(vals, dtype=dtype, device=self.device)
+
+        sp, ids = filtered_probs(
+            logits,
+            vec([float(p.temperature) for p in params], torch.float32),
+            vec([min(p.top_k, vocab) for p in params], torch.long),  # past the vocabulary = off, fits int64
+            vec([float(p.top_p) for p in params], torch.float32),
+            vec([float(p.min_p) for p in params], torch.float32),
+        )
+        return draw(sp, ids, self._uniforms([p.seed for p in params]))
+
     def __call__(self, logits: torch.Tensor, specs: list[OutputSpec]) -> list[OutputResult]:
-        """logits [M, V] float32, one row per spec (same order)."""
-        m = len(specs)
+        """logits [M, V] float32, one row per spec (same order). Specs are checked (`validate.as_sampler`).
+
+        Raises SampleError naming the first row whose logits are not finite; the other rows were fine.
+        """
+        m, vocab = logits.shape
         tokens = torch.zeros(m, dtype=torch.long, device=self.device)
         greedy = [i for i, s in enumerate(specs) if s.sample is not None and s.sample.temperature == 0]
-        sampled = [i for i, s in enumerate(specs) if s.sample is not None and s.sample.temperature > 0]
+        sampled = [(i, s.sample) for i, s in enumerate(specs) if s.sample is not None and s.sample.temperature > 0]
         if greedy:
             rows = torch.tensor(greedy, device=self.device)
             tokens[rows] = logits[rows].argmax(-1)
         if sampled:
-            ps = [specs[i].sample for i in sampled]
-            rows = torch.tensor(sampled, device=self.device)
-
-            def vec(vals: list[float], dtype: torch.dtype) -> torch.Tensor:
-                return torch.tensor(vals, dtype=dtype, device=self.device)
-
-            sp, ids = filtered_probs(
-                logits[rows],
-                vec([p.temperature for p in ps if p], torch.float32),
-                vec([p.top_k for p in ps if p], torch.long),
-                vec([p.top_p for p in ps if p], torch.float32),
-                vec([p.min_p for p in ps if p], torch.float32),
-            )
-            tokens[rows] = draw(sp, ids, self._uniforms([p.seed for p in ps if p]))
-        k_max = max((s.dist for s in specs), default=0)
+            rows = torch.tensor([i for i, _ in sampled], device=self.device)
+            tokens[rows] = self._sample(logits[rows], [p for _, p in sampled])
+        k_max = min(max((s.dist for s in specs), default=0), vocab)
         dist_ids = dist_p = None
         if k_max:
             dist_p, dist_ids = torch.softmax(logits, dim=-1).topk(k_max, dim=-1)
-        # one device -> host transfer for the whole batch
-        tok_list = tokens.tolist()
+        bad = ~torch.isfinite(logits.amax(-1))  # NaN, +inf, or every token at -inf
+        # one device -> host transfer for the tokens and the check
+        tok_list, bad_list = torch.stack([tokens, bad.long()]).tolist()
+        if any(bad_list):
+            row = bad_list.index(1)
+            raise SampleError(row, "logits are not finite (NaN, +inf, or -inf for every token)")
         di = dist_ids.tolist() if dist_ids is not None else None
         dp = dist_p.tolist() if dist_p is not None else None
         out = []

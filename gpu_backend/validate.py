@@ -22,7 +22,7 @@ def as_sampler(value: Any, where: str) -> SamplerParams:
     if not isinstance(value, SamplerParams):
         raise ValueError(f"{where}: sampler must be SamplerParams, got {type(value).__name__}")
     t, k, p, mp, seed = value.temperature, value.top_k, value.top_p, value.min_p, value.seed
-    if not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+    if not isinstance(t, int | float) or not math.isfinite(_as_float(t)) or t < 0:
         raise ValueError(f"{where}: temperature must be a finite number >= 0, got {t!r}")
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ValueError(f"{where}: top_k must be an int >= 0 (0 = off), got {k!r}")
@@ -30,9 +30,18 @@ def as_sampler(value: Any, where: str) -> SamplerParams:
         raise ValueError(f"{where}: top_p must be in (0, 1], got {p!r}")
     if not isinstance(mp, int | float) or not 0 <= mp <= 1:
         raise ValueError(f"{where}: min_p must be in [0, 1], got {mp!r}")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
-        raise ValueError(f"{where}: seed must be None or an int in [0, 2**63), got {seed!r}")
+    # the WIT seed is a u64; the sampler hashes all 64 bits (sampling.seed_uniform)
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64):
+        raise ValueError(f"{where}: seed must be None or an int in [0, 2**64) (a u64), got {seed!r}")
     return value
+
+
+def _as_float(x: int | float) -> float:
+    """float(x), or inf for an int too large for a float (so it is refused, not an OverflowError)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf
 
 
 def _is_int(x: Any) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from gpu_backend import ForwardError, ForwardRequest, OutputSpec, SamplerParams
@@ -39,7 +41,12 @@ def good(**kw) -> ForwardRequest:
         (dict(outputs=[OutputSpec(index=0, sample=SamplerParams(top_p=1.5))]), "top_p must be in (0, 1]"),
         (dict(outputs=[OutputSpec(index=0, sample=SamplerParams(top_k=-1))]), "top_k must be an int >= 0"),
         (dict(outputs=[OutputSpec(index=0, sample=SamplerParams(min_p=2.0))]), "min_p must be in [0, 1]"),
-        (dict(outputs=[OutputSpec(index=0, sample=SamplerParams(seed=-5))]), "seed must be None or an int"),
+        (dict(outputs=[OutputSpec(index=0, dist=10**6)]), "output 0 dist 1000000 out of range"),
+        (dict(outputs=[OutputSpec(index=0, sample=SamplerParams(temperature=math.nan))]), "temperature must be"),
+        (dict(outputs=[OutputSpec(index=0, sample=SamplerParams(temperature=10**400))]), "temperature must be"),
+        (dict(outputs=[OutputSpec(index=0, sample=SamplerParams(top_p=math.nan))]), "top_p must be in (0, 1]"),
+        (dict(outputs=[OutputSpec(index=0, sample=SamplerParams(seed=-5))]), "seed must be None or an int in [0, 2**64)"),
+        (dict(outputs=[OutputSpec(index=0, sample=SamplerParams(seed=2**64))]), "seed must be None or an int in [0, 2**64)"),
         (dict(outputs=[OutputSpec(index=0, sample={"temperature": 1.0, "top_q": 3})]), "unknown sampler parameter"),
     ],
 )
@@ -57,6 +64,9 @@ def test_valid_request_and_sampler_mapping_accepted(backend):
     backend.check_request(good())
     backend.check_request(good(outputs=[OutputSpec(index=1, sample={"temperature": 0.7, "top_k": 5})]))
     backend.check_request(good(mask=[[18], [19], [10, 1, 9]]))
+    vocab = backend.info.vocab_size
+    limits = SamplerParams(temperature=5e-324, top_k=2**64, top_p=5e-324, min_p=1.0, seed=2**64 - 1)
+    backend.check_request(good(outputs=[OutputSpec(index=0, sample=limits, dist=vocab)]))
 
 
 def test_two_requests_writing_the_same_slot_rejected(backend):
@@ -74,3 +84,20 @@ def test_copy_tokens_errors(backend):
     with pytest.raises(ValueError, match="count -1"):
         backend.copy_tokens(0, 0, 1, 0, -1)
     backend.copy_tokens(0, 0, 1, 0, ps)
+
+
+def test_non_finite_logits_fail_only_their_request(backend, monkeypatch):
+    forward = backend.model.forward
+
+    def poisoned(plan, cache):  # the second request's rows (outputs 1 and 2 of the batch) are NaN
+        logits = forward(plan, cache)
+        logits[1:3] = float("nan")
+        return logits
+
+    two_outputs = [OutputSpec(index=1, sample=SamplerParams(temperature=1.0)), OutputSpec(index=2, dist=3)]
+    batch = [good(pages=[20, 21], name="a"), good(pages=[22, 23], outputs=two_outputs, name="b"),
+             good(pages=[24, 25], name="c")]
+    monkeypatch.setattr(backend.model, "forward", poisoned)
+    with pytest.raises(ForwardError, match="forward request 'b': output 0: logits are not finite") as fe:
+        backend.forward(batch)
+    assert fe.value.request_index == 1
