@@ -35,6 +35,7 @@ bench: $(VENV)/.installed
 	mkdir -p out
 	$(BIN)/python bench/backend_decode.py --json out/backend_decode.json
 	$(BIN)/python bench/host_overhead.py --json out/host_overhead.json
+	$(BIN)/python bench/host_scale.py --json out/host_scale.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
