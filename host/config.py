@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gpu_backend.paths import default_cache_dir
 from host.batching.policy import POLICIES
+from host.state.prefix_cache import PREFIX_CACHE_MODES
 
 __all__ = ["DTYPES", "HostConfig", "default_cache_dir", "default_data_dir"]
 
@@ -47,6 +48,7 @@ class HostConfig:
     memory_limit_bytes: int = 512 * 2**20
     wall_budget_s: float | None = None
     max_pages_per_instance: int | None = None
+    prefix_cache: str = "per-client"  # per-client | shared | off (host/state/prefix_cache.py)
     max_published_messages: int = 1024  # unread pub/sub messages kept per instance (oldest dropped)
     max_published_bytes: int = 2**20
     epoch_tick_ms: float = 10.0
@@ -70,6 +72,8 @@ class HostConfig:
             raise ValueError(f"memory_limit_bytes must be at least 1 MiB, got {self.memory_limit_bytes}")
         if self.wall_budget_s is not None and self.wall_budget_s <= 0:
             raise ValueError(f"wall_budget_s must be positive, got {self.wall_budget_s}")
+        if self.prefix_cache not in PREFIX_CACHE_MODES:
+            raise ValueError(f"unknown prefix_cache {self.prefix_cache!r}: use one of {', '.join(PREFIX_CACHE_MODES)}")
         if self.max_published_messages < 1 or self.max_published_bytes < 1:
             raise ValueError("max_published_messages and max_published_bytes must be >= 1, got "
                              f"{self.max_published_messages}, {self.max_published_bytes}")

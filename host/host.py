@@ -26,6 +26,7 @@ from host.config import HostConfig
 from host.events import InstanceEvent
 from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
+from host.state.prefix_cache import PrefixCache
 from host.state.topics import Topics
 from host.wasm.engine import WasmEngine
 from host.wasm.instance import Instance, InstanceEnv
@@ -68,7 +69,8 @@ class Host:
         info = backend.info
         self.model_name: str = info.name
         self.total_pages: int = info.num_pages
-        self.pages = PageManager(info.num_pages, config.max_pages_per_instance)
+        cache = PrefixCache(info.page_size, config.prefix_cache) if config.prefix_cache != "off" else None
+        self.pages = PageManager(info.num_pages, config.max_pages_per_instance, cache)
         self.scheduler.bind(backend.forward, backend.copy_tokens, info.page_size, pins=self.pages)
         self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms)
         self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3")
@@ -179,9 +181,11 @@ class Host:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             running = len(self._instances)
+        cache = self.pages.cache
         return {"scheduler": self.scheduler.stats.as_dict(), "policy": self.config.policy,
                 "instances": running, "free_pages": self.pages.free_count, "total_pages": self.total_pages,
-                "model": self.model_name}
+                "model": self.model_name,
+                "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"}}
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Terminate every instance, then stop the scheduler and the epoch ticker."""

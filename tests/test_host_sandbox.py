@@ -271,3 +271,18 @@ def test_unread_published_messages_are_bounded_and_freed_with_their_subscriber(t
         assert len(mailbox) == 0 and mailbox.bytes == 0 and h.topics.topic_count() == 0
     finally:
         h.shutdown()
+
+
+@pytest.mark.build
+def test_a_page_attached_from_the_prefix_cache_is_read_only(host: Host, misbehave: str) -> None:
+    """Issue 15: an instance that attaches cached pages cannot write into them; co-runners unaffected."""
+    free0 = host.free_pages()
+    good = start_good(host, misbehave, 2)
+    assert Run(host, misbehave, ["prefill_release"]).finish(30).message == "released"
+    attacker = Run(host, misbehave, ["attach_write"])
+    end = attacker.finish(30)
+    assert attacker.messages == ["attached 2"]
+    assert end.event == "exception" and "read-only" in end.message and end.message.startswith("forward.run")
+    for run, want in good:
+        assert run.finish(60).message == want
+    assert host.free_pages() == free0

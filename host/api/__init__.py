@@ -3,7 +3,7 @@
 Each module's `imports(...)` takes the services that interface needs (not the whole host) and
 returns its functions by WIT name; `build_linker` registers them all, for every WIT version
 shipped (`WIT_VERSIONS`): a component built against 0.1.0 keeps running on this host, its calls
-served by the same functions (0.2.0 only adds `forward.generate`). One linker serves every
+served by the same functions (0.2.0 adds `forward.generate` and `kv.attach-prefix`). One linker serves every
 instance: an import finds its caller with `host.wasm.instance.current()`.
 """
 
@@ -28,7 +28,7 @@ __all__ = ["ApiServices", "PACKAGE", "WIT_VERSION", "WIT_VERSIONS", "build_linke
 PACKAGE = "pie:inferlet"
 WIT_VERSION = "0.2.0"  # the newest: what runtime.version reports and pie-build targets
 # Every version served, with the functions each added (the rest exist in all versions).
-WIT_VERSIONS: dict[str, set[str]] = {"0.1.0": set(), "0.2.0": {"forward.generate"}}
+WIT_VERSIONS: dict[str, set[str]] = {"0.1.0": set(), "0.2.0": {"forward.generate", "kv.attach-prefix"}}
 
 
 @dataclass(frozen=True)

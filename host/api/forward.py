@@ -60,6 +60,7 @@ class _Passes:
                              mask=mask or None, outputs=_outputs(outputs), name=inst.label)
         self.check_pages(inst, req)
         req = check_request(req, self.info)
+        self.pm.note_write(inst.pages, req, self.page_size)
         return inst.new_handle(self.scheduler.submit(req, inst.id))
 
     def take(self, inst: Instance, handle: int) -> list[OutputResult]:
@@ -92,6 +93,7 @@ class _Passes:
                 self.decode_specs[key] = outputs
         req.outputs = outputs
         req.checked = True
+        self.pm.note_write(inst.pages, req, self.page_size)
         return req
 
 
@@ -110,6 +112,7 @@ def _generation(passes: _Passes, tok: Tokenizer, inst: Instance, pages: list[int
                          outputs=[OutputSpec(index=len(tokens) - 1, sample=sample)], name=inst.label)
     passes.check_pages(inst, req)
     req = check_request(req, passes.info)
+    passes.pm.note_write(inst.pages, req, passes.page_size)
     rules = StopRules(max_tokens, frozenset(stop_tokens), tuple(stop_strings), passes.max_position)
     send = (lambda text: inst.emit("message", text)) if stream else None
     return Generation(req, sample, rules, passes.page_size, passes.pm, inst.pages, tok.decode, send)

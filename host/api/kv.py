@@ -43,6 +43,11 @@ def imports(pm: PageManager, scheduler: Scheduler, page_size: int) -> dict[str, 
     def list_exports(inst: Instance) -> list[tuple[str, int]]:
         return pm.list_exports(inst.pages)
 
+    @guest_import("kv.attach-prefix")
+    def attach_prefix(inst: Instance, tokens: list[int]) -> list[int]:
+        inst.check_alive()
+        return pm.attach_prefix(inst.pages, tokens)
+
     @guest_import("kv.copy-tokens")
     def copy_tokens(inst: Instance, src_page: int, src_off: int, dst_page: int, dst_off: int, count: int) -> None:
         _copy_tokens(pm, scheduler, page_size, inst, CopyRequest(src_page, src_off, dst_page, dst_off, count,
@@ -50,7 +55,7 @@ def imports(pm: PageManager, scheduler: Scheduler, page_size: int) -> dict[str, 
 
     return {"page-size": kv_page_size, "free-pages": free_pages, "allocate": allocate, "release": release,
             "export-pages": export_pages, "import-pages": import_pages, "unexport": unexport,
-            "list-exports": list_exports, "copy-tokens": copy_tokens}
+            "list-exports": list_exports, "copy-tokens": copy_tokens, "attach-prefix": attach_prefix}
 
 
 def _copy_tokens(pm: PageManager, scheduler: Scheduler, page_size: int, inst: Instance, c: CopyRequest) -> None:
@@ -63,6 +68,7 @@ def _copy_tokens(pm: PageManager, scheduler: Scheduler, page_size: int, inst: In
                          f"the page size {page_size}")
     if c.count == 0:
         return
+    pm.note_copy(inst.pages, c.dst_page)
     fut = scheduler.submit(c, inst.id)
     fut.add_done_callback(inst.wake)
     inst.wait_until(fut.done)

@@ -116,6 +116,7 @@ class Generation:
         if self._seeded:
             seed = (self.sampler.seed + len(self.tokens)) % U64  # type: ignore[operator]
             req.outputs = [OutputSpec(index=0, sample=replace(self.sampler, seed=seed))]
+        self._pm.note_write(self._table, req, self.page_size)
         return False
 
     def _end(self, finish: str) -> bool:

@@ -38,6 +38,8 @@ class PagePins(Protocol):
 
     def unpin(self, pages: Iterable[int]) -> None: ...
 
+    def forget_content(self, pages: Sequence[int]) -> None: ...
+
 
 def _pages(job: Job) -> list[int]:
     if isinstance(job, CopyRequest):
@@ -306,6 +308,11 @@ class Scheduler:
     def _complete(self, fut: ForwardFuture, result: Any, error: BaseException | None) -> None:
         """End a job: its pages may become free again, then its waiter wakes."""
         if self._pins is not None:
+            if error is not None:  # what the job wrote is unknown: the prefix cache must not trust it
+                job = fut.request
+                written = [job.dst_page] if isinstance(job, CopyRequest) else \
+                    job.pages[job.first_written_page(self._page_size):]
+                self._pins.forget_content(written)
             self._pins.unpin(_pages(fut.request))
         fut.finish(result, error)
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from host.batching.policy import POLICIES
 from host.config import DTYPES, HostConfig
+from host.state.prefix_cache import PREFIX_CACHE_MODES
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -45,6 +46,9 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
                         help=f"memory limit per instance, all linear memories and tables together (default {_default('memory_limit_bytes') // MIB} MiB)")
     parser.add_argument("--wall-budget-s", type=float, help="wall-clock budget per instance in seconds (default: none)")
     parser.add_argument("--max-pages-per-instance", type=int, help="KV pages one instance may hold (default: no cap)")
+    parser.add_argument("--prefix-cache", choices=list(PREFIX_CACHE_MODES),
+                        help="automatic prefix cache: entries kept per client (tenant), shared by all clients "
+                             f"(a timing side channel between them), or off (default {_default('prefix_cache')})")
 
 
 def host_config_from_args(args: argparse.Namespace) -> HostConfig:
@@ -58,6 +62,7 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "num_pages": args.num_pages, "kv_memory_bytes": _mib(args.kv_memory), "policy": args.policy,
         "max_batch_tokens": args.max_batch_tokens, "memory_limit_bytes": _mib(args.memory_limit_mb),
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
+        "prefix_cache": args.prefix_cache,
         "data_dir": getattr(args, "data_dir", None),
     }
     return HostConfig(**{k: v for k, v in given.items() if v is not None})

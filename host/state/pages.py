@@ -14,8 +14,14 @@ queued cannot be handed to another instance before that write has landed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from host.state.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from gpu_backend.types import ForwardRequest
 
 
 class PageError(Exception):
@@ -42,8 +48,10 @@ class _Export:
 class PageManager:
     """Thread-safe page allocator shared by all instances of a host."""
 
-    def __init__(self, num_pages: int, max_pages_per_instance: int | None = None) -> None:
+    def __init__(self, num_pages: int, max_pages_per_instance: int | None = None,
+                 cache: PrefixCache | None = None) -> None:
         self.num_pages = num_pages
+        self.cache = cache  # the automatic prefix cache (None: pages are freed as soon as nobody holds them)
         self.max_pages_per_instance = max_pages_per_instance
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._refs = [0] * num_pages
@@ -55,7 +63,8 @@ class PageManager:
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        """Pages an allocation can have: the free list and the cached pages nobody holds."""
+        return len(self._free) + (self.cache.idle if self.cache is not None else 0)
 
     def allocate(self, table: InstancePages, count: int) -> list[int] | str:
         """Allocate `count` pages for `table`; a string explains why not (a condition, not a bug)."""
@@ -66,10 +75,11 @@ class PageManager:
             if cap is not None and table.owned_count + count > cap:
                 return (f"instance page limit: holds {table.owned_count}, asked {count} more, "
                         f"limit {cap} pages")
-            if count > len(self._free):
+            free = self.free_count
+            if count > free:
                 self.refused += 1
-                return f"out of KV pages: requested {count}, {len(self._free)} free"
-            pages = [self._free.pop() for _ in range(count)]
+                return f"out of KV pages: requested {count}, {free} free"
+            pages = [self._take_free() for _ in range(count)]
             for p in pages:
                 self._refs[p] = 1
                 table.held[p] = [1, True]
@@ -99,9 +109,22 @@ class PageManager:
                 table.owned_count -= 1
         self._unref(page)
 
+    def _take_free(self) -> int:
+        if self._free:
+            return self._free.pop()
+        assert self.cache is not None  # free_count counted the cache's idle pages
+        page = self.cache.evict()
+        assert page is not None
+        return page
+
     def _unref(self, page: int) -> None:
         self._refs[page] -= 1
         if self._refs[page] == 0 and self._pins[page] == 0:
+            self._let_go(page)
+
+    def _let_go(self, page: int) -> None:
+        """Nobody holds or pins `page`: the prefix cache keeps it, or it is free."""
+        if self.cache is None or not self.cache.keep(page):
             self._free.append(page)
 
     def pin(self, pages: Iterable[int]) -> None:
@@ -119,7 +142,7 @@ class PageManager:
             for p in pages:
                 pins[p] -= 1
                 if pins[p] == 0 and refs[p] == 0:
-                    self._free.append(p)
+                    self._let_go(p)
                     freed = True
             if freed:
                 self._freed.notify_all()
@@ -204,3 +227,50 @@ class PageManager:
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
+
+    # ---- the prefix cache ----
+    def attach_prefix(self, table: InstancePages, tokens: Sequence[int]) -> list[int]:
+        """Hold, read-only, the cached pages of the longest full-page prefix of `tokens` (a sequence
+        from position 0); [] without a cache or a hit. They count against no instance's quota."""
+        if self.cache is None:
+            return []
+        with self._lock:
+            pages = self.cache.lookup(tokens, table.tenant)
+            for p in pages:
+                entry = table.held.get(p)
+                if entry is None:
+                    table.held[p] = [1, False]
+                else:
+                    entry[0] += 1
+                self._refs[p] += 1
+            return pages
+
+    def note_write(self, table: InstancePages, req: ForwardRequest, page_size: int) -> None:
+        """A checked pass of `table`'s instance is being queued: a frozen page (shared through the
+        prefix cache) must not be written; the cache learns what the written pages hold."""
+        cache = self.cache
+        if cache is None:
+            return
+        with self._lock:
+            if cache.frozen:
+                for p in req.pages[req.first_written_page(page_size):]:
+                    if p in cache.frozen:
+                        raise PageError(f"page {p} is shared through the prefix cache: it cannot be written again")
+            cache.note_write(req.pages, req.context_len(page_size), req.tokens, req.positions,
+                             req.mask is not None, table.tenant)
+
+    def note_copy(self, table: InstancePages, dst_page: int) -> None:
+        """A copy-tokens into `dst_page` is being queued: refused into a frozen page; content unknown after."""
+        cache = self.cache
+        if cache is None:
+            return
+        with self._lock:
+            if dst_page in cache.frozen:
+                raise PageError(f"page {dst_page} is shared through the prefix cache: it cannot be written again")
+            cache.forget([dst_page])
+
+    def forget_content(self, pages: Sequence[int]) -> None:
+        """What these pages hold is no longer known (a failed pass, a copy into them)."""
+        if self.cache is not None:
+            with self._lock:
+                self.cache.forget(pages)

@@ -31,8 +31,11 @@ class ChatError(ValueError):
 class Context:
     """A token sequence whose K/V lives in pages this instance holds. Use as a context manager."""
 
-    def __init__(self, model: Model | None = None) -> None:
+    def __init__(self, model: Model | None = None, prefix_cache: bool = True) -> None:
         self.model = model or get_model()
+        # Attach the host's cached K/V for the longest full-page prefix of what is filled from the
+        # start (kv.attach-prefix), and prefill only the rest. False opts this context out.
+        self.prefix_cache = prefix_cache
         self.pages: list[int] = []
         self.kv_len = 0
         self.tokens: list[int] = []
@@ -261,6 +264,16 @@ class Context:
             index=index, sample=None if sampler is None else sampler.to_wit(), dist=dist
         )
 
+    def _attach_cached_prefix(self, limit: int) -> None:
+        """Start from the host's cached pages for tokens[:limit] (standard positions, nothing masked)."""
+        if True in self.masked[:limit] or self.positions[:limit] != list(range(limit)):
+            return
+        pages = list(_host.kv.attach_prefix(self.tokens[:limit]))
+        if pages:
+            PAGES.adopt(pages)
+            self.pages = pages
+            self.kv_len = len(pages) * self.model.page_size
+
     def _prepare_all(self, call: str) -> tuple[list[int], int, list[int], list[int], list[list[int]]]:
         n = len(self.tokens) - self.kv_len
         if n == 0:
@@ -273,7 +286,10 @@ class Context:
         Allocates the pages they need and counts them as written (the pass is being submitted).
         """
         ps = self.model.page_size
-        lo, hi = self.kv_len, self.kv_len + n
+        hi = self.kv_len + n
+        if self.kv_len == 0 and self.prefix_cache and hi > ps and not self.pages:
+            self._attach_cached_prefix(hi - 1)
+        lo = self.kv_len
         need = -(-hi // ps) - len(self.pages)
         if need > 0:
             self.pages.extend(PAGES.allocate(need))

@@ -25,6 +25,7 @@ class FakeKv:
         self.allocations = 0
         # called once, at the next allocation refused for lack of free pages (e.g. to free some)
         self.on_refused: Callable[[], None] | None = None
+        self.prefix_lookups: list[list[int]] = []  # token lists passed to attach_prefix
 
     @property
     def slots(self) -> dict[int, list[Slot | None]]:
@@ -104,6 +105,11 @@ class FakeKv:
 
     def list_exports(self) -> list[tuple[str, int]]:
         return [(n, len(p)) for n, p in self.exports.items()]
+
+    def attach_prefix(self, tokens: list[int]) -> list[int]:
+        """The fake host has no prefix cache: nothing is ever attached (the lookups are counted)."""
+        self.prefix_lookups.append(list(tokens))
+        return []
 
     def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:
         if src_page not in self.held:
