@@ -32,7 +32,9 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Host, FakeBa
 def test_loop_grows_pages_and_stops_at_max_tokens(rig) -> None:  # noqa: ANN001
     h, fb, prog = rig
     free0 = h.free_pages()
+    tokens0 = h.scheduler.stats.tokens
     end = Run(h, prog, ["gen_raw", "30"]).finish(60)
+    assert h.scheduler.stats.tokens - tokens0 == 30  # the pending token + 29 drawn ones went through
     # 30 tokens drawn after token 5; the pending token plus 29 drawn ones are written: 30 slots,
     # 1 page given + 7 grown (page size 4)
     assert (end.event, end.message) == ("completed", "30 LENGTH 7")

@@ -275,12 +275,13 @@ class Scheduler:
                 self._fail(batch, e)
                 return
             end = time.perf_counter()
-            for f, r in zip(batch, results, strict=True):
+            tokens = sum(len(f.request.tokens) for f in batch if isinstance(f.request, ForwardRequest))
+            for f, r in zip(batch, results, strict=True):  # a loop's step turns its request into the next
                 if f.generation is None:
                     self._complete(f, r, None)
                 else:
                     self._step(f, f.generation, r)
-            self._record(batch, start, end)
+            self._record(batch, tokens, start, end)
             return
 
     def _step(self, fut: ForwardFuture, gen: Generation, outputs: list[OutputResult]) -> None:
@@ -316,11 +317,11 @@ class Scheduler:
             self._pins.unpin(_pages(fut.request))
         fut.finish(result, error)
 
-    def _record(self, batch: list[ForwardFuture], start: float, end: float) -> None:
+    def _record(self, batch: list[ForwardFuture], tokens: int, start: float, end: float) -> None:
         st = self.stats
         st.batches += 1
         st.forwards += len(batch)
-        st.tokens += sum(len(f.request.tokens) for f in batch if isinstance(f.request, ForwardRequest))
+        st.tokens += tokens
         st.max_batch_size = max(st.max_batch_size, len(batch))
         st.queue_wait_s += sum(start - f.submitted for f in batch)
         st.backend_s += end - start
