@@ -67,6 +67,7 @@ ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "kv.release": st.tuples(SMALL_LIST), "kv.export-pages": st.tuples(TEXT, SMALL_LIST, st.booleans()),
     "kv.import-pages": st.tuples(TEXT), "kv.unexport": st.tuples(TEXT), "kv.list-exports": st.just(()),
     "kv.copy-tokens": st.tuples(U32, U32, U32, U32, U32),
+    "kv.attach-prefix": st.tuples(st.lists(U32, max_size=12)),
     "forward.submit": st.tuples(SMALL_LIST, U32, SMALL_LIST, SMALL_LIST, st.lists(SMALL_LIST, max_size=3),
                                 st.lists(OUTPUT_SPEC, max_size=3)),
     "forward.wait": st.tuples(U64), "forward.wait-any": st.tuples(st.lists(U64, max_size=3)),
