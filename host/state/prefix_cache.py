@@ -73,6 +73,18 @@ class PrefixCache:
                    masked: bool, tenant: str) -> None:
         """A pass writes `tokens` after `ctx` tokens into `pages`: keep track of what each page holds."""
         ps, n = self.page_size, len(tokens)
+        if n == 1 and not masked and positions[0] == ctx and self.mode != "off":  # a decode step: O(1)
+            j, slot = divmod(ctx, ps)
+            p = pages[j]
+            part = self._partial.get(p)
+            if slot and part is not None and len(part) == slot and p not in self._key:
+                part.append(tokens[0])
+                if slot == ps - 1:
+                    del self._partial[p]
+                    parent = self._chain_parent(pages, j, tenant)
+                    if parent is not None:
+                        self._register(p, _key(parent, part), parent)
+                return
         clean = (self.mode != "off" and not masked and positions[0] == ctx and positions[-1] == ctx + n - 1
                  and (n < 3 or list(positions) == list(range(ctx, ctx + n))))
         for j in range(ctx // ps, len(pages)):
@@ -86,7 +98,7 @@ class PrefixCache:
             if not clean or part is None or len(part) != lo:
                 self._partial.pop(p, None)
                 continue
-            part = part + list(tokens[j * ps + lo - ctx : j * ps + hi - ctx])
+            part = part[:lo] + list(tokens[j * ps + lo - ctx : j * ps + hi - ctx])
             if hi < ps:
                 self._partial[p] = part
                 continue
