@@ -286,3 +286,12 @@ def test_a_page_attached_from_the_prefix_cache_is_read_only(host: Host, misbehav
     for run, want in good:
         assert run.finish(60).message == want
     assert host.free_pages() == free0
+
+
+@pytest.mark.build
+def test_every_context_path_works_after_a_prefix_cache_hit(host: Host, misbehave: str) -> None:
+    """Issue 15: decode_step, next_dist, flush and submit_decode on a context that starts from cached pages."""
+    hits0 = host.stats()["prefix_cache"]["hits"]
+    end = Run(host, misbehave, ["prefix_paths"]).finish(60)
+    assert (end.event, end.message) == ("completed", " ".join([str(ord("x") + 1)] * 5))
+    assert host.stats()["prefix_cache"]["hits"] - hits0 >= 4  # the first fill misses, the next four hit

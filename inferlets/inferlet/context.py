@@ -258,11 +258,19 @@ class Context:
         self.next_pos += n
 
     def _spec(self, sampler: Sampler | None, dist: int) -> Any:
-        """The output spec for the last pending token (call before `_prepare` moves `kv_len`)."""
+        """The output spec for the last pending token of a pass over all pending tokens."""
+        self._attach_if_fresh(len(self.tokens))
         index = len(self.tokens) - self.kv_len - 1
         return _host.forward.OutputSpec(
             index=index, sample=None if sampler is None else sampler.to_wit(), dist=dist
         )
+
+    def _attach_if_fresh(self, hi: int) -> None:
+        """Before the first pass over tokens[:hi] (nothing in the KV yet): start from the host's
+        cached pages for the longest full-page prefix of tokens[:hi - 1] (one token stays to run).
+        Called before anything depends on `kv_len` (the output spec's index, the pass geometry)."""
+        if self.kv_len == 0 and self.prefix_cache and hi > self.model.page_size and not self.pages:
+            self._attach_cached_prefix(hi - 1)
 
     def _attach_cached_prefix(self, limit: int) -> None:
         """Start from the host's cached pages for tokens[:limit] (standard positions, nothing masked)."""
@@ -287,8 +295,7 @@ class Context:
         """
         ps = self.model.page_size
         hi = self.kv_len + n
-        if self.kv_len == 0 and self.prefix_cache and hi > ps and not self.pages:
-            self._attach_cached_prefix(hi - 1)
+        self._attach_if_fresh(hi)
         lo = self.kv_len
         need = -(-hi // ps) - len(self.pages)
         if need > 0:
