@@ -1,17 +1,20 @@
-"""ReAct agents: KV kept across turns (ours) vs a stateless-completion-API baseline, same backend.
+"""ReAct agents: KV kept across turns (ours) vs stateless-completion-API baselines, same backend.
 
 Each agent is the `agent_react` inferlet doing --turns tool calls to a client-side tool that answers
 after --tool-ms (50 ms), then a final answer. Ours keeps the transcript's KV for the whole run; the
-baseline (`--stateless`) re-sends and re-prefills the whole transcript every turn, like a stateless
-completion API. Both run on the same embedded host (same backend, same batching scheduler), with 1
-and 16 agents at once.
+baselines (`--stateless`) re-send the whole transcript every turn, like a stateless completion API:
+`baseline` with the host's prefix cache off (every turn re-prefills everything), `baseline_cached`
+with it on (what vLLM with automatic prefix caching does: only the new suffix is prefilled). All
+run on the same backend and batching scheduler, with 1 and 16 agents at once; ours runs with the
+prefix cache on, as the host does by default.
 
     python bench/agents.py --json bench/agents.json
 
-Writes {"throughput_ratio": {"1": .., "16": ..}, "latency_ratio": {"1": .., "16": ..},
-"prefill_tokens_per_agent": {"ours": .., "baseline": ..}} plus the raw runs under "runs", and
-prints a markdown table. Throughput ratio is ours / baseline (agents per second); latency ratio
-is baseline / ours (mean end-to-end seconds per agent).
+Writes {"throughput_ratio": {"1": .., "16": ..}, "latency_ratio": {...}} against `baseline`, the
+same against `baseline_cached` ("throughput_ratio_cached", "latency_ratio_cached"),
+"prefill_tokens_per_agent" (tokens the inferlet filled) and "backend_tokens_per_agent" (tokens the
+backend actually ran, prefix-cache hits excluded) per variant, plus the raw runs under "runs".
+Throughput ratio is ours / baseline (agents per second); latency ratio is baseline / ours.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def run_agents(host: Host, prog: str, n: int, args: list[str], tool_ms: float) -
             reply = f"answer to turn {msg['turn']}: ok"
             threading.Timer(tool_ms / 1000, host.signal, (ev.instance_id, reply)).start()
 
+    tokens0 = host.scheduler.stats.tokens
     t0 = time.perf_counter()
     for _ in range(n):
         launched = time.perf_counter()
@@ -65,6 +69,7 @@ def run_agents(host: Host, prog: str, n: int, args: list[str], tool_ms: float) -
     lat = [ends[i][0] - starts[i] for i in ids]
     return {"agents": n, "wall_s": wall, "throughput_agents_per_s": n / wall, "mean_latency_s": statistics.mean(lat),
             "prefill_tokens_per_agent": statistics.mean(o["prefill_tokens"] for o in outs),
+            "backend_tokens_per_agent": (host.scheduler.stats.tokens - tokens0) / n,
             "turns_per_agent": statistics.mean(len(o["turns"]) for o in outs)}
 
 
@@ -78,39 +83,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     a = ap.parse_args(argv)
     levels = [int(x) for x in a.concurrency.split(",")]
-    host = Host(HostConfig(device=a.device, num_pages=4096, kv_memory_bytes=None), progress=False)
-    try:
-        prog = host.compile(resolve_inferlet("agent_react", quiet=True).read_bytes())
-        common = ["--tool-choice", "ask_user", "--max-turns", str(a.turns), "--thought-tokens", str(a.thought_tokens),
-                  "--arg-tokens", "8", "--answer-tokens", "8", "--client-timeout-ms", "600000", "--json"]
-        run_agents(host, prog, 1, common, a.tool_ms)  # warm-up (instantiation, torch kernels)
-        runs: dict[str, dict[str, dict]] = {"ours": {}, "baseline": {}}
-        for n in levels:
-            for name, extra in (("ours", []), ("baseline", ["--stateless"])):
-                r = run_agents(host, prog, n, common + extra, a.tool_ms)
-                runs[name][str(n)] = r
-                print(f"{name:8s} n={n:3d} wall {r['wall_s']:.2f}s latency {r['mean_latency_s']:.2f}s "
-                      f"prefill/agent {r['prefill_tokens_per_agent']:.0f}", file=sys.stderr)
-    finally:
-        host.shutdown()
+    common = ["--tool-choice", "ask_user", "--max-turns", str(a.turns), "--thought-tokens", str(a.thought_tokens),
+              "--arg-tokens", "8", "--answer-tokens", "8", "--client-timeout-ms", "600000", "--json"]
+    variants = {"off": [("baseline", ["--stateless"])],
+                "per-client": [("ours", []), ("baseline_cached", ["--stateless"])]}
+    runs: dict[str, dict[str, dict]] = {"ours": {}, "baseline": {}, "baseline_cached": {}}
+    backend = None
+    for mode, names in variants.items():  # one host at a time on the one backend
+        host = Host(HostConfig(device=a.device, num_pages=4096, kv_memory_bytes=None, prefix_cache=mode),
+                    backend=backend, progress=False)
+        backend = host.backend
+        try:
+            prog = host.compile(resolve_inferlet("agent_react", quiet=True).read_bytes())
+            run_agents(host, prog, 1, common, a.tool_ms)  # warm-up (instantiation, torch kernels)
+            for n in levels:
+                for name, extra in names:
+                    r = run_agents(host, prog, n, common + extra, a.tool_ms)
+                    runs[name][str(n)] = r
+                    print(f"{name:15s} n={n:3d} wall {r['wall_s']:.2f}s latency {r['mean_latency_s']:.2f}s "
+                          f"backend tokens/agent {r['backend_tokens_per_agent']:.0f}", file=sys.stderr)
+            model = host.model_name
+        finally:
+            host.shutdown()
+    def ratio(base: str, key: str, ours_over_base: bool) -> dict[str, float]:
+        return {k: (runs["ours"][k][key] / runs[base][k][key]) if ours_over_base
+                else (runs[base][k][key] / runs["ours"][k][key]) for k in runs["ours"]}
+
     result = {
-        "throughput_ratio": {k: runs["ours"][k]["throughput_agents_per_s"] / runs["baseline"][k]["throughput_agents_per_s"]
-                             for k in runs["ours"]},
-        "latency_ratio": {k: runs["baseline"][k]["mean_latency_s"] / runs["ours"][k]["mean_latency_s"] for k in runs["ours"]},
+        "throughput_ratio": ratio("baseline", "throughput_agents_per_s", True),
+        "latency_ratio": ratio("baseline", "mean_latency_s", False),
+        "throughput_ratio_cached": ratio("baseline_cached", "throughput_agents_per_s", True),
+        "latency_ratio_cached": ratio("baseline_cached", "mean_latency_s", False),
         "prefill_tokens_per_agent": {name: runs[name][str(levels[-1])]["prefill_tokens_per_agent"] for name in runs},
+        "backend_tokens_per_agent": {name: runs[name][str(levels[-1])]["backend_tokens_per_agent"] for name in runs},
         "runs": runs,
         "config": {"turns": a.turns, "tool_ms": a.tool_ms, "thought_tokens": a.thought_tokens,
-                   "device": str(host.backend.model.device), "model": host.model_name},
+                   "device": a.device or "default", "model": model},
     }
-    print("| agents | ours agents/s | baseline agents/s | throughput x | ours latency s | baseline latency s | latency x |")
-    print("|---|---|---|---|---|---|---|")
-    for k in runs["ours"]:
-        o, b = runs["ours"][k], runs["baseline"][k]
-        print(f"| {k} | {o['throughput_agents_per_s']:.3f} | {b['throughput_agents_per_s']:.3f} | "
-              f"{result['throughput_ratio'][k]:.2f} | {o['mean_latency_s']:.2f} | {b['mean_latency_s']:.2f} | "
-              f"{result['latency_ratio'][k]:.2f} |")
-    print(f"prefilled tokens per agent: ours {result['prefill_tokens_per_agent']['ours']:.0f}, "
-          f"baseline {result['prefill_tokens_per_agent']['baseline']:.0f}")
+    print("| agents | baseline | ours agents/s | baseline agents/s | throughput x | ours latency s | "
+          "baseline latency s | latency x |")
+    print("|---|---|---|---|---|---|---|---|")
+    for base, sfx in (("baseline", ""), ("baseline_cached", "_cached")):
+        for k in runs["ours"]:
+            o, b = runs["ours"][k], runs[base][k]
+            print(f"| {k} | {base} | {o['throughput_agents_per_s']:.3f} | {b['throughput_agents_per_s']:.3f} | "
+                  f"{result['throughput_ratio' + sfx][k]:.2f} | {o['mean_latency_s']:.2f} | "
+                  f"{b['mean_latency_s']:.2f} | {result['latency_ratio' + sfx][k]:.2f} |")
+    print("backend tokens per agent: " + ", ".join(f"{n} {v:.0f}" for n, v in result["backend_tokens_per_agent"].items()))
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     return 0
