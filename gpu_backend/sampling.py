@@ -9,6 +9,10 @@ the row's maximum (<= 0, so a tiny temperature gives -inf, never inf/inf) and is
 normal range; the most probable token survives every filter, so a row's kept mass is > 0; a top-k
 past the vocabulary is no filter. A row whose logits are not finite (NaN, +inf, or all -inf) is drawn
 from harmlessly and then reported as a SampleError naming the row.
+
+A row with an `allowed` bitmask (`OutputSpec.allowed`, from a grammar matcher) has every other token's
+logit set to -inf first, so its draw, its filters and its `dist` see only allowed tokens; a mask that
+allows no token is reported as a SampleError for that row. A batch without masks does no mask work.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from .types import OutputResult, OutputSpec, SamplerParams
+from .validate import mask_bytes
 
-__all__ = ["SampleError", "Sampler", "draw", "filtered_probs", "seed_uniform"]
+__all__ = ["SampleError", "Sampler", "draw", "filtered_probs", "seed_uniform", "unpack_masks"]
 
 _F32 = torch.finfo(torch.float32)
 _U64 = (1 << 64) - 1
@@ -29,6 +34,15 @@ class SampleError(RuntimeError):
     def __init__(self, row: int, reason: str) -> None:
         super().__init__(f"output row {row}: {reason}")
         self.row, self.reason = row, reason
+
+
+def unpack_masks(masks: list[bytes], vocab: int, device: torch.device) -> torch.Tensor:
+    """Packed token bitmasks (`OutputSpec.allowed`: bit t % 32 of little-endian int32 word t // 32, i.e.
+    bit t % 8 of byte t // 8) -> bool [len(masks), vocab], unpacked on `device` (only packed bytes move)."""
+    packed = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8).view(len(masks), -1)
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    bits = (packed.to(device, non_blocking=True).unsqueeze(-1) >> shifts) & 1  # uint8 0/1: a valid bool
+    return bits.view(len(masks), -1)[:, :vocab].view(torch.bool)
 
 
 def seed_uniform(seed: int) -> float:
@@ -114,9 +128,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, specs: list[OutputSpec]) -> list[OutputResult]:
         """logits [M, V] float32, one row per spec (same order). Specs are checked (`validate.as_sampler`).
 
-        Raises SampleError naming the first row whose logits are not finite; the other rows were fine.
+        Raises SampleError naming the first row whose logits are not finite or whose `allowed` mask allows
+        no token; the other rows were fine.
         """
         m, vocab = logits.shape
+        allowed = None
+        if any(s.allowed is not None for s in specs):  # a batch without masks skips this
+            everything = b"\xff" * mask_bytes(vocab)  # rows without a mask keep their logits exactly
+            allowed = unpack_masks([everything if s.allowed is None else s.allowed for s in specs], vocab,
+                                   self.device)
+            logits = torch.where(allowed, logits, -torch.inf)
         tokens = torch.zeros(m, dtype=torch.long, device=self.device)
         greedy = [i for i, s in enumerate(specs) if s.sample is not None and s.sample.temperature == 0]
         sampled = [(i, s.sample) for i, s in enumerate(specs) if s.sample is not None and s.sample.temperature > 0]
@@ -128,13 +149,26 @@ class Sampler:
             tokens[rows] = self._sample(logits[rows], [p for _, p in sampled])
         k_max = min(max((s.dist for s in specs), default=0), vocab)
         dist_ids = dist_p = None
+        bad = (~torch.isfinite(logits.amax(-1))).long()  # 1: NaN, +inf, or every token at -inf
+        if allowed is not None:
+            bad = torch.where(allowed.any(-1), bad, 2)  # 2: the row's mask allows no token
+        checks = [tokens, bad]
         if k_max:
-            dist_p, dist_ids = torch.softmax(logits, dim=-1).topk(k_max, dim=-1)
-        bad = ~torch.isfinite(logits.amax(-1))  # NaN, +inf, or every token at -inf
-        # one device -> host transfer for the tokens and the check
-        tok_list, bad_list = torch.stack([tokens, bad.long()]).tolist()
+            probs = torch.softmax(logits, dim=-1)
+            dist_p, dist_ids = probs.topk(k_max, dim=-1)
+            masked = [i for i, s in enumerate(specs) if s.allowed is not None and s.dist]
+            if allowed is not None and masked:  # rank by logit: allowed (finite) before disallowed (-inf)
+                rows = torch.tensor(masked, device=self.device)
+                ids = logits[rows].topk(k_max, dim=-1).indices
+                dist_ids[rows], dist_p[rows] = ids, probs[rows].gather(1, ids)
+                checks.append(allowed.sum(-1))  # each row's dist stops at its allowed tokens
+        # one device -> host transfer for the tokens and the checks
+        host = torch.stack(checks).tolist()
+        tok_list, bad_list = host[0], host[1]
         if any(bad_list):
-            row = bad_list.index(1)
+            row = next(i for i, b in enumerate(bad_list) if b)
+            if bad_list[row] == 2:
+                raise SampleError(row, "its allowed-token mask allows no token (the grammar admits none here)")
             raise SampleError(row, "logits are not finite (NaN, +inf, or -inf for every token)")
         di = dist_ids.tolist() if dist_ids is not None else None
         dp = dist_p.tolist() if dist_p is not None else None
@@ -142,6 +176,7 @@ class Sampler:
         for i, s in enumerate(specs):
             res = OutputResult(token=tok_list[i] if s.sample is not None else None)
             if s.dist and di is not None and dp is not None:
-                res.ids, res.probs = di[i][: s.dist], dp[i][: s.dist]
+                k = s.dist if s.allowed is None else min(s.dist, host[2][i])
+                res.ids, res.probs = di[i][:k], dp[i][:k]
             out.append(res)
         return out

@@ -32,6 +32,10 @@ class OutputSpec:
     index: int
     sample: SamplerParams | None = None
     dist: int = 0  # return the `dist` most probable (id, prob) pairs; 0 = none
+    # None = every token; else the tokens this row may produce, a packed bitmask of ceil(vocab / 32)
+    # little-endian int32 words (bit t % 32 of word t // 32 = token t), as `gpu_backend.grammar` fills.
+    # Applied to the logits before the sampler's filters and `dist`.
+    allowed: bytes | None = None
 
 
 @dataclass

@@ -98,12 +98,30 @@ def check_request(req: ForwardRequest, info: BackendInfo) -> ForwardRequest:
             raise ValueError(f"{who}: output index {o.index!r} out of range [0, {n})")
         if not _is_int(o.dist) or not 0 <= o.dist <= vocab_size:
             raise ValueError(f"{who}: output {j} dist {o.dist!r} out of range [0, {vocab_size}]")
+        if o.allowed is not None:
+            _check_allowed(o.allowed, f"{who}: output {j}", vocab_size)
         sample = None if o.sample is None else as_sampler(o.sample, f"{who}: output {j}")
         outputs.append(o if sample is o.sample else replace(o, sample=sample))
     if outputs != req.outputs:
         req = replace(req, outputs=outputs)
     req.checked = True
     return req
+
+
+def _check_allowed(allowed: object, where: str, vocab_size: int) -> None:
+    size = mask_bytes(vocab_size)
+    if not isinstance(allowed, bytes):
+        raise ValueError(f"{where}: allowed must be bytes (a packed token bitmask), got {type(allowed).__name__}")
+    if len(allowed) != size:
+        raise ValueError(
+            f"{where}: allowed is {len(allowed)} bytes, expected {size} (one bit per token of a "
+            f"{vocab_size}-token vocabulary, in int32 words)"
+        )
+
+
+def mask_bytes(vocab_size: int) -> int:
+    """Bytes of a packed token bitmask (`OutputSpec.allowed`) over `vocab_size` tokens."""
+    return 4 * ((vocab_size + 31) // 32)
 
 
 def _check_values(req: ForwardRequest, who: str, vocab_size: int, max_position: int) -> None:
