@@ -76,6 +76,7 @@ class StubHost:
             ("forward", "run"): self._run,
             ("forward", "decode-step"): lambda pages, last_len, token, pos, sampler: self.script.pop(0),
             ("forward", "generate"): self._generate,
+            ("kv", "attach-prefix"): lambda tokens: [],  # no prefix cache in the stub
         }
 
     def _generate(self, pages, last_len, tokens, positions, sampler, max_tokens, stops, texts, stream):  # noqa: ANN001
