@@ -187,14 +187,18 @@ class PageManager:
             exp = self._exports.get((table.tenant, name))
             if exp is None:
                 return f"no export named {name!r}"
-            for p in exp.pages:
-                entry = table.held.get(p)
-                if entry is None:
-                    table.held[p] = [1, False]
-                else:
-                    entry[0] += 1
-                self._refs[p] += 1
+            self._hold_read_only(table, exp.pages)
             return list(exp.pages)
+
+    def _hold_read_only(self, table: InstancePages, pages: list[int]) -> None:
+        """One more read-only hold by `table` on each page (imports, prefix-cache hits); lock held."""
+        for p in pages:
+            entry = table.held.get(p)
+            if entry is None:
+                table.held[p] = [1, False]
+            else:
+                entry[0] += 1
+            self._refs[p] += 1
 
     def unexport(self, table: InstancePages, name: str) -> str | None:
         """Remove one of the table's tenant's exports; an error string if it has none by that name."""
@@ -236,13 +240,7 @@ class PageManager:
             return []
         with self._lock:
             pages = self.cache.lookup(tokens, table.tenant)
-            for p in pages:
-                entry = table.held.get(p)
-                if entry is None:
-                    table.held[p] = [1, False]
-                else:
-                    entry[0] += 1
-                self._refs[p] += 1
+            self._hold_read_only(table, pages)
             return pages
 
     def note_write(self, table: InstancePages, req: ForwardRequest, page_size: int) -> None:
