@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Host", "HostConfig", "InstanceEvent", "TERMINAL_EVENTS", "CompileError", "Backend"]
+__all__ = ["Host", "HostBusy", "HostConfig", "InstanceEvent", "TERMINAL_EVENTS", "CompileError", "Backend"]
 
 _LAZY = {
     "Host": "host.host",
+    "HostBusy": "host.host",
     "HostConfig": "host.config",
     "InstanceEvent": "host.events",
     "TERMINAL_EVENTS": "host.events",
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from gpu_backend.types import Backend
     from host.config import HostConfig
     from host.events import TERMINAL_EVENTS, InstanceEvent
-    from host.host import Host
+    from host.host import Host, HostBusy
     from host.wasm.engine import CompileError
 
 

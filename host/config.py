@@ -33,6 +33,11 @@ class HostConfig:
     max_pages_per_instance: KV pages one instance may own at once (None = no cap).
     run_gate: instance threads take turns running, `run_slots` at a time (see host/gate.py);
         False lets them all contend for the GIL at once (for comparisons).
+    max_instances: instances running at once; a launch beyond it is refused (`HostBusy`).
+    warm_instances: instances of each recently launched program kept started ahead of demand,
+        waiting at their first host call (host/wasm/warm.py); 0 = start every instance cold.
+    instance_pool: use wasmtime's pooling allocator (host/wasm/pooling.py), sized for
+        max_instances + the warm ones; False = on-demand allocation (slower starts).
     """
 
     model: str | None = None
@@ -54,6 +59,9 @@ class HostConfig:
     epoch_tick_ms: float = 10.0
     run_gate: bool = True
     run_slots: int = 2
+    max_instances: int = 1024
+    warm_instances: int = 0
+    instance_pool: bool = True
     cache_dir: Path = field(default_factory=default_cache_dir)
     data_dir: Path | None = None  # key-value store file lives here; None = cache_dir
 
@@ -66,6 +74,9 @@ class HostConfig:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if self.batch_k < 1 or self.batch_t_ms < 0:
             raise ValueError(f"k-or-t needs batch_k >= 1 and batch_t_ms >= 0, got {self.batch_k}, {self.batch_t_ms}")
+        if self.max_instances < 1 or self.warm_instances < 0:
+            raise ValueError(f"max_instances must be >= 1 and warm_instances >= 0, got "
+                             f"{self.max_instances}, {self.warm_instances}")
         if self.run_slots < 1:
             raise ValueError(f"run_slots must be >= 1, got {self.run_slots}")
         if self.memory_limit_bytes < 1 << 20:

@@ -31,12 +31,19 @@ from host.state.topics import Topics
 from host.wasm.engine import WasmEngine
 from host.wasm.instance import Instance, InstanceEnv
 from host.wasm.limits import InstanceLimits
+from host.wasm.pooling import PoolingConfig
+from host.wasm.warm import WarmPool
 
-__all__ = ["Host"]
+__all__ = ["Host", "HostBusy"]
 
 log = logging.getLogger(__name__)
 
 _ENDED_KEPT = 1024  # ended instances remembered for wait()
+_WARM_PROGRAMS = 4  # programs kept warm at once (the most recently launched)
+
+
+class HostBusy(RuntimeError):
+    """A launch refused because `HostConfig.max_instances` instances are running."""
 
 
 def _load_backend(config: HostConfig, progress: bool) -> Backend:
@@ -72,7 +79,12 @@ class Host:
         cache = PrefixCache(info.page_size, config.prefix_cache) if config.prefix_cache != "off" else None
         self.pages = PageManager(info.num_pages, config.max_pages_per_instance, cache)
         self.scheduler.bind(backend.forward, backend.copy_tokens, info.page_size, pins=self.pages)
-        self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms)
+        limits = InstanceLimits(config.memory_limit_bytes, config.wall_budget_s,
+                                max_published_messages=config.max_published_messages,
+                                max_published_bytes=config.max_published_bytes)
+        slots = config.max_instances + config.warm_instances * _WARM_PROGRAMS + 8
+        self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms,
+                               PoolingConfig(slots, limits) if config.instance_pool else None)
         self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3")
         self.topics = Topics()
         self.gate = RunGate(config.run_gate, slots=config.run_slots)
@@ -82,14 +94,13 @@ class Host:
             kvstore=self.kvstore, topics=self.topics))
         self._env = InstanceEnv(
             engine=self.wasm, linker=self.linker, gate=self.gate,
-            limits=InstanceLimits(config.memory_limit_bytes, config.wall_budget_s,
-                                  max_published_messages=config.max_published_messages,
-                                  max_published_bytes=config.max_published_bytes),
-            on_block=self.scheduler.forget, on_end=self._instance_ended)
+            limits=limits, on_block=self.scheduler.forget, on_end=self._instance_ended)
         self._instances: dict[str, Instance] = {}
         self._ended: OrderedDict[str, Instance] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+        self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
+                             config.warm_instances, _WARM_PROGRAMS)
 
     # ---- programs ----
     def compile(self, wasm: bytes) -> str:
@@ -104,17 +115,34 @@ class Host:
                on_event: Callable[[InstanceEvent], None] | None = None, tenant: str = "local") -> str:
         """Start an instance of a compiled program; returns its id. KeyError for an unknown program.
 
-        `tenant` is the client identity the instance acts for: it sees only that tenant's KV exports."""
+        `tenant` is the client identity the instance acts for: it sees only that tenant's KV exports.
+        Raises HostBusy when `max_instances` are running. A warm instance is used when one is ready."""
         if self._closed:
             raise RuntimeError("host is shut down")
         self.wasm.get(program_hash)  # KeyError with a clear message if unknown
-        inst = Instance(self._env, program_hash, args, on_event or (lambda ev: None))
-        inst.pages.tenant = tenant
+        listener = on_event or _ignore
         with self._lock:
+            if len(self._instances) >= self.config.max_instances:
+                raise HostBusy(f"the host is running its maximum of {self.config.max_instances} instances; "
+                               "try again when some have ended (or raise --max-instances)")
+            inst = self.warm.take(program_hash)
+            if inst is not None and not inst.launch(args, listener, tenant):
+                inst = None
+            cold = inst is None
+            if inst is None:
+                inst = Instance(self._env, program_hash, args, listener)
+                inst.pages.tenant = tenant
             self._instances[inst.id] = inst
         self.scheduler.expect(inst.id)
-        inst.start()
+        if cold:
+            inst.start()
         return inst.id
+
+    def prewarm(self, program_hash: str, n: int, timeout_s: float = 60.0) -> int:
+        """Keep `n` instances of a program started ahead of demand from now on, and wait until
+        they are ready (or `timeout_s`); returns how many are. See host/wasm/warm.py."""
+        self.wasm.get(program_hash)
+        return self.warm.prewarm(program_hash, n, timeout_s)
 
     def _get(self, instance_id: str) -> Instance:
         with self._lock:
@@ -147,7 +175,8 @@ class Host:
         """On the instance's thread as it ends: release everything it held."""
         with self._lock:
             self._instances.pop(inst.id, None)
-            self._ended[inst.id] = inst
+            if not inst.parked:  # a warm instance never launched is known to no one
+                self._ended[inst.id] = inst
             if len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
         self.topics.drop(inst)
@@ -193,7 +222,7 @@ class Host:
             return
         self._closed = True
         with self._lock:
-            insts = list(self._instances.values())
+            insts = list(self._instances.values()) + self.warm.close()
         for inst in insts:
             inst.terminate("host shutting down")
         for inst in insts:
@@ -207,3 +236,7 @@ class Host:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _ignore(_event: InstanceEvent) -> None:
+    """The event listener of an instance launched without one (and of a warm one not launched yet)."""

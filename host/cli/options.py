@@ -49,6 +49,11 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache", choices=list(PREFIX_CACHE_MODES),
                         help="automatic prefix cache: entries kept per client (tenant), shared by all clients "
                              f"(a timing side channel between them), or off (default {_default('prefix_cache')})")
+    parser.add_argument("--max-instances", type=int,
+                        help=f"instances running at once; more launches are refused (default {_default('max_instances')})")
+    parser.add_argument("--warm-instances", type=int,
+                        help="instances of each recently launched program started ahead of demand, so a launch "
+                             f"skips the start-up (default {_default('warm_instances')})")
 
 
 def host_config_from_args(args: argparse.Namespace) -> HostConfig:
@@ -62,7 +67,8 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "num_pages": args.num_pages, "kv_memory_bytes": _mib(args.kv_memory), "policy": args.policy,
         "max_batch_tokens": args.max_batch_tokens, "memory_limit_bytes": _mib(args.memory_limit_mb),
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
-        "prefix_cache": args.prefix_cache,
+        "prefix_cache": args.prefix_cache, "max_instances": args.max_instances,
+        "warm_instances": args.warm_instances,
         "data_dir": getattr(args, "data_dir", None),
     }
     return HostConfig(**{k: v for k, v in given.items() if v is not None})

@@ -19,6 +19,8 @@ import wasmtime
 from wasmtime import Config, Engine
 from wasmtime.component import Component
 
+from host.wasm.pooling import PoolingConfig
+
 log = logging.getLogger(__name__)
 
 WASMTIME_VERSION = version("wasmtime")
@@ -33,12 +35,18 @@ def sha256_hex(data: bytes) -> str:
 
 
 class WasmEngine:
-    """The shared engine, its epoch ticker thread and compiled components by hash."""
+    """The shared engine, its epoch ticker thread and compiled components by hash.
 
-    def __init__(self, cache_dir: Path, tick_ms: float = 10.0) -> None:
+    `pooling`: use wasmtime's pooling instance allocator with these sizes (host/wasm/pooling.py);
+    None keeps the on-demand allocator (no cap on instances, but slower instantiation)."""
+
+    def __init__(self, cache_dir: Path, tick_ms: float = 10.0, pooling: PoolingConfig | None = None) -> None:
         cfg = Config()
         cfg.epoch_interruption = True
         cfg.wasm_component_model = True
+        if pooling is not None:
+            pooling.apply(cfg)
+        self.pooling = pooling
         self.engine = Engine(cfg)
         self.tick_s = tick_ms / 1000
         self.cache_dir = cache_dir / "components" / f"wasmtime-{WASMTIME_VERSION}"

@@ -40,10 +40,13 @@ _current = threading.local()
 
 
 def current() -> Instance:
-    """The instance whose thread is calling (for the WIT imports)."""
+    """The instance whose thread is calling (for the WIT imports). A warm instance that has not
+    been launched yet waits here, at its first host call, until it is (see `Instance.warm`)."""
     inst: Instance | None = getattr(_current, "instance", None)
     if inst is None:
         raise wasmtime.WasmtimeError("host import called outside an inferlet thread")
+    if inst.parked:
+        inst.await_launch()
     return inst
 
 
@@ -64,10 +67,20 @@ class Terminated(Exception):
 
 
 class Instance:
-    """State of one instance. Its thread runs the guest's `run` export to the end."""
+    """State of one instance. Its thread runs the guest's `run` export to the end.
+
+    A *warm* instance (`warm=True`, made ahead of demand by host/wasm/warm.py) is started before
+    anyone launches it: its store is made, its component instantiated and its guest run up to its
+    first host call, where it waits (`parked`) until `launch` gives it its arguments, listener and
+    tenant. Until that first call the guest has received nothing from the host, so it cannot tell
+    a warm start from a cold one; its wall-clock budget starts at `launch`. A warm instance must
+    reach its first call within `WARM_DEADLINE_S` of running guest code, or it is stopped.
+    """
+
+    WARM_DEADLINE_S = 2.0
 
     def __init__(self, env: InstanceEnv, program: str, args: list[str],
-                 on_event: Callable[[InstanceEvent], None]) -> None:
+                 on_event: Callable[[InstanceEvent], None], warm: bool = False) -> None:
         self.id = str(uuid.uuid4())
         self.label = f"instance {self.id[:8]}"  # names its forward requests in backend errors
         self.env = env
@@ -95,6 +108,34 @@ class Instance:
         self._stderr = bytearray()
         self._thread = threading.Thread(target=self._main, name=f"inferlet-{self.id[:8]}", daemon=True)
         self.finished = threading.Event()
+        self.parked = warm  # not launched yet: the first host call waits (guarded by cond)
+        self.at_first_call = False  # a warm instance has reached its first host call
+
+    def launch(self, args: list[str], on_event: Callable[[InstanceEvent], None], tenant: str) -> bool:
+        """Hand a warm instance its launch; False if it can no longer be used (it ended or was stopped)."""
+        with self.cond:
+            if not self.parked or self.finished.is_set() or self.stop_reason is not None:
+                return False
+            self.args = list(args)
+            self.on_event = on_event
+            self.pages.tenant = tenant
+            self.started_at = time.time()
+            self._t0 = time.perf_counter()
+            self.parked = False
+            self.cond.notify_all()
+        return True
+
+    def await_launch(self) -> None:
+        """A warm instance at its first host call: wait until launched; Terminated if stopped first."""
+        with self.cond:
+            self.at_first_call = True
+            self.state = "warm"
+            self.cond.notify_all()  # the pool may be waiting for it to get here
+            while self.parked and self.stop_reason is None:
+                self.cond.wait()
+            if self.stop_reason is not None:
+                raise Terminated(self.stop_reason)
+            self.state = "running"
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -125,6 +166,8 @@ class Instance:
 
     def on_epoch(self) -> str | None:
         """Epoch tick while the guest runs: a trap message if it must stop, else None."""
+        if self.parked and time.perf_counter() - self._t0 > self.WARM_DEADLINE_S:
+            self.terminate(f"did not reach its first host call within {self.WARM_DEADLINE_S:g} s while warming")
         self._enforce_budget()
         if self.stop_reason is not None:
             return f"instance terminated: {self.stop_reason}"
@@ -134,7 +177,9 @@ class Instance:
     def budget_left_s(self) -> float | None:
         """Seconds left of the wall-clock budget (may be negative); None if it has none."""
         budget = self.env.limits.wall_budget_s
-        return None if budget is None else budget - (time.perf_counter() - self._t0)
+        if budget is None or self.parked:  # a warm instance's budget starts at its launch
+            return None
+        return budget - (time.perf_counter() - self._t0)
 
     def _enforce_budget(self) -> None:
         """Past its budget, the instance is stopped like a terminate, ending as an exception."""
@@ -252,7 +297,7 @@ class Instance:
             run = inst.get_func(store, "run")
             if run is None:
                 raise wasmtime.WasmtimeError("the component exports no `run` function")
-            self.state = "running"
+            self.state = "warm" if self.parked else "running"
             _current.instance = self
             result = run(store)
             if isinstance(result, str):
@@ -272,6 +317,7 @@ class Instance:
             unwatch_epochs(epoch_key)
             with self.cond:
                 self.finished.set()
+                self.cond.notify_all()
             self.state = event
             env.on_end(self)
         self.emit(event, message)
@@ -284,7 +330,8 @@ class Instance:
         if self.trap_reason is not None:
             return "exception", self.trap_reason
         cause, backtrace = _split_wasmtime_error(str(e))
-        limit = self.env.limits.explain(cause)
+        pool = self.env.engine.pooling
+        limit = self.env.limits.explain(cause) or (pool.explain(cause) if pool is not None else None)
         if limit is not None:
             return "exception", limit
         stderr = self._stderr.decode("utf-8", "replace").strip()

@@ -1,0 +1,111 @@
+"""Warm instances (host/wasm/warm.py), the pooling allocator (host/wasm/pooling.py) and max_instances.
+
+A warm instance is started before its launch and waits at its first host call; to its guest and
+its client it must be indistinguishable from a cold start. Runs on the fake backend (the token
+after t is t+1), so the expected outputs are known without the code under test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import wasmtime
+from fakes import FakeBackend
+from helpers import Run, wait_for, wasm_bytes
+
+from host import Host, HostBusy, HostConfig
+from host.wasm.engine import WasmEngine
+from host.wasm.instance import Instance
+from host.wasm.limits import InstanceLimits
+from host.wasm.pooling import PoolingConfig
+
+
+def expected(prompt: list[int], n: int) -> str:
+    return " ".join(str(prompt[-1] + 1 + i) for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    cfg = HostConfig(warm_instances=2, wall_budget_s=1.0, max_instances=3, data_dir=tmp_path_factory.mktemp("d"))
+    h = Host(cfg, backend=FakeBackend(page_size=4, num_pages=256, delay_s=0.002))
+    yield h
+    h.shutdown()
+
+
+@pytest.fixture(scope="module")
+def misbehave(host: Host) -> str:
+    return host.compile(wasm_bytes("misbehave"))
+
+
+def test_a_warm_launch_gives_the_cold_output_and_the_pool_refills(host: Host, misbehave: str) -> None:
+    assert host.prewarm(misbehave, 2) == 2
+    warm_ids = {i.id for q in host.warm._ready.values() for i in q}
+    assert host.instances() == []  # parked instances are nobody's yet
+    prompt = [3, 4, 5]
+    run = Run(host, misbehave, ["generate", "6", *map(str, prompt)], tenant="alice")
+    assert run.id in warm_ids
+    end = run.finish(60)
+    assert (end.event, end.message) == ("completed", expected(prompt, 6))
+    wait_for(lambda: host.warm.ready_count(misbehave) == 2, what="the pool to refill")
+
+
+def test_the_wall_budget_starts_at_launch_not_when_warmed(host: Host, misbehave: str) -> None:
+    assert host.prewarm(misbehave, 2) == 2
+    time.sleep(1.2)  # longer than the 1 s budget: a budget counted from the warm start would be spent
+    end = Run(host, misbehave, ["generate", "4", "7"]).finish(60)
+    assert (end.event, end.message) == ("completed", expected([7], 4))
+    spin = Run(host, misbehave, ["loop"]).finish(60)  # ... and it still holds after launch
+    assert spin.event == "exception" and "wall-clock budget of 1 s exceeded" in spin.message
+
+
+def test_max_instances_refuses_a_launch_with_a_clear_error(host: Host, misbehave: str) -> None:
+    hogs = [Run(host, misbehave, ["hog", "1"]) for _ in range(3)]
+    for h in hogs:
+        assert h.events.get(timeout=60).message == "holding"
+    with pytest.raises(HostBusy, match="maximum of 3 instances"):
+        host.launch(misbehave, ["ok"])
+    for h in hogs:
+        host.signal(h.id, "go")
+        assert h.finish(60).message == "released"
+    assert Run(host, misbehave, ["generate", "1", "1"]).finish(60).message == "2"
+
+
+@pytest.mark.parametrize("fixture,cold_end", [("loop", "exception"), ("echo", "completed")])
+def test_a_program_that_never_reaches_a_host_call_is_not_warmed(
+        host: Host, fixture: str, cold_end: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Instance, "WARM_DEADLINE_S", 0.2)
+    program = host.compile(wasm_bytes(fixture))
+    assert host.prewarm(program, 1, timeout_s=30) == 0
+    assert program in host.warm._cold
+    end = Run(host, program, []).finish(60)  # launches start cold and end as they always did
+    assert end.event == cold_end
+
+
+def test_shutdown_stops_the_parked_instances(tmp_path) -> None:
+    h = Host(HostConfig(warm_instances=3, data_dir=tmp_path), backend=FakeBackend(page_size=4, num_pages=64))
+    program = h.compile(wasm_bytes("misbehave"))
+    assert h.prewarm(program, 3) == 3
+    parked = [i for q in h.warm._ready.values() for i in q]
+    h.shutdown()
+    assert all(i.finished.is_set() for i in parked)
+    assert h.free_pages() == 64
+
+
+def test_a_full_instance_pool_is_refused_with_a_message_naming_it(tmp_path) -> None:
+    pool = PoolingConfig(slots=1, limits=InstanceLimits())
+    engine = WasmEngine(tmp_path, tick_ms=5, pooling=pool)
+    try:
+        component = engine.get(engine.compile(wasm_bytes("echo")))
+        linker = wasmtime.component.Linker(engine.engine)
+        first = wasmtime.Store(engine.engine)
+        linker.instantiate(first, component)  # takes the only slot while `first` lives
+        with pytest.raises(wasmtime.WasmtimeError) as err:
+            linker.instantiate(wasmtime.Store(engine.engine), component)
+        assert pool.explain(str(err.value)) == (
+            "the host's instance pool is full (1 instances at once); wait for instances to end, "
+            "or start the host with a larger --max-instances")
+        assert pool.explain("some other trap") is None
+    finally:
+        engine.stop()
