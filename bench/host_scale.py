@@ -11,6 +11,10 @@ The ideal is the backend alone: one prefill step and `tokens` decode steps for a
 ideal_tok_s = N * tokens / ((tokens + 1) * step) and efficiency = tok_s / ideal_tok_s; tok_s counts
 the whole wall time from the first launch to the last instance's end. mean_batch = forwards per
 backend call. rss_mb_per_instance: resident memory added by 256 live `step` instances.
+Each entry is measured twice in the same run: with every instance started cold (the host's
+default; these are the `tok_s` / `efficiency` keys), and with `warm_*` keys: N warm instances
+(host/wasm/warm.py, `--warm-instances`) made ready before the burst, so the launches skip the
+instances' start-up (instantiation and the guest's entry glue).
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
@@ -55,7 +59,9 @@ def workload_args(name: str, tokens: int) -> list[str]:
 
 
 def run_once(host: Host, backend: StandInBackend, program: str, args: list[str], n: int, want: str,
-             step_s: float, tokens: int) -> dict[str, float]:
+             step_s: float, tokens: int, warm: bool = False) -> dict[str, float]:
+    if warm and host.prewarm(program, n, timeout_s=120) < n:
+        raise RuntimeError(f"could not get {n} warm instances ready")
     backend.batches.clear()
     t0 = time.perf_counter()
     runs = [Run(host, program, args) for _ in range(n)]
@@ -68,6 +74,20 @@ def run_once(host: Host, backend: StandInBackend, program: str, args: list[str],
     ideal = n * tokens / ((tokens + 1) * step_s)
     return {"tok_s": round(tok_s, 1), "ideal_tok_s": round(ideal, 1), "efficiency": round(tok_s / ideal, 3),
             "mean_batch": round(statistics.fmean(backend.batches), 1), "wall_s": round(wall, 3)}
+
+
+def measure(host: Host, backend: StandInBackend, program: str, args: list[str], n: int, want: str,
+            tokens: int) -> dict[str, float]:
+    """One burst of n cold starts, then one of n warm ones (the pool emptied again after it).
+
+    An unmeasured burst of n goes first: the first time n instances run at once, the pooling
+    allocator maps their slots and faults their pages in (once per slot, host/wasm/pooling.py);
+    a long-running host has paid that already."""
+    run_once(host, backend, program, args, n, want, backend.delay_s, tokens)
+    cold = run_once(host, backend, program, args, n, want, backend.delay_s, tokens)
+    warm = run_once(host, backend, program, args, n, want, backend.delay_s, tokens, warm=True)
+    host.prewarm(program, 0)
+    return {**cold, **{f"warm_{k}": v for k, v in warm.items() if k != "ideal_tok_s"}}
 
 
 def rss_mb() -> float:
@@ -99,7 +119,7 @@ def table(results: dict[str, Any], rss: float, tokens: int) -> str:
         for workload, by_n in by_workload.items():
             lines += [f"## {step} ms step, `{workload}`", "", "| instances | " + " | ".join(by_n) + " |",
                       "|---|" + "---|" * len(by_n)]
-            for key in ("tok_s", "ideal_tok_s", "efficiency", "mean_batch"):
+            for key in ("tok_s", "ideal_tok_s", "efficiency", "mean_batch", "warm_tok_s", "warm_efficiency"):
                 lines.append(f"| {key} | " + " | ".join(str(v[key]) for v in by_n.values()) + " |")
             lines.append("")
     lines.append(f"rss per live instance: {rss} MB")
@@ -123,9 +143,8 @@ def main() -> None:
         for workload in ("app", "step"):
             args = workload_args(workload, opts.tokens)
             run_once(host, backend, programs[workload], args, 1, want[workload], backend.delay_s, opts.tokens)
-            results[key][workload] = {
-                str(n): run_once(host, backend, programs[workload], args, n, want[workload], backend.delay_s,
-                                 opts.tokens) for n in opts.instances}
+            results[key][workload] = {str(n): measure(host, backend, programs[workload], args, n,
+                                                      want[workload], opts.tokens) for n in opts.instances}
             print(key, workload, json.dumps(results[key][workload]), flush=True)
     backend.delay_s = 0.0
     rss = rss_per_instance(host, programs["step"])

@@ -140,7 +140,8 @@ class Host:
 
     def prewarm(self, program_hash: str, n: int, timeout_s: float = 60.0) -> int:
         """Keep `n` instances of a program started ahead of demand from now on, and wait until
-        they are ready (or `timeout_s`); returns how many are. See host/wasm/warm.py."""
+        they are ready (or `timeout_s`); returns how many are. n = 0 stops keeping it warm.
+        See host/wasm/warm.py."""
         self.wasm.get(program_hash)
         return self.warm.prewarm(program_hash, n, timeout_s)
 

@@ -49,6 +49,10 @@ def test_a_warm_launch_gives_the_cold_output_and_the_pool_refills(host: Host, mi
     end = run.finish(60)
     assert (end.event, end.message) == ("completed", expected(prompt, 6))
     wait_for(lambda: host.warm.ready_count(misbehave) == 2, what="the pool to refill")
+    parked = list(host.warm._ready[misbehave])
+    assert host.prewarm(misbehave, 0) == 0  # stop keeping it warm: the parked ones are stopped
+    assert host.warm.ready_count(misbehave) == 0
+    wait_for(lambda: all(i.finished.is_set() for i in parked), what="the parked instances to end")
 
 
 def test_the_wall_budget_starts_at_launch_not_when_warmed(host: Host, misbehave: str) -> None:

@@ -76,9 +76,16 @@ class WarmPool:
 
     def prewarm(self, program: str, n: int, timeout_s: float = 60.0) -> int:
         """Keep `n` instances of `program` warm from now on; wait until they are (or timeout).
-        Returns how many are ready."""
+        Returns how many are ready. n = 0 stops warming it and stops its parked instances."""
+        if n == 0:
+            with self._cond:
+                self._target.pop(program, None)
+                dropped = self._ready.pop(program, deque())
+            for inst in dropped:
+                inst.terminate("warm instance no longer needed")
+            return 0
         with self._cond:
-            self._target[program] = max(self._target.get(program, 0), n)
+            self._target[program] = n
             self._ready.setdefault(program, deque())
             self._ready.move_to_end(program)
             self._start_warmer()
