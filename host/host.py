@@ -89,9 +89,10 @@ class Host:
         self.topics = Topics()
         self.gate = RunGate(config.run_gate, slots=config.run_slots)
         self.wasm.on_tick.append(self.gate.poll)  # queued wake-ups go out even if holders stall
-        self.linker = build_linker(self.wasm.engine, ApiServices(
+        self.services = ApiServices(
             info=info, tokenizer=backend.tokenizer, pages=self.pages, scheduler=self.scheduler,
-            kvstore=self.kvstore, topics=self.topics))
+            kvstore=self.kvstore, topics=self.topics)
+        self.linker = build_linker(self.wasm.engine, self.services)
         self._env = InstanceEnv(
             engine=self.wasm, linker=self.linker, gate=self.gate,
             limits=limits, on_block=self.scheduler.forget, on_end=self._instance_ended)
@@ -181,6 +182,7 @@ class Host:
             if len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
         self.topics.drop(inst)
+        self.services.grammars.release(inst)  # its grammars and matchers
         with inst.cond:
             inst.published.clear()  # unread messages go with their subscriber
         # A forward still queued or running finishes on its own (its pages stay pinned until it

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from wasmtime import Engine, Store, WasiConfig
-from wasmtime.component import Component, Linker, Record
+from wasmtime.component import Component, Linker, Record, ResourceType
 
 from host.cli.build import BuildError, build_inferlet, main, resolve_inferlet
 from host.cli.sources import entry_source, source_files, standard_dir, wit_dir
@@ -42,8 +42,18 @@ def wit_functions() -> dict[str, list[str]]:
     """interface -> function names, read from the WIT so a new import cannot go unnoticed."""
     out: dict[str, list[str]] = {}
     for m in re.finditer(r"interface ([\w-]+) \{(.*?)\n\}", WIT, re.S):
-        out[m.group(1)] = re.findall(r"^\s*([\w-]+): func", m.group(2), re.M)
+        body = m.group(2)
+        out[m.group(1)] = re.findall(r"^    ([\w-]+): func", body, re.M)
+        for res in re.finditer(r"^    resource ([\w-]+) \{(.*?)^    \}", body, re.S | re.M):  # resource functions
+            out[m.group(1)] += [f"[{'static' if st else 'method'}]{res.group(1)}.{fn}"
+                                for fn, st in re.findall(r"^        ([\w-]+): (static )?func", res.group(2), re.M)]
     return out
+
+
+def wit_resources() -> dict[str, list[str]]:
+    """interface -> resource names."""
+    return {m.group(1): re.findall(r"^    resource ([\w-]+) \{", m.group(2), re.M)
+            for m in re.finditer(r"interface ([\w-]+) \{(.*?)\n\}", WIT, re.S)}
 
 
 def _record(**fields: object) -> Record:
@@ -104,6 +114,8 @@ class StubHost:
         with linker.root() as root:
             for iface, funcs in wit_functions().items():
                 with root.add_instance(f"pie:inferlet/{iface}@0.2.0") as inst:
+                    for i, res in enumerate(wit_resources()[iface]):  # the SDK makes none here
+                        inst.add_resource(res, ResourceType.host(i + 1), lambda store, rep: None)
                     for name in funcs:
                         inst.add_func(name, self._stub(iface, name))
         return linker

@@ -3,19 +3,21 @@
 Each module's `imports(...)` takes the services that interface needs (not the whole host) and
 returns its functions by WIT name; `build_linker` registers them all, for every WIT version
 shipped (`WIT_VERSIONS`): a component built against 0.1.0 keeps running on this host, its calls
-served by the same functions (0.2.0 adds `forward.generate` and `kv.attach-prefix`). One linker serves every
+served by the same functions (0.2.0 adds `forward.generate`, `kv.attach-prefix` and structured generation:
+interface `grammar` with its resources, and `forward.*-constrained`). One linker serves every
 instance: an import finds its caller with `host.wasm.instance.current()`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from wasmtime import Engine
 from wasmtime.component import Linker
 
 from gpu_backend.types import BackendInfo, Tokenizer
-from host.api import forward, kv, messaging, model, runtime, store, wasi
+from host.api import constrained, forward, grammar, kv, messaging, model, runtime, store, wasi
 from host.api.fastcall import add_func
 from host.api.guest import Import
 from host.batching.scheduler import Scheduler
@@ -28,7 +30,12 @@ __all__ = ["ApiServices", "PACKAGE", "WIT_VERSION", "WIT_VERSIONS", "build_linke
 PACKAGE = "pie:inferlet"
 WIT_VERSION = "0.2.0"  # the newest: what runtime.version reports and pie-build targets
 # Every version served, with the functions each added (the rest exist in all versions).
-WIT_VERSIONS: dict[str, set[str]] = {"0.1.0": set(), "0.2.0": {"forward.generate", "kv.attach-prefix"}}
+_GRAMMAR_0_2 = {f"grammar.[static]grammar.{n}" for n in ("from-json-schema", "from-regex", "from-ebnf", "from-lark",
+                                                            "any-json")} | {"grammar.[method]grammar.matcher"} | {
+    f"grammar.[method]matcher.{n}" for n in ("accept", "rollback", "accepted", "is-terminated", "reset", "fork")}
+WIT_VERSIONS: dict[str, set[str]] = {"0.1.0": set(), "0.2.0": {
+    "forward.generate", "kv.attach-prefix", "forward.run-constrained", "forward.submit-constrained",
+    "forward.decode-step-constrained", "forward.generate-constrained"} | _GRAMMAR_0_2}
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,11 @@ class ApiServices:
     kvstore: KeyValueStore
     topics: Topics
 
+    @cached_property
+    def grammars(self) -> grammar.Grammars:
+        """Grammar compiler and per-instance grammar / matcher tables (release them as instances end)."""
+        return grammar.Grammars(self.tokenizer, self.info)
+
 
 def import_tables(s: ApiServices) -> dict[str, dict[str, Import]]:
     """Every import, by WIT interface and function name."""
@@ -51,7 +63,9 @@ def import_tables(s: ApiServices) -> dict[str, dict[str, Import]]:
         "store": store.imports(s.kvstore),
         "model": model.imports(s.info, s.tokenizer),
         "kv": kv.imports(s.pages, s.scheduler, s.info.page_size),
-        "forward": forward.imports(s.pages, s.scheduler, s.info, s.tokenizer),
+        "grammar": grammar.imports(s.grammars),
+        "forward": {**forward.imports(s.pages, s.scheduler, s.info, s.tokenizer),
+                    **constrained.imports(s.pages, s.scheduler, s.info, s.tokenizer, s.grammars)},
     }
 
 
@@ -61,8 +75,9 @@ def version_tables(s: ApiServices) -> dict[str, dict[str, dict[str, Import]]]:
     out: dict[str, dict[str, dict[str, Import]]] = {}
     newer: set[str] = set()
     for version in sorted(WIT_VERSIONS, key=lambda v: tuple(map(int, v.split("."))), reverse=True):
-        out[version] = {iface: {n: fn for n, fn in table.items() if f"{iface}.{n}" not in newer}
-                        for iface, table in tables.items()}
+        served = {iface: {n: fn for n, fn in table.items() if f"{iface}.{n}" not in newer}
+                  for iface, table in tables.items()}
+        out[version] = {iface: table for iface, table in served.items() if table}
         newer |= WIT_VERSIONS[version]
     return out
 
@@ -72,10 +87,13 @@ def build_linker(engine: Engine, services: ApiServices) -> Linker:
     linker = Linker(engine)
     linker.add_wasip2()
     wasi.add_clock_waits(linker, engine)  # clock waits that terminate and the budget can end
+    resources = grammar.resources(services.grammars)
     with linker.root() as root:
         for version, tables in version_tables(services).items():
             for iface, table in tables.items():
                 with root.add_instance(f"{PACKAGE}/{iface}@{version}") as li:
+                    for res, (ty, dtor) in (resources if iface == "grammar" else {}).items():
+                        li.add_resource(res, ty, dtor)
                     for name, fn in table.items():
                         add_func(li, name, fn)
     return linker

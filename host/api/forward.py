@@ -8,6 +8,7 @@ request). `decode-step` checks its fixed shape inline instead: it is the call ma
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from wasmtime.component import Record
@@ -99,8 +100,8 @@ class _Passes:
 
 def _generation(passes: _Passes, tok: Tokenizer, inst: Instance, pages: list[int], last_len: int,
                 tokens: list[int], positions: list[int], sampler: Any, max_tokens: int, stop_tokens: list[int],
-                stop_strings: list[str], stream: bool) -> Generation:
-    """The checked first step and the loop state of `forward.generate`."""
+                stop_strings: list[str], stream: bool, make: Callable[..., Generation] = Generation) -> Generation:
+    """The checked first step and the loop state of `forward.generate` (a `make` loop, e.g. constrained)."""
     if max_tokens < 1:
         raise GuestError(f"max-tokens must be >= 1, got {max_tokens}")
     if any(not s for s in stop_strings):
@@ -115,7 +116,7 @@ def _generation(passes: _Passes, tok: Tokenizer, inst: Instance, pages: list[int
     passes.pm.note_write(inst.pages, req, passes.page_size)
     rules = StopRules(max_tokens, frozenset(stop_tokens), tuple(stop_strings), passes.max_position)
     send = (lambda text: inst.emit("message", text)) if stream else None
-    return Generation(req, sample, rules, passes.page_size, passes.pm, inst.pages, tok.decode, send)
+    return make(req, sample, rules, passes.page_size, passes.pm, inst.pages, tok.decode, send)
 
 
 def _generation_record(res: GenerationResult) -> Record:

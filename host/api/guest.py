@@ -31,15 +31,16 @@ class GuestError(Exception):
     """Guest misuse of an import: traps the instance with this message."""
 
 
-def guest_import(name: str) -> Callable[[Callable[..., Any]], Import]:
-    """Wrap `fn(instance, *args)` as the import `name` (e.g. "kv.allocate")."""
+def guest_import(name: str, store: bool = False) -> Callable[[Callable[..., Any]], Import]:
+    """Wrap `fn(instance, *args)` as the import `name` (e.g. "kv.allocate"); with `store`,
+    `fn(instance, store_context, *args)` (resource handles are resolved through the store)."""
 
     def deco(fn: Callable[..., Any]) -> Import:
         @functools.wraps(fn)
         def wrapper(_store: Any, *args: Any) -> Any:
             inst = current()
             try:
-                return fn(inst, *args)
+                return fn(inst, _store, *args) if store else fn(inst, *args)
             except Terminated as e:
                 raise wasmtime.WasmtimeError(f"instance terminated: {e}") from None
             except (GuestError, PageError, ValueError, TypeError, OverflowError) as e:

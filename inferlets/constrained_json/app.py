@@ -1,35 +1,49 @@
-"""constrained_json: sampled output that always parses as a JSON object.
+"""constrained_json: sampled output constrained by a grammar over the whole vocabulary.
 
-Each step asks for the --top-k most probable next tokens (`next_dist`), masks out every token whose
-text would make the output stop being a prefix of valid JSON (a pushdown checker, fed character by
-character, runs inside the inferlet), renormalizes the rest and samples one (temperature, seeded).
-When no candidate is valid or the token budget is spent, the shortest valid completion is appended
-(close the string, finish the number, close every open bracket), so the result always parses.
+By default any JSON object; with --schema, JSON text that matches a JSON schema; with --regex, text that
+fully matches a regular expression. The host masks every draw to the tokens the grammar allows
+(`Context.generate(grammar=...)`, one host call for the whole generation) and the output ends when the
+grammar's output is complete. Only when --max-tokens runs out first does the default mode close the
+object itself (the shortest valid completion, from the character-level checker below), so the result
+always parses; with --schema or --regex a truncated output is returned as it is (`complete`: false).
 
-Returns the JSON text; with --json {"text", "forced_suffix", "tokens"}.
+--schema takes the schema's JSON text; `pie-run constrained_json -- --schema FILE` reads FILE for it.
+Returns the text; with --json {"text", "forced_suffix", "tokens", "complete"}.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import random
 import re
 
-from inferlet import ArgumentParser, Context, InferletError, get_model
+from inferlet import (
+    ArgumentParser,
+    Context,
+    GrammarError,
+    InferletError,
+    Sampler,
+    get_model,
+    json_schema,
+    regex,
+)
 
 
 def parser() -> ArgumentParser:
-    p = ArgumentParser(prog="constrained_json", description="Generate a JSON object; the output always parses.")  # fmt: skip
+    p = ArgumentParser(prog="constrained_json",
+                       description="Generate a JSON object, JSON matching --schema, or text matching --regex.")
     p.add_argument(
         "-p", "--prompt", default="Describe a person as a JSON object with the keys name, age and city."
     )
     p.add_argument(
-        "-n", "--max-tokens", type=int, default=48, help="token budget before the forced close (48)"
+        "-n", "--max-tokens", type=int, default=48, help="token budget (48)"
     )
-    p.add_argument("-t", "--temperature", type=float, default=0.7, help="0 = greedy among valid tokens (0.7)")
-    p.add_argument("-k", "--top-k", type=int, default=40, help="candidates checked per step (40)")
+    p.add_argument("-t", "--temperature", type=float, default=0.7, help="0 = greedy among allowed tokens (0.7)")
+    p.add_argument("-k", "--top-k", type=int, default=40, help="sample among the k most probable allowed tokens "
+                                                               "(40; 0 = all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    p.add_argument("--schema", default=None, metavar="FILE",
+                   help="a JSON schema the output must match (its JSON text; pie-run reads a FILE)")
+    p.add_argument("--regex", default=None, help="a regular expression the whole output must match")
     p.add_argument("--json", action="store_true", help="return a JSON object with details")
     return p
 
@@ -158,41 +172,36 @@ def closing(st: State) -> str:
 
 
 def main(args: list[str]) -> str | None:
-    p = PARSER
-    opts = p.parse(args)
-    if opts.max_tokens < 1 or opts.top_k < 1 or opts.temperature < 0:
-        raise InferletError("--max-tokens and --top-k must be >= 1, --temperature >= 0")
-    model = get_model()
-    rng = random.Random(opts.seed)
-    pieces: dict[int, str] = {}
-    state, text, tokens = START, "", []
-    with Context(model) as ctx:
-        ctx.fill_user(opts.prompt)
-        ctx.flush()
-        for _ in range(opts.max_tokens):
-            if state[0] == "E":
-                break
-            ids, probs = ctx.next_dist(opts.top_k)
-            valid: list[tuple[int, float, State]] = []
-            for t, pr in zip(ids, probs, strict=False):
-                piece = pieces.get(t)
-                if piece is None:
-                    piece = pieces[t] = model.decode([t])
-                if piece and pr > 0 and (ns := feed(state, piece)) is not None:
-                    valid.append((t, pr, ns))
-            if not valid:
-                break
-            if opts.temperature == 0:
-                t, _pr, ns = valid[0]
-            else:
-                weights = [math.exp(math.log(pr) / opts.temperature) for _t, pr, _ns in valid]
-                t, _pr, ns = rng.choices(valid, weights=weights)[0]
-            ctx.fill_tokens([t])
-            tokens.append(t)
-            text += pieces[t]
-            state = ns
-    suffix = closing(state)
-    text += suffix
+    opts = PARSER.parse(args)
+    if opts.max_tokens < 1 or opts.top_k < 0 or opts.temperature < 0:
+        raise InferletError("--max-tokens must be >= 1, --top-k and --temperature >= 0")
+    if opts.schema is not None and opts.regex is not None:
+        raise InferletError("give --schema or --regex, not both")
+    prompt = opts.prompt
+    if opts.schema is not None:
+        try:
+            json.loads(opts.schema)
+        except ValueError as e:
+            raise InferletError(f"--schema is not JSON text: {e}") from None
+        grammar = json_schema(opts.schema)
+        prompt += f"\nReply with JSON matching this JSON schema: {opts.schema}"
+    else:
+        grammar = json_schema() if opts.regex is None else regex(opts.regex)
+    sampler = Sampler(temperature=opts.temperature, top_k=opts.top_k, seed=opts.seed)
+    with Context(get_model()) as ctx:
+        ctx.fill_user(prompt)
+        try:
+            matcher = grammar.matcher()
+            text = ctx.generate(sampler, max_tokens=opts.max_tokens, grammar=matcher)
+        except GrammarError as e:
+            raise InferletError(str(e)) from None
+        complete, tokens = matcher.is_terminated(), matcher.accepted
+    suffix = ""
+    if not complete and opts.schema is None and opts.regex is None:
+        state = feed(START, text)
+        assert state is not None, f"the JSON grammar produced invalid JSON: {text!r}"
+        suffix = closing(state)
+        text += suffix
     if opts.json:
-        return json.dumps({"text": text, "forced_suffix": suffix, "tokens": len(tokens)})
+        return json.dumps({"text": text, "forced_suffix": suffix, "tokens": tokens - complete, "complete": complete})
     return text

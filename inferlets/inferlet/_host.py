@@ -14,7 +14,7 @@ from typing import Any
 
 try:  # inside the guest
     from componentize_py_types import Err
-    from wit_world.imports import forward, kv, messaging, model, runtime, store
+    from wit_world.imports import forward, grammar, kv, messaging, model, runtime, store
 
     IN_GUEST = True
 except ImportError:  # plain CPython (tests, docs): bind a fake host with inferlet.testing
@@ -36,6 +36,7 @@ except ImportError:  # plain CPython (tests, docs): bind a fake host with inferl
             )
 
     forward = _Unbound("forward")  # type: ignore[assignment]
+    grammar = _Unbound("grammar")  # type: ignore[assignment]
     kv = _Unbound("kv")  # type: ignore[assignment]
     messaging = _Unbound("messaging")  # type: ignore[assignment]
     model = _Unbound("model")  # type: ignore[assignment]
@@ -48,6 +49,6 @@ def bind(**interfaces: Any) -> None:
     """Replace host interfaces (forward=..., kv=..., ...) with objects of the same shape."""
     g = globals()
     for name, impl in interfaces.items():
-        if name not in ("forward", "kv", "messaging", "model", "runtime", "store"):
+        if name not in ("forward", "grammar", "kv", "messaging", "model", "runtime", "store"):
             raise ValueError(f"unknown host interface {name!r}")
         g[name] = impl

@@ -15,6 +15,7 @@ from typing import Any
 from inferlet import _host
 from inferlet.forward import Forward, wait_any
 from inferlet.generate import generate
+from inferlet.grammar import Grammar, Matcher
 from inferlet.mask import masked_full_pages, pass_rows
 from inferlet.model import Model, get_model
 from inferlet.pages import PAGES
@@ -156,6 +157,7 @@ class Context:
         stop: Stop | None = None,
         max_tokens: int | None = None,
         on_text: Callable[[str], None] | None = None,
+        grammar: Grammar | Matcher | None = None,
     ) -> str:
         """Decode until `stop` (default: the model's stop tokens) or `max_tokens`; returns the text.
 
@@ -163,8 +165,11 @@ class Context:
         the new suffix is passed on, so a character split across tokens arrives whole.
         With a seeded sampler, step i draws with seed + i. Stop tokens are left out of the text
         (they stay pending in the context, as the next turn's first input).
+        With `grammar` (`json_schema(...)`, `regex(...)`, `choice([...])`, ... or a `Matcher` to go on
+        with), every token is drawn from what the grammar allows, and generation also ends when the
+        grammar's output is complete; GrammarError if the grammar admits no token.
         """
-        return generate(self, sampler, stop, max_tokens, on_text)
+        return generate(self, sampler, stop, max_tokens, on_text, grammar)
 
     # ---- sharing and dropping -------------------------------------------------------------
 

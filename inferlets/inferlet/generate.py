@@ -4,6 +4,7 @@ When nothing but the host's own rules is needed (the model's stop tokens, stop t
 budget; streaming to the client or none), the whole loop runs in the host with one call,
 `forward.generate`: no wake-up of this guest per token. Otherwise (a custom stop condition, a
 text callback, masked tokens) it runs here, one `decode_step` per token. Both give the same tokens.
+With a grammar, the same two paths use the constrained host calls (inferlet/constrained.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from inferlet import _host
+from inferlet import _host, constrained
+from inferlet.grammar import Grammar, Matcher
 from inferlet.pages import PAGES
 from inferlet.runtime import send
 from inferlet.sampler import AnyOf, MaxTokens, Sampler, Stop, UntilText, UntilTokens
@@ -47,17 +49,19 @@ def generate(
     stop: Stop | None,
     max_tokens: int | None,
     on_text: Callable[[str], None] | None,
+    grammar: Grammar | Matcher | None = None,
 ) -> str:
     """See `Context.generate`."""
+    matcher = None if grammar is None else constrained.as_matcher(grammar)
     cond: Stop = stop if stop is not None else UntilTokens(ctx.model.stop_tokens)
     if max_tokens is not None:
         cond = AnyOf(MaxTokens(max_tokens), cond)
     rules = host_rules(cond) if on_text is None or on_text is send else None
     if rules is not None and _host_loop_fits(ctx):
-        ids, trim = _generate_on_host(ctx, sampler, rules, stream=on_text is not None)
+        ids, trim = _generate_on_host(ctx, sampler, rules, on_text is not None, matcher)
         text = ctx.model.decode(ids[: len(ids) - trim])
     else:
-        ids, trim, text = _generate_here(ctx, sampler, cond, on_text)
+        ids, trim, text = _generate_here(ctx, sampler, cond, on_text, matcher)
     if ctx._chat_text is not None:
         # The KV now holds the generated tokens (the last one pending): the chat's text grows
         # by exactly their text, and the reply is an assistant message for the next render.
@@ -72,16 +76,20 @@ def _host_loop_fits(ctx: Context) -> bool:
 
 
 def _generate_on_host(ctx: Context, sampler: Sampler, rules: tuple[int | None, list[int], list[str]],
-                      stream: bool) -> tuple[list[int], int]:
+                      stream: bool, matcher: Matcher | None) -> tuple[list[int], int]:
     """forward.generate, called again only when the host ran out of pages (we wait for one here)."""
     limit, stops, texts = rules
     ids: list[int] = []
     while True:
+        kv_len, n_pages = ctx.kv_len, len(ctx.pages)
         pages, last_len, tokens, positions, _mask = ctx._prepare(len(ctx.tokens) - ctx.kv_len)
         seeded = sampler if sampler.seed is None else sampler.with_seed(sampler.seed + len(ids))
         budget = U32_MAX if limit is None else max(limit - len(ids), 1)
-        g = _host.forward.generate(pages, last_len, tokens, positions, seeded.to_wit(), budget, stops, texts,
-                                   stream)
+        args = (last_len, tokens, positions, seeded.to_wit(), budget, stops, texts, stream)
+        if matcher is None:
+            g = _host.forward.generate(pages, *args)
+        else:
+            g = constrained.generate_on_host(ctx, pages, args, matcher, kv_len, n_pages)
         PAGES.adopt(list(g.new_pages))
         pages.extend(g.new_pages)
         ctx.kv_len += len(g.tokens) - 1  # the pending tokens and all drawn tokens but the last
@@ -97,14 +105,21 @@ def _finish_name(finish: object) -> str:
     return str(name).lower().replace("_", "-")
 
 
-def _generate_here(ctx: Context, sampler: Sampler, cond: Stop,
-                   on_text: Callable[[str], None] | None) -> tuple[list[int], int, str]:
+def _generate_here(ctx: Context, sampler: Sampler, cond: Stop, on_text: Callable[[str], None] | None,
+                   matcher: Matcher | None) -> tuple[list[int], int, str]:
     ids: list[int] = []
     text, sent = "", 0
-    decode_step, check, decode, seed = ctx.decode_step, cond.check, ctx.model.decode, sampler.seed
+    check, decode, seed = cond.check, ctx.model.decode, sampler.seed
+    stops = set(ctx.model.stop_tokens)
+
+    def decode_step(s: Sampler) -> int:
+        return ctx.decode_step(s) if matcher is None else constrained.decode_step(ctx, s, matcher)
+
     while True:
         ids.append(decode_step(sampler if seed is None else sampler.with_seed(seed + len(ids))))
         trim = check(ids, decode)
+        if trim is None and matcher is not None and ids[-1] in stops and matcher.is_terminated():
+            trim = 1  # the grammar's output is complete
         if on_text is not None:
             text = decode(ids[: len(ids) - (trim or 0)])
             if len(text) > sent:
