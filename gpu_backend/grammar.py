@@ -69,6 +69,32 @@ class _Vocab:
         return self._encoding.encode(data.decode("utf-8", errors="replace"), disallowed_special=())
 
 
+class _BytesVocab:
+    """A `_Vocab` from token bytes alone: literals are encoded greedily, longest token first."""
+
+    def __init__(self, tokens: list[bytes], special: Sequence[int], stop_tokens: Sequence[int]) -> None:
+        self.tokens = tokens
+        self.special_token_ids = sorted(set(special) | set(stop_tokens))
+        self.eos_token_id = stop_tokens[0]
+        self.bos_token_id = None
+        skip = set(self.special_token_ids)
+        self._ids = {b: i for i, b in reversed(list(enumerate(tokens))) if b and i not in skip}
+        self._longest = max(map(len, self._ids), default=1)
+
+    def __call__(self, data: bytes) -> list[int]:
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                t = self._ids.get(data[i:i + n])
+                if t is not None:
+                    out.append(t)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"the vocabulary cannot spell byte {data[i]:#x}")
+        return out
+
+
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_tokens: Sequence[int]) -> llg.LLTokenizer:
     """llguidance's view of our vocabulary: the bytes of every id, the specials (produced only where a
     grammar names them), and the model's stop tokens as EOS. Takes ~0.1 s; build it once per model."""
@@ -101,6 +127,21 @@ class GrammarCompiler:
         self.stop_tokens = frozenset(info.stop_tokens)
         self.info = tokenizer_info(tokenizer, info.vocab_size, info.stop_tokens)
         self._executor = llg.LLExecutor(num_threads=threads)
+
+    @classmethod
+    def from_token_bytes(cls, tokens: list[bytes], info: BackendInfo, special: Sequence[int] = ()) -> GrammarCompiler:
+        """A compiler for a vocabulary given as the bytes of every id (`special` ids and the stop tokens
+        are never text): for tokenizers other than the byte-level BPE one (stand-ins, test models)."""
+        if len(tokens) != info.vocab_size or not info.stop_tokens:
+            raise ValueError(f"from_token_bytes: need {info.vocab_size} tokens and a stop token, got "
+                             f"{len(tokens)} tokens and stop tokens {list(info.stop_tokens)}")
+        self = cls.__new__(cls)
+        self.vocab_size, self.stop_tokens = info.vocab_size, frozenset(info.stop_tokens)
+        vocab = _BytesVocab(tokens, special, info.stop_tokens)
+        self.info = llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=info.vocab_size,
+                                    eos_token=list(info.stop_tokens))
+        self._executor = llg.LLExecutor(num_threads=1)
+        return self
 
     def json_schema(self, schema: str) -> Grammar:
         """JSON text matching `schema` (a JSON Schema document), written as json.dumps writes it."""

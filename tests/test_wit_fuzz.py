@@ -18,12 +18,13 @@ import pytest
 import wasmtime
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from wasmtime.component import Record
+from wasmtime.component import Record, ResourceHost
 
 import host.wasm.instance as instance_mod
 from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
-from host.api import ApiServices, import_tables
+from host.api import import_tables
+from host.api.grammar import MATCHER_TYPE
 from host.state.pages import InstancePages
 from host.wasm.instance import Instance
 
@@ -50,6 +51,23 @@ OUTPUT_SPEC = st.builds(lambda i, s, d: record(index=i, sample=s, dist=d), U32, 
 MESSAGE = st.builds(lambda r, c: record(role=r, content=c), TEXT, TEXT)
 TIMEOUT = st.sampled_from([0, 1])  # never block the test for long
 
+
+class Handle:
+    """A resource handle argument: the i-th grammar / matcher made so far in this example (resolved at
+    call time), or, past the end, a handle whose rep the instance does not hold."""
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+HANDLE = st.builds(Handle, st.integers(0, 4))
+GRAMMAR_SRC = TEXT | st.sampled_from(['{"type": "object"}', '{"type": "integer", "minimum": 3}', "[0-9]+", "(",
+                                      'root ::= "a"+', 'start: "x" | "y"', '{"type": "nonsense"}', "a" * 300_000])
+FORWARD_PASS = (SMALL_LIST, U32, SMALL_LIST, SMALL_LIST, st.lists(SMALL_LIST, max_size=3),
+                st.lists(OUTPUT_SPEC, max_size=3))
+GEN_ARGS = (SMALL_LIST, U32, SMALL_LIST, SMALL_LIST, SAMPLER, st.integers(0, 12) | U32, SMALL_LIST,
+            st.lists(TEXT, max_size=2), st.booleans())
+
 # One strategy of argument tuples per import; the keys must cover every import (checked below).
 ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "runtime.version": st.just(()), "runtime.instance-id": st.just(()), "runtime.arguments": st.just(()),
@@ -74,8 +92,23 @@ ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "forward.run": st.tuples(SMALL_LIST, U32, SMALL_LIST, SMALL_LIST, st.lists(SMALL_LIST, max_size=3),
                              st.lists(OUTPUT_SPEC, max_size=3)),
     "forward.decode-step": st.tuples(SMALL_LIST, U32, U32, U32, SAMPLER),
-    "forward.generate": st.tuples(SMALL_LIST, U32, SMALL_LIST, SMALL_LIST, SAMPLER, st.integers(0, 12) | U32,
-                                  SMALL_LIST, st.lists(TEXT, max_size=2), st.booleans()),
+    "forward.generate": st.tuples(*GEN_ARGS),
+    "grammar.[static]grammar.from-json-schema": st.tuples(GRAMMAR_SRC),
+    "grammar.[static]grammar.from-regex": st.tuples(GRAMMAR_SRC),
+    "grammar.[static]grammar.from-ebnf": st.tuples(GRAMMAR_SRC),
+    "grammar.[static]grammar.from-lark": st.tuples(GRAMMAR_SRC),
+    "grammar.[static]grammar.any-json": st.just(()),
+    "grammar.[method]grammar.matcher": st.tuples(HANDLE),
+    "grammar.[method]matcher.accept": st.tuples(HANDLE, SMALL_LIST),
+    "grammar.[method]matcher.rollback": st.tuples(HANDLE, U32),
+    "grammar.[method]matcher.accepted": st.tuples(HANDLE),
+    "grammar.[method]matcher.is-terminated": st.tuples(HANDLE),
+    "grammar.[method]matcher.reset": st.tuples(HANDLE),
+    "grammar.[method]matcher.fork": st.tuples(HANDLE),
+    "forward.run-constrained": st.tuples(*FORWARD_PASS, U32, HANDLE),
+    "forward.submit-constrained": st.tuples(*FORWARD_PASS, U32, HANDLE),
+    "forward.decode-step-constrained": st.tuples(SMALL_LIST, U32, U32, U32, SAMPLER, HANDLE),
+    "forward.generate-constrained": st.tuples(*GEN_ARGS, HANDLE),
 }
 CALL = st.sampled_from(sorted(ARGS)).flatmap(lambda name: st.tuples(st.just(name), ARGS[name]))
 
@@ -84,9 +117,7 @@ CALL = st.sampled_from(sorted(ARGS)).flatmap(lambda name: st.tuples(st.just(name
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Host, dict[str, Callable[..., Any]]]]:
     host = Host(HostConfig(data_dir=tmp_path_factory.mktemp("fuzz")),
                 backend=StandInBackend(page_size=4, num_pages=PAGES))
-    tables = import_tables(ApiServices(info=host.backend.info, tokenizer=host.backend.tokenizer,
-                                       pages=host.pages, scheduler=host.scheduler, kvstore=host.kvstore,
-                                       topics=host.topics))
+    tables = import_tables(host.services)
     flat = {f"{iface}.{name}": fn for iface, table in tables.items() for name, fn in table.items()}
     yield host, flat
     host.shutdown()
@@ -110,6 +141,15 @@ def test_every_import_has_a_strategy(rig) -> None:  # noqa: ANN001
     assert set(flat) == set(ARGS)
 
 
+def resolve(arg: Any, handles: list[ResourceHost], store: wasmtime.Store) -> Any:
+    """A Handle as the borrow a guest would pass (of a grammar or matcher made here, or a foreign one)."""
+    if not isinstance(arg, Handle):
+        return arg
+    if arg.i < len(handles):
+        return ResourceHost.borrow(handles[arg.i].rep, handles[arg.i].type).to_any(store)
+    return ResourceHost.borrow(2**32 - 1 - arg.i, MATCHER_TYPE).to_any(store)  # never handed out
+
+
 def good_forward(host: Host, flat: dict[str, Callable[..., Any]]) -> None:
     """A co-runner's pass: its answer is fixed by the stand-in model (next token = last + 1)."""
     inst = bound_instance(host)
@@ -128,16 +168,22 @@ def good_forward(host: Host, flat: dict[str, Callable[..., Any]]) -> None:
 def test_hostile_calls_return_or_trap_their_caller_only(rig, calls: list[tuple[str, tuple[Any, ...]]]) -> None:  # noqa: ANN001
     host, flat = rig
     inst = bound_instance(host)
+    store = wasmtime.Store(host.wasm.engine)  # resolves the resource handles, as a guest's store
+    handles: list[ResourceHost] = []
     try:
         for name, args in calls:
+            args = tuple(resolve(a, handles, store) for a in args)
             try:
-                flat[name](None, *args)
+                got = flat[name](store, *args)
             except wasmtime.WasmtimeError as e:  # a trap: it must name the call, and ends the instance
                 assert str(e).startswith(f"{name}: "), (name, args, str(e))
                 assert "internal host error" not in str(e), (name, args, str(e))
                 break
+            if isinstance(got, ResourceHost):
+                handles.append(got)
     finally:
         end(host, inst)
+    assert inst.id not in host.services.grammars._tables, "grammars or matchers outlived their instance"
     cleanup = InstancePages("cleanup")  # same tenant: persistent exports outlive instances by design
     for name, _n in host.pages.list_exports(cleanup):
         host.pages.unexport(cleanup, name)

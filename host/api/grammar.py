@@ -63,13 +63,15 @@ class Grammars:
         self._reps = itertools.count(1)
 
     def compiler(self) -> GrammarCompiler:
-        """The model's compiler, made on first use; ValueError if its tokenizer has no byte vocabulary."""
+        """The model's compiler, made on first use."""
         with self._lock:
             if self._compiler is None:
-                if not isinstance(self._tokenizer, ByteTokenizer):
-                    raise ValueError("structured generation needs the model's byte-level tokenizer; this host's "
-                                     f"model has a {type(self._tokenizer).__name__}")
-                self._compiler = GrammarCompiler(self._tokenizer, self._info)
+                if isinstance(self._tokenizer, ByteTokenizer):
+                    self._compiler = GrammarCompiler(self._tokenizer, self._info)
+                else:  # a stand-in model: each id's decoded text as its bytes
+                    dec = self._tokenizer.decode
+                    tokens = [dec([i]).encode() for i in range(self._info.vocab_size)]
+                    self._compiler = GrammarCompiler.from_token_bytes(tokens, self._info)
             return self._compiler
 
     def table(self, inst: Instance) -> _Table:
@@ -134,7 +136,10 @@ def _current() -> Instance | None:
 def _rep(store: Any, handle: Any, what: str) -> int:
     if not isinstance(handle, ResourceAny):
         raise GuestError(f"expected a {what} handle, got {type(handle).__name__}")
-    rep: int = handle.to_host(store).rep
+    try:
+        rep: int = handle.to_host(store).rep
+    except wasmtime.WasmtimeError as e:
+        raise GuestError(f"bad {what} handle: {e}") from None
     return rep
 
 
