@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from host.cli.build import BuildError, resolve_inferlet
+from host.cli.file_args import expand_file_arguments
 from host.cli.options import add_host_options, host_config_from_args, split_inferlet_args
 from host.events import TERMINAL_EVENTS, InstanceEvent
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         wasm_path = resolve_inferlet(opts.inferlet)
+        inferlet_args = expand_file_arguments(opts.inferlet, inferlet_args)  # e.g. --schema FILE
     except (BuildError, FileNotFoundError, ValueError) as e:
         print(f"pie-run: {e}", file=sys.stderr)
         return EXIT_USAGE
