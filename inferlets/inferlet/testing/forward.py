@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from inferlet import _host
+from inferlet.testing.grammar import FakeMatcher, allowed_or_err, constrain
 from inferlet.testing.kv import FakeKv
 from inferlet.testing.records import Request, WitGeneration, WitOutput, WitOutputSpec, WitSampler, trap
 from inferlet.testing.tiny import TinyBackend
@@ -42,6 +43,7 @@ class FakeForward:
         self.next_handle = 1
         self.decode_step_calls = 0  # passes that came through decode_step (also in `requests`)
         self.generate_calls = 0  # host-side generation loops (their passes are in `requests`)
+        self._matcher: FakeMatcher | None = None  # the matcher of the generate-constrained running
 
     @property
     def script(self) -> list[int]:
@@ -126,7 +128,13 @@ class FakeForward:
         while True:
             seed = None if sampler.seed is None else (sampler.seed + len(drawn)) % 2**64
             s = WitSampler(sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p, seed)
-            out = self.run(pages, last, toks, poss, [], [WitOutputSpec(len(toks) - 1, s, 0)])
+            spec = [WitOutputSpec(len(toks) - 1, s, 0)]
+            try:
+                out = self.run(pages, last, toks, poss, [], spec) if self._matcher is None else \
+                    self.run_constrained(pages, last, toks, poss, [], spec, 0, self._matcher)
+            except _host.Err:  # the grammar admits no token: undo this call's pages
+                self.kv.release(new_pages)
+                raise
             drawn.append(out[0].token)
             finish, trim = self._stop(drawn, max_tokens, stop_tokens, stop_strings)
             if stream:
@@ -147,6 +155,46 @@ class FakeForward:
             else:
                 last += 1
             toks, poss = [drawn[-1]], [poss[-1] + 1]
+
+    def run_constrained(self, pages, last_page_len, tokens, positions, mask, outputs, constrained,  # noqa: ANN001
+                        matcher: FakeMatcher) -> list[WitOutput]:
+        """`run` with output `constrained` drawn from what `matcher` allows; the matcher accepts it."""
+        if constrained >= len(outputs) or outputs[constrained].sample is None:
+            raise trap("forward.run-constrained", f"constrained output {constrained} samples no token")
+        allowed = allowed_or_err(matcher)
+        out = self.run(pages, last_page_len, tokens, positions, mask, outputs)
+        o = out[constrained]
+        token = constrain(o.token, allowed)
+        out[constrained] = WitOutput(token, o.ids, o.probs)
+        matcher.m.accept(token)
+        return out
+
+    def submit_constrained(self, *args: Any) -> int:
+        h = self.next_handle
+        self.next_handle += 1
+        self.results[h] = self.run_constrained(*args)
+        return h
+
+    def decode_step_constrained(self, pages, last_page_len, token, position, sampler,  # noqa: ANN001
+                                matcher: FakeMatcher) -> int:
+        self.decode_step_calls += 1
+        spec = [WitOutputSpec(0, sampler, 0)]
+        out = self.run_constrained(pages, last_page_len, [token], [position], [], spec, 0, matcher)
+        return out[0].token
+
+    def generate_constrained(self, pages, last_page_len, tokens, positions, sampler, max_tokens,  # noqa: ANN001
+                             stop_tokens, stop_strings, stream, matcher: FakeMatcher) -> WitGeneration:  # noqa: ANN001
+        """`generate` drawing every token from what `matcher` allows, also ending on the model's stop tokens."""
+        start, self._matcher = matcher.m.accepted, matcher
+        stops = list(stop_tokens) + list(self.backend.info.stop_tokens)
+        try:
+            return self.generate(pages, last_page_len, tokens, positions, sampler, max_tokens, stops,
+                                 stop_strings, stream)
+        except _host.Err:
+            matcher.m.rollback(matcher.m.accepted - start)
+            raise
+        finally:
+            self._matcher = None
 
     def _stop(self, drawn: list[int], max_tokens: int, stop_tokens: list[int],
               stop_strings: list[str]) -> tuple[str | None, int]:

@@ -1,9 +1,10 @@
-"""`FakeHost`: the six host interfaces in memory, over a `TinyBackend`."""
+"""`FakeHost`: the seven host interfaces in memory, over a `TinyBackend`."""
 
 from __future__ import annotations
 
 from inferlet import _host
 from inferlet.testing.forward import FakeForward
+from inferlet.testing.grammar import FakeGrammarInterface
 from inferlet.testing.kv import FakeKv
 from inferlet.testing.services import FakeMessaging, FakeModel, FakeRuntime, FakeStore
 from inferlet.testing.tiny import TinyBackend
@@ -12,7 +13,7 @@ __all__ = ["FakeHost"]
 
 
 class FakeHost:
-    """All six host interfaces, faked in memory. `install()` binds them into the SDK.
+    """All seven host interfaces, faked in memory. `install()` binds them into the SDK.
 
     `backend` is the model behind `model` and `forward`: a `TinyBackend` unless one is given.
     """
@@ -26,6 +27,7 @@ class FakeHost:
         self.model = FakeModel(self.backend)
         self.kv = FakeKv(self.backend, max_pages)
         self.forward = FakeForward(self.kv, self.backend, self.messaging.send)
+        self.grammar = FakeGrammarInterface(self.backend.info)
 
     def install(self) -> FakeHost:
         """Bind this host into the SDK and forget the SDK's cached host state."""
@@ -33,7 +35,7 @@ class FakeHost:
         from inferlet.pages import PAGES
 
         _host.bind(runtime=self.runtime, messaging=self.messaging, store=self.store,
-                   model=self.model, kv=self.kv, forward=self.forward)  # fmt: skip
+                   model=self.model, kv=self.kv, forward=self.forward, grammar=self.grammar)  # fmt: skip
         PAGES.reset()
         get_model()._reset()
         return self
