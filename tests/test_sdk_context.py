@@ -241,3 +241,21 @@ def test_allocation_larger_than_the_whole_cache_raises_at_once(monkeypatch: pyte
     with pytest.raises(OutOfPages, match="only 8 in total"):
         PAGES.allocate(9)
     assert time.monotonic() - t0 < 5
+
+
+def test_the_prefix_cache_is_asked_once_per_pass(host: FakeHost, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A miss for the output spec, then a hit for the pass geometry (another instance's pages
+    registered in between) sent an output index past the pass; the cache is asked once."""
+    answers = iter([[], [0, 1]])  # a miss, then (if asked again) two cached pages
+
+    def attach(tokens: list[int]) -> list[int]:
+        host.kv.prefix_lookups.append(list(tokens))
+        return next(answers)
+
+    monkeypatch.setattr(host.kv, "attach_prefix", attach)
+    ctx = Context()
+    ctx.fill_tokens(list(range(3 * PS + 1)))
+    token = ctx.decode_step()
+    assert len(host.kv.prefix_lookups) == 1
+    assert isinstance(token, int) and ctx.kv_len == 3 * PS + 1
+    check_invariants(ctx)

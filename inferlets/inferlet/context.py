@@ -47,6 +47,7 @@ class Context:
         self._chat_text: str | None = None
         self._inflight: Forward | None = None
         self._released = False
+        self._attach_tried = False  # the cache is asked once, before the first pass
         self._generation = PAGES.generation
 
     # ---- filling -------------------------------------------------------------------------
@@ -274,7 +275,12 @@ class Context:
         """Before the first pass over tokens[:hi] (nothing in the KV yet): start from the host's
         cached pages for the longest full-page prefix of tokens[:hi - 1] (one token stays to run).
         Called before anything depends on `kv_len` (the output spec's index, the pass geometry)."""
-        if self.kv_len == 0 and self.prefix_cache and hi > self.model.page_size and not self.pages:
+        # Once only: asked again within the same pass (the output spec, then the geometry), the
+        # cache may by then hold pages another instance just wrote, and the pass would no longer
+        # match the spec computed from the first answer.
+        if (self.kv_len == 0 and self.prefix_cache and hi > self.model.page_size and not self.pages
+                and not self._attach_tried):
+            self._attach_tried = True
             self._attach_cached_prefix(hi - 1)
 
     def _attach_cached_prefix(self, limit: int) -> None:
