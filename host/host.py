@@ -83,8 +83,13 @@ class Host:
                                 max_published_messages=config.max_published_messages,
                                 max_published_bytes=config.max_published_bytes)
         slots = config.max_instances + config.warm_instances * _WARM_PROGRAMS + 8
-        self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms,
-                               PoolingConfig(slots, limits) if config.instance_pool else None)
+        pooling = None
+        if config.instance_pool:
+            if PoolingConfig.address_space_ok():
+                pooling = PoolingConfig(slots, limits)
+            else:
+                log.warning("address space is limited (ulimit -v): instances use the on-demand allocator")
+        self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling)
         self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3")
         self.topics = Topics()
         self.gate = RunGate(config.run_gate, slots=config.run_slots)

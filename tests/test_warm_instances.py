@@ -7,8 +7,11 @@ after t is t+1), so the expected outputs are known without the code under test.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import wasmtime
@@ -113,3 +116,24 @@ def test_a_full_instance_pool_is_refused_with_a_message_naming_it(tmp_path) -> N
         assert pool.explain("some other trap") is None
     finally:
         engine.stop()
+
+
+def test_a_limited_address_space_falls_back_to_on_demand_allocation(tmp_path) -> None:
+    """wasmtime aborts the process when it cannot reserve the pool; under `ulimit -v` the host
+    must not try, and instances still run."""
+    script = f"""
+import resource, sys
+from pathlib import Path
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+resource.setrlimit(resource.RLIMIT_AS, (24 << 30, resource.RLIM_INFINITY))
+from fakes import FakeBackend
+from helpers import Run, wasm_bytes
+from host import Host, HostConfig
+h = Host(HostConfig(data_dir=Path({str(tmp_path)!r})), backend=FakeBackend(page_size=4, num_pages=16))
+assert h.wasm.pooling is None
+print(Run(h, h.compile(wasm_bytes("echo")), []).finish(60).event)
+h.shutdown()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "completed"

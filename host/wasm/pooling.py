@@ -20,6 +20,7 @@ wasmtime's "maximum concurrent ... limit" error, which `explain` turns into a me
 from __future__ import annotations
 
 import re
+import resource
 from dataclasses import dataclass
 
 from wasmtime import Config
@@ -79,6 +80,14 @@ class PoolingConfig:
         ffi.wasmtime_pooling_allocation_config_max_unused_warm_slots_set(p, self.warm_slots)
         ffi.wasmtime_pooling_allocation_strategy_set(cfg.ptr(), p)
         ffi.wasmtime_pooling_allocation_config_delete(p)
+
+    @staticmethod
+    def address_space_ok() -> bool:
+        """Whether the process may reserve the pool's address space: wasmtime reserves ~4 GiB of
+        it per memory slot up front and aborts the process (a Rust panic, not an exception) when
+        it cannot, so under any `ulimit -v` the host keeps the on-demand allocator."""
+        soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+        return soft == resource.RLIM_INFINITY
 
     def explain(self, wasmtime_message: str) -> str | None:
         """A message for an instantiation refused because the pool is full; None if it was not."""
