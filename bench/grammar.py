@@ -21,7 +21,10 @@ One run measures, over the default model's vocabulary (49,152 tokens):
   full-vocabulary sort dominates a temperature-1 step, and a masked row (mostly zeros) sorts faster,
   so greedy is the series that isolates the mask's own cost;
 - the sampler alone (greedy, synthetic logits) with and without a mask on every row: the cost of
-  unpacking and applying the masks on the device.
+  unpacking and applying the masks on the device;
+- through the host: decode per step in the host's generation loop with and without a JSON-schema
+  constraint at the same sizes (`host_loop`, bench/grammar_host.py: the masks filled and the matchers
+  advanced on the scheduler thread, as forward.generate-constrained runs them).
 """
 
 from __future__ import annotations
@@ -40,7 +43,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
+
+try:  # only for the library comparison (see the docstring); bench/grammar_host.py imports this file without it
+    import xgrammar as xgr
+except ImportError:
+    xgr = None
 
 from gpu_backend import ForwardRequest, OutputSpec, SamplerParams, load_backend
 from gpu_backend.config import ModelInfo
@@ -326,6 +333,9 @@ def main() -> None:
         result["sampler_mask"] = {str(n): sampler_mask_ms(backend, n) for n in args.sizes}
         print("sampler mask", result["sampler_mask"])
         result["decode"] = decode
+        from grammar_host import host_loop  # this folder is on sys.path when run as a script
+
+        result["host_loop"] = host_loop(backend, ours.compiler, args.sizes, args.decode_steps, args.repeats)
         result["meta"].update(device=info.device, dtype=info.dtype, decode_steps=args.decode_steps,
                               prompt_tokens=len(prompt), decode_library="llguidance")
     if args.json:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from inferlet import _host
+from inferlet import _host, constrained
 from inferlet.forward import Forward, wait_any
 from inferlet.generate import generate
 from inferlet.grammar import Grammar, Matcher
@@ -101,8 +101,11 @@ class Context:
         if n > 0:
             _host.forward.run(*self._prepare(n), [])
 
-    def decode_step(self, sampler: Sampler = GREEDY) -> int:
-        """Run the pending tokens and sample the next one (appended as pending). One host call."""
+    def decode_step(self, sampler: Sampler = GREEDY, matcher: Matcher | None = None) -> int:
+        """Run the pending tokens and sample the next one (appended as pending). One host call.
+        With `matcher`, the token is drawn from what its grammar allows and the matcher accepts it."""
+        if matcher is not None:
+            return constrained.decode_step(self, sampler, matcher)
         n = self.kv_len + 1
         tokens, pages = self.tokens, self.pages
         if len(tokens) == n and self._inflight is None and not self._released and True not in self.masked:

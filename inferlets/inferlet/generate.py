@@ -113,7 +113,7 @@ def _generate_here(ctx: Context, sampler: Sampler, cond: Stop, on_text: Callable
     stops = set(ctx.model.stop_tokens)
 
     def decode_step(s: Sampler) -> int:
-        return ctx.decode_step(s) if matcher is None else constrained.decode_step(ctx, s, matcher)
+        return ctx.decode_step(s, matcher)
 
     while True:
         ids.append(decode_step(sampler if seed is None else sampler.with_seed(seed + len(ids))))
