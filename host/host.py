@@ -236,7 +236,8 @@ class Host:
         for inst in insts:
             inst.join(timeout)
         self.scheduler.stop()
-        self.wasm.stop()
+        self.linker.close()
+        self.wasm.close()  # instances not joined above keep what they use alive (wasmtime refcounts)
         self.kvstore.close()
 
     def __enter__(self) -> Host:

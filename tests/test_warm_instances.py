@@ -137,3 +137,19 @@ h.shutdown()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "completed"
+
+
+def _vm_size_kib() -> int:
+    return int(Path("/proc/self/status").read_text().split("VmSize:")[1].split()[0])
+
+
+def test_shutdown_gives_the_pool_address_space_back(tmp_path) -> None:
+    """Each pooled engine reserves ~1 TiB of address space; hosts that were shut down must not
+    keep theirs (after ~90 of them a process would run out, and wasmtime aborts then)."""
+    sizes = []
+    for _ in range(4):
+        h = Host(HostConfig(data_dir=tmp_path), backend=FakeBackend(page_size=4, num_pages=16))
+        assert h.wasm.pooling is not None
+        h.shutdown()
+        sizes.append(_vm_size_kib())
+    assert sizes[-1] - sizes[0] < 64 * 2**20  # KiB: well under one pool's reservation

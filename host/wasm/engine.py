@@ -70,6 +70,21 @@ class WasmEngine:
     def stop(self) -> None:
         self._stop.set()
 
+    def close(self) -> None:
+        """Stop the ticker and free the engine and its compiled components. A pooled engine holds
+        its pool's address space (~1.3 TiB here) until it is freed, and Python's collector may
+        never free it on its own (threads and callbacks keep the host in reference cycles):
+        a process that makes many hosts would run out of address space, and wasmtime aborts then."""
+        self.stop()
+        if self._ticker is not threading.current_thread():
+            self._ticker.join(5 * self.tick_s + 1)
+        with self._lock:
+            comps = list(self._components.values())
+            self._components.clear()
+        for comp in comps:
+            comp.close()
+        self.engine.close()
+
     def compile(self, wasm: bytes, program_hash: str | None = None) -> str:
         """Compile (or load from cache) a component; returns its sha256 hex.
 
