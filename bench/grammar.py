@@ -300,10 +300,11 @@ def main() -> None:
     docs = [tok.encode(json.dumps(d)) + info.stop_tokens[:1] for d in DOCS]
     result: dict[str, Any] = {"libraries": {}, "meta": {
         "vocab": VOCAB, "threads": args.threads, "cpu_count": os.cpu_count(), "mask_steps": args.steps,
-        "xgrammar": version("xgrammar"), "llguidance": version("llguidance"),
+        "xgrammar": version("xgrammar") if xgr is not None else "not installed (comparison skipped)",
+        "llguidance": version("llguidance"),
     }}
     libs: dict[str, XgrammarRun | LlguidanceRun] = {}
-    for cls in (XgrammarRun, LlguidanceRun):
+    for cls in (XgrammarRun, LlguidanceRun) if xgr is not None else (LlguidanceRun,):
         t0 = time.perf_counter()
         lib = libs[cls.name] = cls(tok, info, args.threads)
         entry: dict[str, Any] = {"tokenizer_info_ms": round((time.perf_counter() - t0) * 1e3, 1)}
