@@ -94,3 +94,18 @@ def test_pie_run_reads_declared_file_arguments(tmp_path: Path) -> None:
     assert expand_file_arguments("text_completion", ["--schema", str(f)]) == ["--schema", str(f)]
     with pytest.raises(ValueError, match="--schema nope.json: cannot read the file"):
         expand_file_arguments("constrained_json", ["--schema", "nope.json"])
+
+
+def test_submit_decode_with_a_matcher_equals_decode_step_with_it() -> None:
+    def steps(submit: bool) -> list[int]:
+        FakeHost().install()
+        ctx = Context()
+        ctx.fill_user("hi")
+        m = regex("[xyz]{3}").matcher()
+        out = []
+        for _ in range(4):
+            out.append(ctx.submit_decode(matcher=m).wait() if submit else ctx.decode_step(matcher=m))
+        assert m.is_terminated()
+        return out
+
+    assert steps(True) == steps(False)

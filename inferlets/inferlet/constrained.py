@@ -1,6 +1,6 @@
-"""The grammar-constrained host calls behind `Context.decode_step(matcher=...)` and
-`Context.generate(grammar=...)`: forward.decode-step-constrained, forward.run-constrained and
-forward.generate-constrained. The host masks the draw and advances the matcher; nothing per token
+"""The grammar-constrained host calls behind `Context.decode_step(matcher=...)`,
+`Context.submit_decode(matcher=...)` and `Context.generate(grammar=...)`: forward.decode-step-constrained,
+forward.run-constrained, forward.submit-constrained and forward.generate-constrained. The host masks the draw and advances the matcher; nothing per token
 comes back here but the token. When the host refuses (the grammar admits no token), the context is
 put back as it was before the call and GrammarError is raised.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from inferlet import _host
+from inferlet.forward import Forward
 from inferlet.grammar import Grammar, GrammarError, Matcher
 from inferlet.pages import PAGES
 from inferlet.sampler import Sampler
@@ -17,7 +18,7 @@ from inferlet.sampler import Sampler
 if TYPE_CHECKING:
     from inferlet.context import Context
 
-__all__ = ["as_matcher", "decode_step", "generate_on_host"]
+__all__ = ["as_matcher", "decode_step", "generate_on_host", "submit_decode"]
 
 
 def as_matcher(grammar: Grammar | Matcher) -> Matcher:
@@ -57,6 +58,19 @@ def decode_step(ctx: Context, sampler: Sampler, matcher: Matcher) -> int:
         raise GrammarError(str(e.value)) from None
     ctx._append_pending([token])
     return token
+
+
+def submit_decode(ctx: Context, sampler: Sampler, matcher: Matcher) -> Forward:
+    """`Context.submit_decode` through forward.submit-constrained (the caller records the in-flight pass)."""
+    ctx._check_idle("submit_decode")
+    spec = ctx._spec(sampler, 0)
+    kv_len, n_pages = ctx.kv_len, len(ctx.pages)
+    try:
+        h = _host.forward.submit_constrained(*ctx._prepare_all("submit_decode"), [spec], 0, matcher.handle)
+    except _host.Err as e:
+        _undo(ctx, kv_len, n_pages)
+        raise GrammarError(str(e.value)) from None
+    return Forward(ctx, h, "token")
 
 
 def generate_on_host(ctx: Context, pages: list[int], args: tuple[Any, ...], matcher: Matcher,

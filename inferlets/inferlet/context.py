@@ -139,8 +139,12 @@ class Context:
         out = _host.forward.run(*self._prepare_all("next_dist"), [spec])[0]
         return list(out.ids), list(out.probs)
 
-    def submit_decode(self, sampler: Sampler = GREEDY) -> Forward:
-        """`decode_step` without waiting: returns a `Forward`; the token is appended when it is done."""
+    def submit_decode(self, sampler: Sampler = GREEDY, matcher: Matcher | None = None) -> Forward:
+        """`decode_step` without waiting: returns a `Forward`; the token is appended when it is done.
+        With `matcher`, constrained like `decode_step` (the matcher advances when the pass is done)."""
+        if matcher is not None:
+            self._inflight = constrained.submit_decode(self, sampler, matcher)
+            return self._inflight
         self._check_idle("submit_decode")
         spec = self._spec(sampler, 0)
         h = _host.forward.submit(*self._prepare_all("submit_decode"), [spec])
