@@ -1,0 +1,83 @@
+"""Prometheus metrics of one server (issue 14).
+
+Invariant: each `ServerMetrics` owns its own `CollectorRegistry` (never the global one), so two
+servers in one process never share or double-register series. Host-wide numbers are read from
+`Host.stats()` at scrape time, so nothing runs on the scheduler's hot path; request-level
+latencies (TTFT, TPOT) and instance ends are observed by the server as they happen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class _HostCollector(Collector):
+    """Turns one `Host.stats()` snapshot into gauges and counters per scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], queued: Callable[[], int]) -> None:
+        self._stats = stats
+        self._queued = queued
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        sched = s["scheduler"]
+        free, total = s["free_pages"], s["total_pages"]
+        yield GaugeMetricFamily("pie_instances_running", "Instances running", value=s["instances"])
+        yield GaugeMetricFamily("pie_instances_queued", "Requests waiting for an instance slot",
+                                value=self._queued())
+        yield GaugeMetricFamily("pie_kv_pages_free", "KV pages free", value=free)
+        yield GaugeMetricFamily("pie_kv_pages_used", "KV pages in use", value=total - free)
+        yield CounterMetricFamily("pie_batches", "Batches run by the scheduler", value=sched["batches"])
+        yield CounterMetricFamily("pie_forwards", "Forward passes merged into batches",
+                                  value=sched["forwards"])
+        yield CounterMetricFamily("pie_batch_tokens", "Tokens run through forward passes",
+                                  value=sched["tokens"])
+        yield CounterMetricFamily("pie_forward_errors", "Batches the backend failed",
+                                  value=sched["backend_errors"])
+        yield GaugeMetricFamily("pie_batch_size_mean", "Mean forwards per batch",
+                                value=sched["mean_batch_size"])
+
+
+class ServerMetrics:
+    """Request-level metrics plus a scrape-time view of the host."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], queued: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_HostCollector(stats, queued))
+        self.ttft = Histogram("pie_time_to_first_token_seconds", "Time to first token",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("pie_time_per_output_token_seconds", "Time per output token",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("pie_tokens_prefilled", "Prompt tokens prefilled",
+                                     registry=self.registry)
+        self.generated_tokens = Counter("pie_tokens_generated", "Tokens generated",
+                                        registry=self.registry)
+        self.ends = Counter("pie_instance_ends", "Instances ended, by reason", ["reason"],
+                            registry=self.registry)
+
+    def observe_request(self, ttft_s: float, total_s: float, prompt: int, generated: int) -> None:
+        """Record one finished request: TTFT, mean TPOT over the tokens after the first."""
+        self.ttft.observe(ttft_s)
+        if generated > 1:
+            self.tpot.observe((total_s - ttft_s) / (generated - 1))
+        self.prompt_tokens.inc(prompt)
+        self.generated_tokens.inc(generated)
+
+    def instance_ended(self, reason: str) -> None:
+        """Count an instance end (`finished`, `error`, `terminated`, ...)."""
+        self.ends.labels(reason=reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series."""
+        return generate_latest(self.registry)

@@ -1,0 +1,48 @@
+"""Fast tests of the server's Prometheus metrics (issue 14) over a fake stats snapshot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from host.server.metrics import ServerMetrics
+
+
+def _stats() -> dict[str, Any]:
+    sched = {"batches": 7, "forwards": 21, "tokens": 90, "backend_errors": 1, "mean_batch_size": 3.0}
+    return {"scheduler": sched, "instances": 2, "free_pages": 10, "total_pages": 64}
+
+
+def _samples(m: ServerMetrics) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            key = s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())
+                                   if k != "le")
+            if "le" not in s.labels:
+                out[key] = s.value
+    return out
+
+
+def test_host_view_and_requests() -> None:
+    m = ServerMetrics(_stats, lambda: 3)
+    m.observe_request(ttft_s=0.2, total_s=1.2, prompt=5, generated=11)
+    m.instance_ended("finished")
+    m.instance_ended("terminated")
+    m.instance_ended("finished")
+    s = _samples(m)
+    assert s["pie_instances_running"] == 2 and s["pie_instances_queued"] == 3
+    assert s["pie_kv_pages_free"] == 10 and s["pie_kv_pages_used"] == 54
+    assert s["pie_batches_total"] == 7 and s["pie_forward_errors_total"] == 1
+    assert s["pie_tokens_prefilled_total"] == 5 and s["pie_tokens_generated_total"] == 11
+    assert s["pie_time_to_first_token_seconds_count"] == 1
+    assert abs(s["pie_time_per_output_token_seconds_sum"] - 0.1) < 1e-9
+    assert s["pie_instance_ends_total{reason=finished}"] == 2
+    assert s["pie_instance_ends_total{reason=terminated}"] == 1
+
+
+def test_registries_are_per_server() -> None:
+    a, b = ServerMetrics(_stats, lambda: 0), ServerMetrics(_stats, lambda: 0)
+    a.observe_request(0.1, 0.1, 1, 1)
+    assert _samples(b)["pie_tokens_generated_total"] == 0
