@@ -1,0 +1,48 @@
+"""The OpenAI routes over a real Host with the built openai_chat handler (issue 14)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from helpers import wasm_bytes
+from starlette.testclient import TestClient
+
+from host.server.metrics import ServerMetrics
+from host.server.openai_api import OpenAIHandler, openai_app
+
+pytestmark = [pytest.mark.slow, pytest.mark.build]
+
+
+@pytest.fixture(scope="module")
+def client(real_host: Any) -> Iterator[TestClient]:
+    program = real_host.compile(wasm_bytes("openai_chat"))
+    h = OpenAIHandler(real_host, program, real_host.model_name,
+                      ServerMetrics(real_host.stats, lambda: 0))
+    with TestClient(openai_app(h)) as c:
+        yield c
+
+
+def test_chat_n2_greedy_length_and_stream_matches(client: TestClient, real_host: Any) -> None:
+    base = {"model": real_host.model_name, "messages": [{"role": "user", "content": "Name a colour."}],
+            "max_tokens": 6, "temperature": 0, "n": 2}
+    r = client.post("/v1/chat/completions", json=base).json()
+    texts = [c["message"]["content"] for c in r["choices"]]
+    assert texts[0] == texts[1] and texts[0]
+    assert {c["finish_reason"] for c in r["choices"]} <= {"length", "stop"}
+    assert r["usage"]["completion_tokens"] <= 12 and r["usage"]["prompt_tokens"] > 0
+    s = client.post("/v1/chat/completions", json={**base, "n": 1, "stream": True}).text
+    chunks = [json.loads(e[6:]) for e in s.split("\n\n") if e and e != "data: [DONE]"]
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == texts[0] and s.rstrip().endswith("data: [DONE]")
+    assert real_host.free_pages() == real_host.total_pages
+
+
+def test_stop_string_not_included(client: TestClient, real_host: Any) -> None:
+    body = {"model": real_host.model_name, "prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 12,
+            "temperature": 0, "stop": [" 9"]}
+    full = client.post("/v1/completions", json={**body, "stop": None}).json()["choices"][0]["text"]
+    cut = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert " 9" in full and cut["text"] == full[: full.index(" 9")] and cut["finish_reason"] == "stop"
