@@ -56,6 +56,8 @@ def _launch(h: OpenAIHandler, req: OpenAIRequest) -> tuple[str, asyncio.Queue[In
     if req.model != h.model:
         raise OpenAIError(404, f"the model {req.model!r} does not exist; this server has {h.model!r}",
                           param="model", code="model_not_found")
+    if req.logprobs:  # the standard handler does not produce them yet: say so, never answer null
+        raise OpenAIError(400, "logprobs: not supported by this server's handler yet", param="logprobs")
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[InstanceEvent] = asyncio.Queue()
     arg = json.dumps(dataclasses.asdict(req))
