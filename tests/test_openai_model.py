@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,3 +47,32 @@ def test_stop_string_not_included(client: TestClient, real_host: Any) -> None:
     full = client.post("/v1/completions", json={**body, "stop": None}).json()["choices"][0]["text"]
     cut = client.post("/v1/completions", json=body).json()["choices"][0]
     assert " 9" in full and cut["text"] == full[: full.index(" 9")] and cut["finish_reason"] == "stop"
+
+
+def test_disconnect_mid_stream_frees_pages(client: TestClient, real_host: Any) -> None:
+    import asyncio
+
+    from host.server.openai_api import _launch, _stream
+    from host.server.openai_request import parse_request
+
+    h = OpenAIHandler(real_host, real_host.compile(wasm_bytes("openai_chat")), real_host.model_name,
+                      ServerMetrics(real_host.stats, lambda: 0))
+    body = {"model": real_host.model_name, "prompt": "Once upon a time", "max_tokens": 200,
+            "stream": True, "temperature": 0}
+    req = parse_request(json.dumps(body).encode(), False, 4096)
+
+    async def first_chunk_then_leave() -> tuple[str, bytes]:
+        iid, queue = _launch(h, req)
+        gen = _stream(h, req, False, iid, queue)
+        chunk = await gen.__anext__()
+        await gen.aclose()  # what Starlette does when the client goes away
+        return iid, chunk
+
+    iid, chunk = asyncio.run(first_chunk_then_leave())
+    assert chunk.startswith(b"data: ")
+    assert b'pie_instance_ends_total{reason="client_disconnected"} 1.0' in h.metrics.render()
+    assert real_host.wait(iid, timeout=30)
+    deadline = time.monotonic() + 10  # an in-flight pass of the ended instance returns its pages
+    while real_host.free_pages() != real_host.total_pages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert real_host.free_pages() == real_host.total_pages
