@@ -76,3 +76,17 @@ def test_disconnect_mid_stream_frees_pages(client: TestClient, real_host: Any) -
     while real_host.free_pages() != real_host.total_pages and time.monotonic() < deadline:
         time.sleep(0.05)
     assert real_host.free_pages() == real_host.total_pages
+
+
+def test_json_schema_answer_validates(client: TestClient, real_host: Any) -> None:
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    body = {"model": real_host.model_name, "max_tokens": 60, "temperature": 0.7, "seed": 1,
+            "messages": [{"role": "user", "content": "Give a person as JSON."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+    r = client.post("/v1/chat/completions", json=body).json()
+    jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
+    again = client.post("/v1/chat/completions", json=body).json()
+    assert again["choices"][0]["message"]["content"] == r["choices"][0]["message"]["content"]  # seed
