@@ -90,3 +90,26 @@ def test_json_schema_answer_validates(client: TestClient, real_host: Any) -> Non
     jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
     again = client.post("/v1/chat/completions", json=body).json()
     assert again["choices"][0]["message"]["content"] == r["choices"][0]["message"]["content"]  # seed
+
+
+def test_32_concurrent_streams_complete(real_host: Any) -> None:
+    import asyncio
+
+    import httpx
+
+    h = OpenAIHandler(real_host, real_host.compile(wasm_bytes("openai_chat")), real_host.model_name,
+                      ServerMetrics(real_host.stats, lambda: 0))
+    app = openai_app(h)
+
+    async def one(c: httpx.AsyncClient, i: int) -> str:
+        body = {"model": real_host.model_name, "prompt": f"Item {i}:", "max_tokens": 8,
+                "stream": True, "temperature": 0}
+        return (await c.post("/v1/completions", json=body)).text
+
+    async def all_of_them() -> list[str]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await asyncio.gather(*(one(c, i) for i in range(32)))
+
+    texts = asyncio.run(all_of_them())
+    assert len(texts) == 32 and all(t.rstrip().endswith("data: [DONE]") for t in texts)
+    assert real_host.stats()["scheduler"]["max_batch_size"] > 1  # they batched together
