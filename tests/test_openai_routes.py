@@ -86,7 +86,7 @@ def test_errors() -> None:
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     r = c.post("/v1/chat/completions", json={**CHAT, "top_p": 2}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
-    r = c.post("/v1/chat/completions", json={**CHAT, "logprobs": True}, headers=auth)
+    r = c.post("/v1/chat/completions", json={**CHAT, "logprobs": "yes"}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     busy = _client(FakeHost(busy=True)).post("/v1/chat/completions", json=CHAT)
     assert busy.status_code == 503 and set(busy.json()["error"]) == {"message", "type", "param", "code"}

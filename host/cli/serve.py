@@ -1,4 +1,5 @@
-"""`pie-serve`: load the host and serve protocol v1 over WebSocket until SIGINT/SIGTERM."""
+"""`pie-serve`: load the host and serve, on one port, protocol v1 over WebSocket and the
+OpenAI-compatible HTTP routes (with /health and /metrics) until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
+from host.cli.build import BuildError, resolve_inferlet
 from host.cli.options import add_host_options, host_config_from_args
 from host.client.protocol import MAX_FRAME_BYTES
 from host.config import default_data_dir
@@ -19,6 +21,7 @@ from host.server.programs import DEFAULT_MAX_PROGRAM_BYTES
 __all__ = ["main", "parse_args", "server_config_from_args"]
 
 EXIT_USAGE = 2
+DEFAULT_OPENAI_HANDLER = "openai_chat"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -27,7 +30,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pie-serve", description="Serve inferlets over WebSocket (protocol v1).")
+    ap = argparse.ArgumentParser(
+        prog="pie-serve",
+        description="Serve inferlets on one port: WebSocket protocol v1 (docs/protocol.md), the OpenAI-compatible "
+                    "routes /v1/chat/completions, /v1/completions, /v1/models (docs/openai.md), /health and /metrics.")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8080, help="port (0 picks a free one; default 8080)")
     ap.add_argument("--auth-token", default=os.environ.get("PIE_AUTH_TOKEN"),
@@ -35,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tenant", action="append", default=[], metavar="NAME=TOKEN", type=_tenant,
                     help="another client identity with its own token (repeatable); each tenant sees only "
                          "its own KV exports")
+    ap.add_argument("--openai-handler", default=DEFAULT_OPENAI_HANDLER, metavar="PATH_OR_NAME",
+                    help="the inferlet that answers the OpenAI routes: a .wasm, an inferlet source folder or a "
+                         f"standard inferlet name, like pie-run's INFERLET (default {DEFAULT_OPENAI_HANDLER}; "
+                         "'none' serves no OpenAI routes)")
+    ap.add_argument("--served-model-name", default=None, metavar="NAME",
+                    help="the model name the OpenAI routes answer to and /v1/models lists (default: the model's own)")
     add_host_options(ap)
     ap.add_argument("--data-dir", type=Path, default=default_data_dir(),
                     help="program store and key-value store (default: $PIE_DATA_DIR or the host cache dir)")
@@ -73,8 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"pie-serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    handler_wasm = None
+    if args.openai_handler != "none":
+        try:  # before the model loads: a bad handler fails at once
+            handler_wasm = resolve_inferlet(args.openai_handler, quiet=True).read_bytes()
+        except (BuildError, OSError) as exc:
+            print(f"pie-serve: --openai-handler: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     host = Host(config)
-    server = Server(host, server_config)
+    try:
+        program = host.compile(handler_wasm) if handler_wasm is not None else None
+        server = Server(host, server_config, openai_program=program, model_name=args.served_model_name)
+    except Exception:
+        host.shutdown()
+        raise
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()

@@ -2,16 +2,18 @@
 
 Every frame for a connection goes through its outbox, written by one task (`send_loop`), so
 responses and instance events leave in the order they were queued: a launch's response always
-precedes the instance's first event.
+precedes the instance's first event. The socket is a Starlette `WebSocket` (ASGI, served by
+uvicorn); the frames on the wire are the same binary msgpack frames as always (docs/protocol.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from collections.abc import Callable
 
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from host.server.programs import Upload
 
@@ -28,10 +30,16 @@ class RequestError(Exception):
 
 
 class Connection:
-    """A client connection; `send` and `close` queue, `send_loop` writes."""
+    """A client connection; `send` and `close` queue, `send_loop` writes.
 
-    def __init__(self, ws: ServerConnection, authenticated: bool, max_queued: int) -> None:
+    `on_drop` is called (on the event loop) when the client stops reading and is dropped: the
+    server then ends the connection without waiting for its socket to drain.
+    """
+
+    def __init__(self, ws: WebSocket, authenticated: bool, max_queued: int,
+                 on_drop: Callable[[], None] | None = None) -> None:
         self.ws = ws
+        self.id = uuid.uuid4().hex[:12]
         self.max_queued = max_queued
         self.authenticated = authenticated
         self.tenant = "local"  # who this client is, once authenticated (see ServerConfig.tenants)
@@ -39,6 +47,8 @@ class Connection:
         self.upload: Upload | None = None
         self.instances: set[str] = set()
         self.closing = False
+        self.dropped = False
+        self.on_drop = on_drop
         # bytes = a frame to send; (code, reason) = close after what is queued; None = stop.
         self.outbox: asyncio.Queue[bytes | tuple[int, str] | None] = asyncio.Queue()
 
@@ -47,12 +57,13 @@ class Connection:
         if self.closing:
             return
         if self.outbox.qsize() >= self.max_queued:
-            # The client stopped reading: a close frame would wait behind the backlog, so drop
-            # the TCP connection; the reader then ends and the instances are released as usual.
-            log.warning("connection %s: %d frames queued, client not reading; dropping it", self.ws.id,
+            # The client stopped reading: a close frame would wait behind the backlog, so the
+            # connection ends now; the instances are released as usual.
+            log.warning("connection %s: %d frames queued, client not reading; dropping it", self.id,
                         self.outbox.qsize())
-            self.closing = True
-            self.ws.transport.abort()
+            self.closing = self.dropped = True
+            if self.on_drop is not None:
+                self.on_drop()
             return
         self.outbox.put_nowait(frame)
 
@@ -77,6 +88,6 @@ class Connection:
                 if isinstance(item, tuple):
                     await self.ws.close(*item)
                     return
-                await self.ws.send(item)
-            except ConnectionClosed:
+                await self.ws.send_bytes(item)
+            except (WebSocketDisconnect, WebSocketDisconnected, OSError):
                 return

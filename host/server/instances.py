@@ -41,11 +41,14 @@ class InstanceRecord:
 
 
 class InstanceTable:
-    """The server's instances by id. `terminate(iid, reason)` is the host's."""
+    """The server's instances by id. `terminate(iid, reason)` is the host's; `on_end(event)` is
+    told how each instance ended."""
 
-    def __init__(self, terminate: Callable[[str, str], None], event_buffer_limit: int) -> None:
+    def __init__(self, terminate: Callable[[str, str], None], event_buffer_limit: int,
+                 on_end: Callable[[str], None] | None = None) -> None:
         self.records: dict[str, InstanceRecord] = {}
         self._terminate = terminate
+        self._on_end = on_end  # called with each terminal event's name (metrics)
         self._buffer_limit = event_buffer_limit
         self._finished_detached: deque[str] = deque()
 
@@ -113,6 +116,8 @@ class InstanceTable:
                 record.dropped += 1
         if event.event in TERMINAL_EVENTS:
             record.finished = True
+            if self._on_end is not None:
+                self._on_end(event.event)
             if owner is None and record.detached:
                 self._finished_detached.append(record.id)
                 self._evict_finished_detached()

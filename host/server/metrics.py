@@ -31,7 +31,8 @@ class _HostCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
-        sched = s["scheduler"]
+        sched: dict[str, Any] = {"batches": 0, "forwards": 0, "tokens": 0, "backend_errors": 0,
+                                 "mean_batch_size": 0.0, **s.get("scheduler", {})}
         free, total = s["free_pages"], s["total_pages"]
         yield GaugeMetricFamily("pie_instances_running", "Instances running", value=s["instances"])
         yield GaugeMetricFamily("pie_instances_queued", "Requests waiting for an instance slot",

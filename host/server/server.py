@@ -1,26 +1,36 @@
-"""The WebSocket server (`pie-serve`): protocol v1 in front of one host.
+"""The server (`pie-serve`): one port, one ASGI app (Starlette on uvicorn) in front of one host.
 
-One asyncio task per connection reads frames in order and answers each request; a second task per
-connection writes that connection's frames in order (see `Connection`). Instances belong to the
-connection that launched them (see `InstanceTable`).
+On that port: the WebSocket protocol v1 (docs/protocol.md, binary msgpack frames, any path), and
+the HTTP routes `/health`, `/metrics` and, when an OpenAI handler program is given, the
+OpenAI-compatible routes (host/server/openai_api.py, docs/openai.md).
+
+WebSocket: one task per connection reads frames in order and answers each request; a second task
+per connection writes that connection's frames in order (see `Connection`). Instances belong to
+the connection that launched them (see `InstanceTable`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-from websockets.asyncio.server import Server as _WsServer
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import BaseRoute, WebSocketRoute
+from starlette.websockets import WebSocket
 
 from host.client import protocol as p
 from host.server.config import HostFacade, ServerConfig
 from host.server.connection import Connection, RequestError
 from host.server.handlers import RequestHandlers, ServerCounters
 from host.server.instances import InstanceTable
+from host.server.metrics import ServerMetrics
+from host.server.openai_api import OpenAIHandler, openai_routes, service_routes
 from host.server.programs import ProgramStore
 
 __all__ = ["Server"]
@@ -28,17 +38,32 @@ __all__ = ["Server"]
 log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 10.0
+CLOSE_GOING_AWAY = 1001
+# How long stop() lets open HTTP responses and WebSocket closes finish before cancelling them.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server without its signal handling: `Server` (and `pie-serve`) own the lifecycle."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class Server:
-    """Serves protocol v1 for `host`. Use `start`/`stop` inside a loop or `start_background` from sync code.
+    """Serves protocol v1 and the HTTP routes for `host`. Use `start`/`stop` inside a loop or
+    `start_background` from sync code.
 
     `compile_errors` are the exceptions `host.compile` raises for a bad component (default: the
-    wasm engine's `CompileError`); they are answered as a rejected upload.
+    wasm engine's `CompileError`); they are answered as a rejected upload. `openai_program` is the
+    hash of a compiled OpenAI handler (e.g. inferlets/openai_chat): with it the OpenAI routes are
+    served too, for model `model_name` (default: the host's first model).
     """
 
     def __init__(self, host: HostFacade, config: ServerConfig,
-                 compile_errors: tuple[type[Exception], ...] | None = None) -> None:
+                 compile_errors: tuple[type[Exception], ...] | None = None,
+                 openai_program: str | None = None, model_name: str | None = None) -> None:
         if compile_errors is None:
             from host.wasm.engine import CompileError  # here, not at the top: it loads wasmtime
 
@@ -49,16 +74,37 @@ class Server:
         self.port: int | None = None
         self.connections: set[Connection] = set()
         self.counters = ServerCounters()
-        self.instances = InstanceTable(host.terminate, config.event_buffer_limit)
+        self.metrics = ServerMetrics(host.stats, lambda: 0)
+        self.instances = InstanceTable(host.terminate, config.event_buffer_limit, self.metrics.instance_ended)
         self.handlers = RequestHandlers(host, config, self.store, self.instances, self.connections, self.counters)
-        self._ws_server: _WsServer | None = None
+        self.openai: OpenAIHandler | None = None
+        if openai_program is not None:
+            self.openai = OpenAIHandler(host, openai_program, model_name or host.model_names()[0], self.metrics,
+                                        auth_token=config.auth_token, tenants=config.tenants)
+        routes: list[BaseRoute] = (openai_routes(self.openai) if self.openai is not None
+                                   else service_routes(self.metrics))
+        # Protocol v1 clients connect to ws://host:port (any path: the old server took any).
+        routes.append(WebSocketRoute("/{path:path}", self._websocket))
+        self.app = Starlette(routes=routes)
+        self._uvicorn: _Uvicorn | None = None
+        self._serve_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop_requested: asyncio.Event | None = None
 
     @property
     def url(self) -> str:
-        return f"ws://{self.config.host}:{self.port}"
+        """The WebSocket URL of protocol v1."""
+        return f"ws://{self._url_host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The base URL of the HTTP routes (the OpenAI client's `base_url` is this + "/v1")."""
+        return f"http://{self._url_host}:{self.port}"
+
+    @property
+    def _url_host(self) -> str:
+        return f"[{self.config.host}]" if ":" in self.config.host else self.config.host
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -66,16 +112,34 @@ class Server:
         """Listen on the configured address (port 0 picks a free port, see `port`)."""
         self._loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
-        self._ws_server = await serve(self._handle, self.config.host, self.config.port,
-                                      max_size=self.config.max_frame_bytes, compression=None)
-        self.port = self._ws_server.sockets[0].getsockname()[1]
-        log.info("pie-serve listening on %s (auth %s)", self.url, "on" if self.config.requires_auth else "off")
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        sock = socket.create_server((self.config.host, self.config.port), family=family)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app, ws="websockets-sansio", ws_max_size=self.config.max_frame_bytes,
+            ws_per_message_deflate=False, lifespan="off", log_config=None, access_log=False,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        self._uvicorn = _Uvicorn(config)
+        self._serve_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:
+            if self._serve_task.done():
+                sock.close()
+                self._serve_task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.005)
+        log.info("pie-serve listening on %s (auth %s; HTTP %s%s)", self.url,
+                 "on" if self.config.requires_auth else "off", self.http_url,
+                 f", OpenAI routes for {self.openai.model!r}" if self.openai is not None else "")
 
     async def stop(self) -> None:
         """Close every connection (terminating their instances), then terminate detached ones."""
-        if self._ws_server is not None:
-            self._ws_server.close()
-            await self._ws_server.wait_closed()
+        for conn in list(self.connections):
+            conn.close(CLOSE_GOING_AWAY, "server shutting down")
+        if self.openai is not None:
+            self.openai.terminate_all("server shutting down")
+        if self._uvicorn is not None and self._serve_task is not None:
+            self._uvicorn.should_exit = True
+            await self._serve_task
         self.instances.terminate_all("server shutting down")
 
     async def serve_forever(self) -> None:
@@ -121,29 +185,50 @@ class Server:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    # ---- connections -----------------------------------------------------------------------
+    # ---- WebSocket connections -------------------------------------------------------------
 
-    async def _handle(self, ws: ServerConnection) -> None:
-        conn = Connection(ws, not self.config.requires_auth, self.config.max_queued_frames)
+    async def _websocket(self, ws: WebSocket) -> None:
+        await ws.accept()
+        reader = asyncio.current_task()
+        assert reader is not None
+        reading = False
+
+        def drop() -> None:  # the client stopped reading: end this connection now
+            if reading:
+                reader.cancel()
+
+        conn = Connection(ws, not self.config.requires_auth, self.config.max_queued_frames, drop)
         self.connections.add(conn)
         self.counters.connections_total += 1
         sender = asyncio.create_task(conn.send_loop())
         try:
-            async for frame in ws:
-                await self._on_frame(conn, frame)
-                if conn.closing:
+            while not conn.closing:
+                reading = True
+                message = await ws.receive()
+                reading = False
+                if message["type"] == "websocket.disconnect":
+                    # Includes a frame over max_size: the protocol closes with 1009 and a reason itself.
+                    log.debug("connection %s closed: %s %s", conn.id, message.get("code"), message.get("reason"))
                     break
-        except ConnectionClosed as exc:
-            # Includes a frame over max_size: websockets closes with 1009 and a reason itself.
-            log.debug("connection %s closed: %s", ws.id, exc)
+                frame = message.get("bytes")
+                await self._on_frame(conn, frame if frame is not None else message.get("text") or "")
+        except asyncio.CancelledError:
+            if not conn.dropped:
+                raise
+            reader.uncancel()
         finally:
             self.connections.discard(conn)
             self.instances.release(conn)
             conn.stop()
+            if conn.dropped:
+                sender.cancel()
             try:
                 await asyncio.wait_for(sender, timeout=FLUSH_TIMEOUT_S)
             except TimeoutError:
-                log.warning("connection %s: could not flush its frames in %.0f s", ws.id, FLUSH_TIMEOUT_S)
+                log.warning("connection %s: could not flush its frames in %.0f s", conn.id, FLUSH_TIMEOUT_S)
+            except asyncio.CancelledError:
+                if not conn.dropped:
+                    raise
 
     async def _on_frame(self, conn: Connection, frame: bytes | str) -> None:
         self.counters.requests += 1
@@ -152,7 +237,7 @@ class Server:
         except p.ProtocolError as exc:
             self.counters.errors += 1
             if exc.corr_id is None:
-                log.info("closing connection %s: %s", conn.ws.id, exc.reason)
+                log.info("closing connection %s: %s", conn.id, exc.reason)
                 conn.close(exc.close_code, exc.reason)
             else:
                 conn.send(p.encode_response(exc.corr_id, False, exc.reason))

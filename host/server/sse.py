@@ -29,8 +29,9 @@ def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, 
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
-                     finish_reason: str | None = None) -> dict[str, Any]:
+                     finish_reason: str | None = None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A streamed `text_completion` object for choice `index`."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
