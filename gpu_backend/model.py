@@ -7,6 +7,7 @@ request-specific lives in the BatchPlan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,9 @@ class LlamaModel:
         self.cfg = cfg
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.device, self.dtype = device, dtype
+        # tensor parallel (gpu_backend/tp.py): sums the partial outputs of the row-parallel matmuls
+        # (o_proj, down) across ranks, in place; None on a single rank
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -88,6 +92,7 @@ class LlamaModel:
         n = x.shape[0]
         cos = self.cos[plan.positions].unsqueeze(1)
         sin = self.sin_signed[plan.positions].unsqueeze(1)
+        reduce = self.reduce
         for li, lw in enumerate(self.layers):
             y = F.rms_norm(x, (hid,), lw.attn_norm, eps)
             qkv = F.linear(y, lw.qkv, lw.qkv_bias).view(n, h + 2 * kvh, d)
@@ -97,9 +102,11 @@ class LlamaModel:
             layer_cache = cache.data[li]
             layer_cache.index_copy_(0, plan.write_slots, kv_new)
             attn = plan.attend(qk[:, :h], layer_cache)
-            x = x + F.linear(attn, lw.o_proj)
+            o = F.linear(attn, lw.o_proj)
+            x = x + (o if reduce is None else reduce(o))
             y = F.rms_norm(x, (hid,), lw.mlp_norm, eps)
             gu = F.linear(y, lw.gate_up)
-            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down)
+            o = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down)
+            x = x + (o if reduce is None else reduce(o))
         x = F.rms_norm(x[plan.output_rows], (hid,), self.norm, eps)
         return F.linear(x, self.lm_head).float()

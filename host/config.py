@@ -10,9 +10,12 @@ from gpu_backend.paths import default_cache_dir
 from host.batching.policy import POLICIES
 from host.state.prefix_cache import PREFIX_CACHE_MODES
 
-__all__ = ["DTYPES", "HostConfig", "default_cache_dir", "default_data_dir"]
+__all__ = ["DTYPES", "ENGINES", "HostConfig", "default_cache_dir", "default_data_dir"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+# where the backend runs (docs/deployment.md): "auto" = in the host process for one engine of one
+# rank (measured faster on CPU: bench/engine.md), engine processes for --tp or --replicas > 1
+ENGINES = ("auto", "inproc", "process")
 
 
 def default_data_dir() -> Path:
@@ -35,9 +38,18 @@ class HostConfig:
         False lets them all contend for the GIL at once (for comparisons).
     max_instances: instances running at once; a launch beyond it is refused (`HostBusy`).
     warm_instances: instances of each recently launched program kept started ahead of demand,
-        waiting at their first host call (host/wasm/warm.py); 0 = start every instance cold.
+        waiting at their first host call (host/wasm/warm.py); 0 = none kept for their own sake.
+    warm_auto: besides those, keep as many instances of each recent program warm as it has had
+        running at once, up to this many parked in all (refilled while the backend is idle);
+        0 = off (every launch beyond `warm_instances` starts cold).
     instance_pool: use wasmtime's pooling allocator (host/wasm/pooling.py), sized for
         max_instances + the warm ones; False = on-demand allocation (slower starts).
+    engine: where the backend runs: "inproc" (on the scheduler thread of the host process),
+        "process" (in engine processes fed over pyzmq + msgpack, gpu_backend/engine_proc.py), or
+        "auto" (inproc for tp == replicas == 1, else process). See docs/deployment.md.
+    tp: tensor-parallel ranks per engine (torch.distributed: NCCL on GPUs, gloo on CPU).
+    replicas: engines, each with its own KV cache; an instance lives on one (placed by load).
+    engine_restart: start an engine process again after it died (its instances end first).
     """
 
     model: str | None = None
@@ -61,9 +73,21 @@ class HostConfig:
     run_slots: int = 2
     max_instances: int = 1024
     warm_instances: int = 0
+    warm_auto: int = 256
     instance_pool: bool = True
     cache_dir: Path = field(default_factory=default_cache_dir)
     data_dir: Path | None = None  # key-value store file lives here; None = cache_dir
+    engine: str = "auto"  # auto | inproc | process
+    tp: int = 1
+    replicas: int = 1
+    engine_restart: bool = True
+
+    @property
+    def engine_kind(self) -> str:
+        """"inproc" or "process": what `engine` resolves to."""
+        if self.engine != "auto":
+            return self.engine
+        return "process" if self.tp > 1 or self.replicas > 1 else "inproc"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -74,9 +98,9 @@ class HostConfig:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if self.batch_k < 1 or self.batch_t_ms < 0:
             raise ValueError(f"k-or-t needs batch_k >= 1 and batch_t_ms >= 0, got {self.batch_k}, {self.batch_t_ms}")
-        if self.max_instances < 1 or self.warm_instances < 0:
-            raise ValueError(f"max_instances must be >= 1 and warm_instances >= 0, got "
-                             f"{self.max_instances}, {self.warm_instances}")
+        if self.max_instances < 1 or self.warm_instances < 0 or self.warm_auto < 0:
+            raise ValueError(f"max_instances must be >= 1, warm_instances and warm_auto >= 0, got "
+                             f"{self.max_instances}, {self.warm_instances}, {self.warm_auto}")
         if self.run_slots < 1:
             raise ValueError(f"run_slots must be >= 1, got {self.run_slots}")
         if self.memory_limit_bytes < 1 << 20:
@@ -88,5 +112,14 @@ class HostConfig:
         if self.max_published_messages < 1 or self.max_published_bytes < 1:
             raise ValueError("max_published_messages and max_published_bytes must be >= 1, got "
                              f"{self.max_published_messages}, {self.max_published_bytes}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}: use one of {', '.join(ENGINES)}")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be an int >= 1, got {self.tp!r}")
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
+        if self.engine == "inproc" and (self.tp > 1 or self.replicas > 1):
+            raise ValueError(f"tp={self.tp} / replicas={self.replicas} run in engine processes: use "
+                             "engine='process' (or 'auto'), not 'inproc'")
         if self.max_pages_per_instance is not None and self.max_pages_per_instance < 1:
             raise ValueError(f"max_pages_per_instance must be >= 1, got {self.max_pages_per_instance}")

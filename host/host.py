@@ -15,7 +15,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from gpu_backend.types import Backend
 from host.api import ApiServices, build_linker
@@ -24,6 +24,7 @@ from host.batching.policy import make_policy
 from host.batching.scheduler import Scheduler
 from host.config import HostConfig
 from host.events import InstanceEvent
+from host.replicas import ReplicaPages, ReplicaSchedulers
 from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
 from host.state.prefix_cache import PrefixCache
@@ -56,33 +57,70 @@ def _load_backend(config: HostConfig, progress: bool) -> Backend:
                         num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, progress=progress)
 
 
+def _start_engines(config: HostConfig) -> list[Any]:
+    """`config.replicas` engine processes of `config.tp` ranks each (gpu_backend/engine_proc.py)."""
+    from gpu_backend.engine_proc import EngineSpec, start_engines
+
+    spec = EngineSpec(model=config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
+                      num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, tp=config.tp)
+    return start_engines(spec, config.replicas, restart=config.engine_restart)
+
+
 class Host:
     """Runs inferlet instances against one backend (any object implementing `gpu_backend.types.Backend`;
     None loads `config.model`)."""
 
     def __init__(self, config: HostConfig | None = None, backend: Backend | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, engines: list[Any] | None = None) -> None:
         self.config = config = config or HostConfig()
-        self.scheduler = Scheduler(make_policy(config.policy, config.batch_k, config.batch_t_ms),
-                                   max_batch_tokens=config.max_batch_tokens)
+        policy = lambda: make_policy(config.policy, config.batch_k, config.batch_t_ms)  # noqa: E731
+        # Engine processes (config.engine / tp / replicas; docs/deployment.md) are started here, or
+        # passed in (`engines`: gpu_backend.engine_proc.ProcessBackend, one per replica, e.g. from
+        # `start_engines`), and the host stops them in shutdown; a `backend` passed in is the
+        # caller's and runs in-process.
+        self.engines: list[Any] = list(engines or [])
+        if self.engines:
+            if backend is not None:
+                raise ValueError("pass either backend or engines, not both")
+            backend = self.engines[0]
+        elif backend is None and config.engine_kind == "process":
+            self.engines = _start_engines(config)
+            backend = self.engines[0]
+        schedulers = [Scheduler(policy(), max_batch_tokens=config.max_batch_tokens)
+                      for _ in range(max(1, len(self.engines)))]
         if backend is None:  # loaded on the scheduler thread, where its forwards will run
             try:
-                backend = self.scheduler.call(lambda: _load_backend(config, progress))
+                backend = schedulers[0].call(lambda: _load_backend(config, progress))
             except BaseException:
-                self.scheduler.stop()
+                schedulers[0].stop()
                 raise
         assert backend is not None
         self.backend = backend
+        backends: list[Backend] = self.engines or [backend]
         info = backend.info
         self.model_name: str = info.name
-        self.total_pages: int = info.num_pages
-        cache = PrefixCache(info.page_size, config.prefix_cache) if config.prefix_cache != "off" else None
-        self.pages = PageManager(info.num_pages, config.max_pages_per_instance, cache)
-        self.scheduler.bind(backend.forward, backend.copy_tokens, info.page_size, pins=self.pages)
+        self.total_pages: int = info.num_pages * len(backends)
+        managers = [PageManager(info.num_pages, config.max_pages_per_instance,
+                                PrefixCache(info.page_size, config.prefix_cache) if config.prefix_cache != "off"
+                                else None) for _ in backends]
+        for sched, b, pm in zip(schedulers, backends, managers, strict=True):
+            sched.bind(b.forward, b.copy_tokens, info.page_size, pins=pm)
+        self._managers = managers
+        self._router: ReplicaSchedulers | None = None
+        if len(backends) == 1:
+            self.pages: PageManager = managers[0]
+            self.scheduler: Scheduler = schedulers[0]
+        else:  # replicas: the WIT imports route each call to the instance's replica (host/replicas.py)
+            self._router = ReplicaSchedulers(schedulers)
+            self.pages = cast(PageManager, ReplicaPages(managers))
+            self.scheduler = cast(Scheduler, self._router)
+        self._load = [0] * len(backends)  # running instances per replica (placement)
+        for r, eng in enumerate(self.engines):
+            eng.on_death.append(lambda reason, r=r: self._engine_died(r, reason))
         limits = InstanceLimits(config.memory_limit_bytes, config.wall_budget_s,
                                 max_published_messages=config.max_published_messages,
                                 max_published_bytes=config.max_published_bytes)
-        slots = config.max_instances + config.warm_instances * _WARM_PROGRAMS + 8
+        slots = config.max_instances + config.warm_instances * _WARM_PROGRAMS + config.warm_auto + 8
         pooling = None
         if config.instance_pool:
             if PoolingConfig.address_space_ok():
@@ -106,7 +144,8 @@ class Host:
         self._lock = threading.Lock()
         self._closed = False
         self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
-                             config.warm_instances, _WARM_PROGRAMS)
+                             config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
+                             busy=lambda: any(s.busy() for s in schedulers))
 
     # ---- programs ----
     def compile(self, wasm: bytes) -> str:
@@ -132,17 +171,49 @@ class Host:
                 raise HostBusy(f"the host is running its maximum of {self.config.max_instances} instances; "
                                "try again when some have ended (or raise --max-instances)")
             inst = self.warm.take(program_hash)
-            if inst is not None and not inst.launch(args, listener, tenant):
-                inst = None
+            if inst is not None:
+                self._place(inst)  # before it resumes: its first host call may allocate pages
+                if not inst.launch(args, listener, tenant):
+                    self._unplace(inst)
+                    inst = None
             cold = inst is None
             if inst is None:
                 inst = Instance(self._env, program_hash, args, listener)
                 inst.pages.tenant = tenant
+                self._place(inst)
             self._instances[inst.id] = inst
         self.scheduler.expect(inst.id)
         if cold:
             inst.start()
         return inst.id
+
+    def _place(self, inst: Instance) -> None:
+        """Put a new instance on the least loaded replica whose engine is up (lock held)."""
+        r = 0
+        if len(self._load) > 1:
+            up = [i for i, e in enumerate(self.engines) if e.alive] or list(range(len(self._load)))
+            r = min(up, key=lambda i: (self._load[i], -self._managers[i].free_count))
+            assert self._router is not None
+            self._router.place(inst.id, r)
+        inst.pages.replica = r
+        self._load[r] += 1
+
+    def _unplace(self, inst: Instance) -> None:
+        self._load[inst.pages.replica] -= 1
+        if self._router is not None:
+            self._router.drop(inst.id)
+
+    def _engine_died(self, replica: int, reason: str) -> None:
+        """On the engine's watcher thread, before it is restarted: the KV cache of that replica is
+        gone, so the instances living on it end (their pages come back as they do), and its
+        exports and prefix-cache entries are dropped. The other replicas carry on."""
+        with self._lock:
+            victims = [i for i in self._instances.values() if i.pages.replica == replica]
+        msg = f"{reason}: its KV cache is lost, the instances on it were ended (the host restarts the engine)"
+        for inst in victims:
+            inst.terminate(msg)
+        dropped = self._managers[replica].drop_contents()
+        log.error("%s; ended %d instance(s), dropped %d export(s)", reason, len(victims), dropped)
 
     def prewarm(self, program_hash: str, n: int, timeout_s: float = 60.0) -> int:
         """Keep `n` instances of a program started ahead of demand from now on, and wait until
@@ -181,9 +252,11 @@ class Host:
     def _instance_ended(self, inst: Instance) -> None:
         """On the instance's thread as it ends: release everything it held."""
         with self._lock:
-            self._instances.pop(inst.id, None)
+            if self._instances.pop(inst.id, None) is not None:
+                self._load[inst.pages.replica] -= 1
             if not inst.parked:  # a warm instance never launched is known to no one
                 self._ended[inst.id] = inst
+                self.warm.ended(inst.program)
             if len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
         self.topics.drop(inst)
@@ -199,6 +272,8 @@ class Host:
         inst.forwards.clear()
         self.pages.release_all(inst.pages)
         self.scheduler.forget(inst.id)
+        if self._router is not None:
+            self._router.drop(inst.id)
 
     def instances(self) -> list[dict[str, Any]]:
         """The running instances: id, program, arguments, state, started_at."""
@@ -222,7 +297,11 @@ class Host:
         return {"scheduler": self.scheduler.stats.as_dict(), "policy": self.config.policy,
                 "instances": running, "free_pages": self.pages.free_count, "total_pages": self.total_pages,
                 "model": self.model_name,
-                "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"}}
+                "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"},
+                "engine": {"kind": "process" if self.engines else "inproc", "tp": self.config.tp,
+                           "replicas": [{"pid": e.pid, "alive": e.alive, "deaths": e.deaths,
+                                         "instances": self._load[r], "free_pages": self._managers[r].free_count}
+                                        for r, e in enumerate(self.engines)]}}
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Terminate every instance, then stop the scheduler and the epoch ticker."""
@@ -236,6 +315,8 @@ class Host:
         for inst in insts:
             inst.join(timeout)
         self.scheduler.stop()
+        for eng in self.engines:
+            eng.close()
         self.linker.close()
         self.wasm.close()  # instances not joined above keep what they use alive (wasmtime refcounts)
         self.kvstore.close()

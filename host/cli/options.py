@@ -11,7 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from host.batching.policy import POLICIES
-from host.config import DTYPES, HostConfig
+from host.config import DTYPES, ENGINES, HostConfig
 from host.state.prefix_cache import PREFIX_CACHE_MODES
 
 if TYPE_CHECKING:
@@ -54,6 +54,19 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-instances", type=int,
                         help="instances of each recently launched program started ahead of demand, so a launch "
                              f"skips the start-up (default {_default('warm_instances')})")
+    parser.add_argument("--warm-auto", type=int, metavar="N",
+                        help="also keep as many instances of each recent program warm as it has had running "
+                             f"at once, up to N parked in all; 0 = off (default {_default('warm_auto')})")
+    parser.add_argument("--engine", choices=list(ENGINES),
+                        help="where the model runs: inproc = in this process, on the scheduler thread; "
+                             "process = in engine processes fed over pyzmq + msgpack; auto = inproc for one "
+                             "engine of one rank, else process (default auto; docs/deployment.md)")
+    parser.add_argument("--tp", type=int, metavar="N",
+                        help="tensor parallel: N ranks per engine over torch.distributed (NCCL on GPUs, "
+                             f"gloo on CPU) (default {_default('tp')})")
+    parser.add_argument("--replicas", type=int, metavar="N",
+                        help="data parallel: N engines, each with its own KV cache; an instance lives on one "
+                             f"(default {_default('replicas')})")
 
 
 def host_config_from_args(args: argparse.Namespace) -> HostConfig:
@@ -68,7 +81,8 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "max_batch_tokens": args.max_batch_tokens, "memory_limit_bytes": _mib(args.memory_limit_mb),
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
         "prefix_cache": args.prefix_cache, "max_instances": args.max_instances,
-        "warm_instances": args.warm_instances,
+        "warm_instances": args.warm_instances, "warm_auto": args.warm_auto,
+        "engine": args.engine, "tp": args.tp, "replicas": args.replicas,
         "data_dir": getattr(args, "data_dir", None),
     }
     return HostConfig(**{k: v for k, v in given.items() if v is not None})

@@ -36,6 +36,7 @@ class InstancePages:
     tenant: str = "local"  # whose export names this instance sees (set by the host at launch)
     held: dict[int, list] = field(default_factory=dict)
     owned_count: int = 0  # pages this instance allocated and still holds (for its cap)
+    replica: int = 0  # the engine replica the instance lives on (host/replicas.py); its pages are that one's
 
 
 @dataclass
@@ -210,6 +211,25 @@ class PageManager:
                 self._unref(p)
             self._freed.notify_all()
             return None
+
+    def has_export(self, tenant: str, name: str) -> bool:
+        with self._lock:
+            return (tenant, name) in self._exports
+
+    def drop_contents(self) -> int:
+        """The engine holding these pages lost its KV cache (it died and was restarted): every export
+        is removed and the prefix cache forgets every page (idle cached pages go back to the free
+        list). Pages instances hold stay theirs until they release them. Returns the exports dropped."""
+        with self._lock:
+            exports = list(self._exports.values())
+            self._exports.clear()
+            for exp in exports:
+                for p in exp.pages:
+                    self._unref(p)
+            if self.cache is not None:
+                self._free.extend(self.cache.clear())
+            self._freed.notify_all()
+            return len(exports)
 
     def list_exports(self, table: InstancePages) -> list[tuple[str, int]]:
         """The table's tenant's exports: (name, page count)."""

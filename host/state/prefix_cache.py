@@ -114,6 +114,14 @@ class PrefixCache:
             if p in self._key:
                 self._unregister(p)
 
+    def clear(self) -> list[int]:
+        """Forget everything (the KV cache behind the pages was lost); returns the idle pages, which
+        the caller puts back on its free list."""
+        idle = list(self._lru)
+        self.forget(list(self._key))
+        self._partial.clear()
+        return idle
+
     def _chain_parent(self, pages: Sequence[int], j: int, tenant: str) -> bytes | None:
         """The key page j continues, if pages[0..j-1] are a registered chain from the root."""
         expected = self.root(tenant)
