@@ -1,6 +1,8 @@
-"""The server layer: protocol v1 over WebSocket in front of one host (`pie-serve`).
+"""The server layer (`pie-serve`): one port, one Starlette app on uvicorn, in front of one host:
+protocol v1 over WebSocket, the OpenAI-compatible routes, /health and /metrics.
 
-`Server` (server.py) accepts connections and routes frames; `RequestHandlers` (handlers.py)
+`Server` (server.py) serves the app and routes WebSocket frames; `openai_api.py` the HTTP routes
+(docs/openai.md); `RequestHandlers` (handlers.py)
 answers each request; `InstanceTable` (instances.py) tracks which connection owns which
 instance and buffers detached ones' events; `ProgramStore` (programs.py) keeps uploaded
 components on disk. The server reaches the host only through `HostFacade` (config.py).
