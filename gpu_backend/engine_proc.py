@@ -17,7 +17,8 @@ Faults: the host side watches the process (a pidfd in the same poll as the socke
 blocked in `wait`), so a dead engine is noticed at once: the forward waiting on it raises
 `EngineDied`, the `on_death` callbacks run (the host ends the instances that lived on it), and
 the engine is started again (`restart=True`); forwards sent meanwhile wait for the new one.
-The engine exits when its parent (the host) dies.
+The engine exits when its parent (the host) dies (rank 0 checks its parent pid every second;
+the ranks it starts get SIGTERM when it dies).
 """
 
 from __future__ import annotations
@@ -482,7 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PIE_ENGINE_LOG", "WARNING"),
                         format=f"%(levelname)s engine[rank {args.rank}] %(name)s: %(message)s")
-    _die_with_parent()
+    if args.rank != 0:
+        # PR_SET_PDEATHSIG fires when the *thread* that started us ends: fine for ranks started by
+        # rank 0's main thread; rank 0 itself (started from any host thread) polls its parent pid
+        _die_with_parent()
     spec = EngineSpec.from_json(args.spec)
     if not spec.standin:
         _set_threads(spec)
