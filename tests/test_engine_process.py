@@ -15,7 +15,14 @@ import pytest
 import wasmtime
 
 from gpu_backend.engine_proc import EngineDied, EngineSpec, ProcessBackend, start_engines
-from gpu_backend.engine_wire import decode_requests, decode_results, encode_requests, encode_results, pack, unpack
+from gpu_backend.engine_wire import (
+    decode_requests,
+    decode_results,
+    encode_requests,
+    encode_results,
+    pack,
+    unpack,
+)
 from gpu_backend.standin import StandInBackend
 from gpu_backend.types import Backend, ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
 from host import Host, HostConfig
