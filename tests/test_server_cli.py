@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from helpers import wasm_bytes
@@ -49,6 +50,12 @@ def test_bad_options_are_reported(capsys) -> None:
         serve_main(["--num-pages", "10", "--kv-memory", "10"])
 
 
+def test_bad_openai_handler_is_reported_before_the_model_loads(capsys) -> None:
+    assert serve_main(["--openai-handler", "no_such_inferlet"]) == 2
+    err = capsys.readouterr().err
+    assert "--openai-handler" in err and "no_such_inferlet" in err
+
+
 def _drain(proc: subprocess.Popen[str]) -> queue.Queue[str]:
     """pie-serve's stderr lines as they come ("" at its end), read on a thread so the pipe never fills."""
     lines: queue.Queue[str] = queue.Queue()
@@ -68,8 +75,10 @@ def _drain(proc: subprocess.Popen[str]) -> queue.Queue[str]:
 @pytest.mark.build
 def test_pie_serve_subprocess_serves_and_stops_on_sigterm(tmp_path) -> None:
     env = dict(os.environ, PIE_AUTH_TOKEN="tok")
+    handler = Path(__file__).parent / "fixtures" / "openai_upper"  # a custom OpenAI handler, as a source folder
     proc = subprocess.Popen([sys.executable, "-m", "host.cli.serve", "--port", "0", "--data-dir", str(tmp_path),
-                             "--num-pages", "256"], env=env, stderr=subprocess.PIPE, text=True)
+                             "--num-pages", "256", "--openai-handler", str(handler),
+                             "--served-model-name", "upper"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         lines = _drain(proc)
         url = None
@@ -84,6 +93,12 @@ def test_pie_serve_subprocess_serves_and_stops_on_sigterm(tmp_path) -> None:
             events = list(client.events(iid))
             assert events[-1].event == "completed" and "Paris" in events[-1].message
             assert client.query("stats")["host"]["total_pages"] == 256
+        import openai
+
+        oa = openai.OpenAI(base_url=url.replace("ws://", "http://") + "/v1", api_key="tok", max_retries=0)
+        assert [m.id for m in oa.models.list().data] == ["upper"]
+        r = oa.completions.create(model="upper", prompt="shout this", n=2)
+        assert [c.text for c in r.choices] == ["SHOUT THIS", "SHOUT THIS"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert (tmp_path / "programs" / f"{h}.wasm").is_file()
