@@ -11,10 +11,10 @@ The ideal is the backend alone: one prefill step and `tokens` decode steps for a
 ideal_tok_s = N * tokens / ((tokens + 1) * step) and efficiency = tok_s / ideal_tok_s; tok_s counts
 the whole wall time from the first launch to the last instance's end. mean_batch = forwards per
 backend call. rss_mb_per_instance: resident memory added by 256 live `step` instances.
-Each entry is measured twice in the same run: with every instance started cold (the host's
-default; these are the `tok_s` / `efficiency` keys), and with `warm_*` keys: N warm instances
-(host/wasm/warm.py, `--warm-instances`) made ready before the burst, so the launches skip the
-instances' start-up (instantiation and the guest's entry glue).
+Each entry is measured twice in the same run, after an unmeasured burst of the same size: as the
+host runs by default (`tok_s`, `efficiency`, ...: the warm pool, host/wasm/warm.py, has refilled
+to the N instances the program just had running, so the launches skip the instances' start-up),
+and with `cold_*` keys: the pool off (`--warm-auto 0`), every instance started from scratch.
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
@@ -59,9 +59,7 @@ def workload_args(name: str, tokens: int) -> list[str]:
 
 
 def run_once(host: Host, backend: StandInBackend, program: str, args: list[str], n: int, want: str,
-             step_s: float, tokens: int, warm: bool = False) -> dict[str, float]:
-    if warm and host.prewarm(program, n, timeout_s=120) < n:
-        raise RuntimeError(f"could not get {n} warm instances ready")
+             step_s: float, tokens: int) -> dict[str, float]:
     backend.batches.clear()
     t0 = time.perf_counter()
     runs = [Run(host, program, args) for _ in range(n)]
@@ -78,16 +76,24 @@ def run_once(host: Host, backend: StandInBackend, program: str, args: list[str],
 
 def measure(host: Host, backend: StandInBackend, program: str, args: list[str], n: int, want: str,
             tokens: int) -> dict[str, float]:
-    """One burst of n cold starts, then one of n warm ones (the pool emptied again after it).
+    """A burst of n as the host runs by default, then one of n cold starts.
 
     An unmeasured burst of n goes first: the first time n instances run at once, the pooling
-    allocator maps their slots and faults their pages in (once per slot, host/wasm/pooling.py);
-    a long-running host has paid that already."""
+    allocator maps their slots and faults their pages in (once per slot, host/wasm/pooling.py),
+    and the warm pool learns that the program runs n at once; a long-running host has done both.
+    The default burst starts once the pool has refilled (it refills while the backend is idle)."""
+    auto = host.warm.auto
     run_once(host, backend, program, args, n, want, backend.delay_s, tokens)
-    cold = run_once(host, backend, program, args, n, want, backend.delay_s, tokens)
-    warm = run_once(host, backend, program, args, n, want, backend.delay_s, tokens, warm=True)
+    if host.warm.wait_ready(program, min(n, auto), timeout_s=300) < min(n, auto):
+        raise RuntimeError(f"the warm pool did not refill to {n} instances")
+    default = run_once(host, backend, program, args, n, want, backend.delay_s, tokens)
+    host.warm.auto = 0  # cold: the pool off and emptied
     host.prewarm(program, 0)
-    return {**cold, **{f"warm_{k}": v for k, v in warm.items() if k != "ideal_tok_s"}}
+    try:
+        cold = run_once(host, backend, program, args, n, want, backend.delay_s, tokens)
+    finally:
+        host.warm.auto = auto
+    return {**default, **{f"cold_{k}": v for k, v in cold.items() if k != "ideal_tok_s"}}
 
 
 def rss_mb() -> float:
@@ -119,7 +125,7 @@ def table(results: dict[str, Any], rss: float, tokens: int) -> str:
         for workload, by_n in by_workload.items():
             lines += [f"## {step} ms step, `{workload}`", "", "| instances | " + " | ".join(by_n) + " |",
                       "|---|" + "---|" * len(by_n)]
-            for key in ("tok_s", "ideal_tok_s", "efficiency", "mean_batch", "warm_tok_s", "warm_efficiency"):
+            for key in ("tok_s", "ideal_tok_s", "efficiency", "mean_batch", "cold_tok_s", "cold_efficiency"):
                 lines.append(f"| {key} | " + " | ".join(str(v[key]) for v in by_n.values()) + " |")
             lines.append("")
     lines.append(f"rss per live instance: {rss} MB")
@@ -147,6 +153,9 @@ def main() -> None:
                                                       want[workload], opts.tokens) for n in opts.instances}
             print(key, workload, json.dumps(results[key][workload]), flush=True)
     backend.delay_s = 0.0
+    host.warm.auto = 0  # count started instances only: no parked ones before or during
+    for program in programs.values():
+        host.prewarm(program, 0)
     rss = rss_per_instance(host, programs["step"])
     host.shutdown()
     res = {**results, "rss_mb_per_instance": rss, "tokens": opts.tokens}

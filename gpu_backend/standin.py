@@ -2,8 +2,10 @@
 
 Its "model" is deterministic: the sampled token after token t is (t + 1) % vocab, so an
 inferlet's output is predictable and any cross-talk between instances shows up. `delay_s`
-makes each batch take that long with the GIL released, as a GPU step does: the host benchmarks
-put it behind the real host to measure the host alone. Tests use it through tests/fakes.py.
+makes each batch take that long in all, as a GPU step does: its own bookkeeping (a few us per
+request) runs first and the rest of the time is slept with the GIL released, so a batch of any
+size costs the host exactly `delay_s` of backend time. The host benchmarks put it behind the real
+host to measure the host alone. Tests use it through tests/fakes.py.
 """
 
 from __future__ import annotations
@@ -58,9 +60,8 @@ class StandInBackend:
         self.slots: dict[tuple[int, int], int] = {}
 
     def forward(self, reqs: Sequence[ForwardRequest]) -> list[list[OutputResult]]:
+        start = time.perf_counter()
         reqs = check_batch(reqs, self.info)  # the real validator: same errors as the model
-        if self.delay_s:
-            time.sleep(self.delay_s)
         ps = self.info.page_size
         out = []
         with self._lock:
@@ -76,6 +77,8 @@ class StandInBackend:
                     res.append(OutputResult(token=nxt if o.sample else None,
                                             ids=[nxt][: o.dist], probs=[1.0][: o.dist]))
                 out.append(res)
+        if self.delay_s:
+            time.sleep(max(self.delay_s - (time.perf_counter() - start), 0.0))
         return out
 
     def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:

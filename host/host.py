@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _ENDED_KEPT = 1024  # ended instances remembered for wait()
 _WARM_PROGRAMS = 4  # programs kept warm at once (the most recently launched)
+_REAP_PENDING = 256  # finished instances whose stores may wait for an idle backend (host/wasm/reaper.py)
 
 
 class HostBusy(RuntimeError):
@@ -120,14 +121,18 @@ class Host:
         limits = InstanceLimits(config.memory_limit_bytes, config.wall_budget_s,
                                 max_published_messages=config.max_published_messages,
                                 max_published_bytes=config.max_published_bytes)
-        slots = config.max_instances + config.warm_instances * _WARM_PROGRAMS + config.warm_auto + 8
+        # pool slots: the running instances, the warm ones, the finished ones whose stores wait to be freed
+        slots = config.max_instances + config.warm_instances * _WARM_PROGRAMS + config.warm_auto + _REAP_PENDING + 8
         pooling = None
         if config.instance_pool:
             if PoolingConfig.address_space_ok():
                 pooling = PoolingConfig(slots, limits)
             else:
                 log.warning("address space is limited (ulimit -v): instances use the on-demand allocator")
-        self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling)
+        # Busy: forwards queued or running, or launched instances alive. Warm refills and store
+        # frees wait for an idle host (the reaper still frees each store within a second).
+        busy = lambda: bool(self._instances) or any(s.busy() for s in schedulers)  # noqa: E731
+        self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling, busy, _REAP_PENDING)
         self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3")
         self.topics = Topics()
         self.gate = RunGate(config.run_gate, slots=config.run_slots)
@@ -145,7 +150,7 @@ class Host:
         self._closed = False
         self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
-                             busy=lambda: any(s.busy() for s in schedulers))
+                             busy=busy)
 
     # ---- programs ----
     def compile(self, wasm: bytes) -> str:

@@ -135,6 +135,10 @@ class Scheduler:
             self._cv.notify()
         return fut
 
+    def busy(self) -> bool:
+        """Whether forwards are queued or generation loops are running (read without the lock)."""
+        return bool(self._queue or self._resident)
+
     def expect(self, owner: str) -> None:
         """A new instance will submit soon (the policy may hold a batch for it)."""
         with self._cv:

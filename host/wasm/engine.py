@@ -16,10 +16,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 import wasmtime
-from wasmtime import Config, Engine
+from wasmtime import Config, Engine, Store
 from wasmtime.component import Component
 
 from host.wasm.pooling import PoolingConfig
+from host.wasm.reaper import StoreReaper
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,12 @@ class WasmEngine:
     """The shared engine, its epoch ticker thread and compiled components by hash.
 
     `pooling`: use wasmtime's pooling instance allocator with these sizes (host/wasm/pooling.py);
-    None keeps the on-demand allocator (no cap on instances, but slower instantiation)."""
+    None keeps the on-demand allocator (no cap on instances, but slower instantiation).
+    `busy`: whether the backend has work; with it, finished instances' stores are freed by a
+    `StoreReaper` while it has none (up to `reap_pending` wait), else where they end."""
 
-    def __init__(self, cache_dir: Path, tick_ms: float = 10.0, pooling: PoolingConfig | None = None) -> None:
+    def __init__(self, cache_dir: Path, tick_ms: float = 10.0, pooling: PoolingConfig | None = None,
+                 busy: Callable[[], bool] | None = None, reap_pending: int = 256) -> None:
         cfg = Config()
         cfg.epoch_interruption = True
         cfg.wasm_component_model = True
@@ -57,6 +61,14 @@ class WasmEngine:
         self.on_tick: list[Callable[[], None]] = []  # also called each tick (cheap checks only)
         self._ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
         self._ticker.start()
+        self.reaper = StoreReaper(busy, reap_pending) if busy is not None else None
+
+    def free_store(self, store: Store) -> None:
+        """Free a finished instance's store (through the reaper when there is one)."""
+        if self.reaper is not None:
+            self.reaper.put(store)
+        else:
+            store.close()
 
     def _tick(self) -> None:
         while not self._stop.wait(self.tick_s):
@@ -78,6 +90,8 @@ class WasmEngine:
         self.stop()
         if self._ticker is not threading.current_thread():
             self._ticker.join(5 * self.tick_s + 1)
+        if self.reaper is not None:
+            self.reaper.close()
         with self._lock:
             comps = list(self._components.values())
             self._components.clear()

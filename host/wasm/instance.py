@@ -136,6 +136,9 @@ class Instance:
             if self.stop_reason is not None:
                 raise Terminated(self.stop_reason)
             self.state = "running"
+        # Launched: take a turn like any instance waking up (a burst of launches would otherwise
+        # have every parked thread fighting for the GIL at once; see host/batching/gate.py).
+        self.env.gate.enter()
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -284,6 +287,7 @@ class Instance:
         env = self.env
         event, message = "exception", "instance did not start"
         epoch_key = 0
+        store: Store | None = None
         try:
             store = Store(env.engine.engine)
             env.limits.apply(store)
@@ -321,6 +325,8 @@ class Instance:
             self.state = event
             env.on_end(self)
         self.emit(event, message)
+        if store is not None:  # freed off this thread, when the backend is idle (host/wasm/reaper.py)
+            env.engine.free_store(store)
 
     def _classify_trap(self, e: wasmtime.WasmtimeError) -> tuple[str, str]:
         """The end event of a guest that trapped: the host's own reason if it stopped the guest,

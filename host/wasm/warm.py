@@ -8,6 +8,12 @@ instances from filling the backend's batches (docs/architecture.md, bench/host_s
 have already done that work and wait at their first host call (`Instance.warm`); `take` hands one
 out and a background thread makes the next.
 
+How many: `per_program` is a fixed floor; with `auto` > 0 (the host's default) the pool also
+follows demand: it keeps as many instances of a program warm as that program has had running at
+once (its peak since it became one of the recent programs), never more than `auto` parked in all.
+A host that has just served a burst of N requests of a program is thus ready for the next burst
+of N (bench/host_scale.py measures what that buys: the burst skips N instance start-ups).
+
 Invariants: a warm instance has received nothing from the host, so handing one out is
 indistinguishable, to its guest, from a cold start. A program whose warm instance ends before its
 first host call (it traps, returns without a call, or runs past `Instance.WARM_DEADLINE_S`) is
@@ -30,49 +36,68 @@ __all__ = ["WarmPool"]
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 10.0  # a warm instance not at its first call by then is given up on
-# Refilling waits until launches have paused this long: during a burst the CPU is better spent
-# running the instances just launched than starting the next ones.
+# Refilling waits until launches and ends have paused this long and the backend has no work queued
+# or running: while a burst runs, the CPU is better spent on its instances than on the next ones.
 QUIET_S = 0.05
 
 
 class WarmPool:
     """Up to `per_program` parked instances for each of the `max_programs` most recent programs.
 
-    `make(program)` returns a new, not yet started, warm `Instance`."""
+    `make(program)` returns a new, not yet started, warm `Instance`; `auto` caps the instances
+    kept for demand (0 = only `per_program`)."""
 
-    def __init__(self, make: Callable[[str], Instance], per_program: int, max_programs: int = 4) -> None:
-        if per_program < 0 or max_programs < 1:
-            raise ValueError(f"warm pool sizes must be >= 0 / >= 1, got {per_program}, {max_programs}")
+    def __init__(self, make: Callable[[str], Instance], per_program: int, max_programs: int = 4,
+                 auto: int = 0, busy: Callable[[], bool] | None = None) -> None:
+        if per_program < 0 or max_programs < 1 or auto < 0:
+            raise ValueError(f"warm pool sizes must be >= 0 / >= 1 / >= 0, got {per_program}, {max_programs}, {auto}")
         self._make = make
         self.per_program = per_program
         self.max_programs = max_programs
+        self.auto = auto
+        self._busy = busy or (lambda: False)
         self._ready: OrderedDict[str, deque[Instance]] = OrderedDict()  # least recently launched first
         self._target: dict[str, int] = {}
+        self._pinned: set[str] = set()  # targets set by prewarm(): demand does not change them
+        self._running: dict[str, int] = {}  # launched instances of each program not ended yet
         self._cold: set[str] = set()  # programs that cannot be warmed
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._last_take = 0.0
+        self._last_activity = 0.0  # the last launch or end of a launched instance
 
     def take(self, program: str) -> Instance | None:
-        """A parked instance of `program` (None if none is ready); the pool then makes the next."""
-        if self.per_program == 0 and program not in self._target:
-            return None
+        """A parked instance of `program` (None if none is ready); the pool then makes the next.
+        Called for every launch: it counts the program's running instances (see `ended`)."""
         with self._cond:
-            if self._closed or program in self._cold:
+            running = self._running[program] = self._running.get(program, 0) + 1
+            if (self.per_program == 0 and self.auto == 0 and program not in self._target) or self._closed \
+                    or program in self._cold:
                 return None
             ready = self._ready.setdefault(program, deque())
             self._ready.move_to_end(program)
-            self._target.setdefault(program, self.per_program)
+            if program not in self._pinned:
+                want = max(self.per_program, min(running, self.auto), self._target.get(program, 0))
+                self._target[program] = want
             inst = None
             while ready and inst is None:
                 cand = ready.popleft()
                 inst = None if cand.finished.is_set() else cand
-            self._last_take = time.monotonic()
+            self._last_activity = time.monotonic()
             self._evict_old_programs()
             self._start_warmer()
             self._cond.notify_all()
         return inst
+
+    def ended(self, program: str) -> None:
+        """A launched instance of `program` has ended."""
+        with self._cond:
+            self._last_activity = time.monotonic()
+            left = self._running.get(program, 0) - 1
+            if left > 0:
+                self._running[program] = left
+            else:
+                self._running.pop(program, None)
 
     def prewarm(self, program: str, n: int, timeout_s: float = 60.0) -> int:
         """Keep `n` instances of `program` warm from now on; wait until they are (or timeout).
@@ -80,12 +105,14 @@ class WarmPool:
         if n == 0:
             with self._cond:
                 self._target.pop(program, None)
+                self._pinned.discard(program)
                 dropped = self._ready.pop(program, deque())
             for inst in dropped:
                 inst.terminate("warm instance no longer needed")
             return 0
         with self._cond:
             self._target[program] = n
+            self._pinned.add(program)
             self._ready.setdefault(program, deque())
             self._ready.move_to_end(program)
             self._start_warmer()
@@ -96,6 +123,13 @@ class WarmPool:
 
     def ready_count(self, program: str) -> int:
         with self._cond:
+            return len(self._ready.get(program, ()))
+
+    def wait_ready(self, program: str, n: int, timeout_s: float) -> int:
+        """Wait until `n` instances of `program` are parked (or `timeout_s`); returns how many are."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or program in self._cold
+                                or len(self._ready.get(program, ())) >= n, timeout_s)
             return len(self._ready.get(program, ()))
 
     def close(self) -> list[Instance]:
@@ -120,12 +154,16 @@ class WarmPool:
         while len(self._ready) > self.max_programs:
             program, old = self._ready.popitem(last=False)
             self._target.pop(program, None)
+            self._pinned.discard(program)
             for inst in old:
                 inst.terminate("warm instance no longer needed")
 
     def _next_program(self) -> str | None:
+        parked = sum(len(q) for q in self._ready.values())
         for program, ready in reversed(self._ready.items()):  # most recently launched first
-            if program not in self._cold and len(ready) < self._target.get(program, 0):
+            if program in self._cold or len(ready) >= self._target.get(program, 0):
+                continue
+            if program in self._pinned or len(ready) < self.per_program or parked < self.auto:
                 return program
         return None
 
@@ -136,9 +174,9 @@ class WarmPool:
                 if self._closed:
                     return
                 program = self._next_program()
-                quiet = self._last_take + QUIET_S - time.monotonic()
-            if quiet > 0:
-                time.sleep(quiet)
+                quiet = self._last_activity + QUIET_S - time.monotonic()
+            if quiet > 0 or self._busy():
+                time.sleep(max(quiet, QUIET_S))
                 continue
             assert program is not None
             self._warm_one(program)
