@@ -46,3 +46,25 @@ def test_registries_are_per_server() -> None:
     a, b = ServerMetrics(_stats, lambda: 0), ServerMetrics(_stats, lambda: 0)
     a.observe_request(0.1, 0.1, 1, 1)
     assert _samples(b)["pie_tokens_generated_total"] == 0
+
+
+def test_batch_size_histogram_from_the_scheduler() -> None:
+    from host.batching.scheduler import BATCH_SIZE_BUCKETS, SchedulerStats
+
+    st = SchedulerStats()
+    st.batch_size_counts[0] += 2  # two batches of 1
+    st.batch_size_counts[BATCH_SIZE_BUCKETS.index(4)] += 1  # one of 3 or 4
+    st.batches, st.forwards = 3, 5
+    m = ServerMetrics(lambda: {**_stats(), "scheduler": st.as_dict()}, lambda: 0)
+    buckets = {s.labels["le"]: s.value for fam in text_string_to_metric_families(m.render().decode())
+               for s in fam.samples if s.name == "pie_batch_size_bucket"}
+    assert (buckets["1.0"], buckets["2.0"], buckets["4.0"], buckets["+Inf"]) == (2, 2, 3, 3)
+    assert _samples(m)["pie_batch_size_sum"] == 5 and _samples(m)["pie_batch_size_count"] == 3
+
+
+def test_scheduler_counts_batches_by_size() -> None:
+    import bisect
+
+    from host.batching.scheduler import BATCH_SIZE_BUCKETS
+
+    assert [bisect.bisect_left(BATCH_SIZE_BUCKETS, n) for n in (1, 2, 3, 4, 5, 256, 257)] == [0, 1, 2, 2, 3, 8, 9]

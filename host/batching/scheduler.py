@@ -9,13 +9,14 @@ A request the backend rejects (`ForwardError`) fails alone; the rest of its batc
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpu_backend.types import ForwardError, ForwardRequest, OutputResult
@@ -23,9 +24,11 @@ from host.batching.future import CopyRequest, ForwardFuture, Job
 from host.batching.generation import Generation
 from host.batching.policy import AdaptivePolicy, BatchPolicy
 
-__all__ = ["Scheduler", "SchedulerStats", "ForwardFn", "CopyFn"]
+__all__ = ["Scheduler", "SchedulerStats", "ForwardFn", "CopyFn", "BATCH_SIZE_BUCKETS"]
 
 log = logging.getLogger(__name__)
+
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # upper bounds of the batch-size histogram
 
 ForwardFn = Callable[[Sequence[ForwardRequest]], list[list[OutputResult]]]
 CopyFn = Callable[[int, int, int, int, int], None]
@@ -57,6 +60,8 @@ class SchedulerStats:
     backend_s: float = 0.0
     max_batch_size: int = 0
     errors: int = 0
+    # batches by size: [i] counts sizes <= BATCH_SIZE_BUCKETS[i] (and > the bound before); the last, larger ones
+    batch_size_counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SIZE_BUCKETS) + 1))
 
     def as_dict(self) -> dict[str, Any]:
         b = max(self.batches, 1)
@@ -66,6 +71,7 @@ class SchedulerStats:
             "mean_batch_size": self.forwards / b, "mean_batch_tokens": self.tokens / b,
             "max_batch_size": self.max_batch_size, "mean_queue_wait_ms": 1000 * self.queue_wait_s / f,
             "mean_backend_ms": 1000 * self.backend_s / b, "backend_errors": self.errors,
+            "batch_size_counts": list(self.batch_size_counts),
         }
 
 
@@ -327,6 +333,7 @@ class Scheduler:
         st.forwards += len(batch)
         st.tokens += tokens
         st.max_batch_size = max(st.max_batch_size, len(batch))
+        st.batch_size_counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, len(batch))] += 1
         st.queue_wait_s += sum(start - f.submitted for f in batch)
         st.backend_s += end - start
         with self._cv:  # loops that go on are not waited for: they are in the next batch anyway

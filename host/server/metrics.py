@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
@@ -48,6 +48,16 @@ class _HostCollector(Collector):
                                   value=sched["backend_errors"])
         yield GaugeMetricFamily("pie_batch_size_mean", "Mean forwards per batch",
                                 value=sched["mean_batch_size"])
+        counts = sched.get("batch_size_counts")
+        if counts:  # the scheduler's batch-size histogram (forwards per batch)
+            from host.batching.scheduler import BATCH_SIZE_BUCKETS
+
+            cumulative, buckets = 0, []
+            for bound, n in zip((*(str(float(b)) for b in BATCH_SIZE_BUCKETS), "+Inf"), counts, strict=True):
+                cumulative += n
+                buckets.append((bound, cumulative))
+            yield HistogramMetricFamily("pie_batch_size", "Forward passes per batch", buckets=buckets,
+                                        sum_value=sched["forwards"])
 
 
 class ServerMetrics:
