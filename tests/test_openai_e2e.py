@@ -311,8 +311,8 @@ def test_32_concurrent_streams_all_complete(served: Served) -> None:
     forwards = after["pie_forwards_total"] - before["pie_forwards_total"]
     batches = after["pie_batches_total"] - before["pie_batches_total"]
     assert forwards > 1.5 * batches
-    one = after['pie_batch_size_bucket{le="1.0"}'] - before['pie_batch_size_bucket{le="1.0"}']
-    assert one < after["pie_batch_size_count"] - before["pie_batch_size_count"]  # the histogram saw it too
+    singles = after['pie_batch_size_bucket{le="1.0"}'] - before['pie_batch_size_bucket{le="1.0"}']
+    assert singles < after["pie_batch_size_count"] - before["pie_batch_size_count"]  # the histogram saw it too
 
 
 def test_websocket_protocol_on_the_same_port(served: Served) -> None:
