@@ -385,7 +385,14 @@ def _device_for(spec: EngineSpec, local_rank: int) -> str | None:
     if dev is None:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":
-        dev = f"cuda:{(spec.replica * spec.tp + local_rank) % max(torch.cuda.device_count(), 1)}"
+        need, have = spec.tp * spec.replicas, torch.cuda.device_count()
+        if need > have:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise RuntimeError(f"--tp {spec.tp} x --replicas {spec.replicas} needs {need} GPUs, but {have} "
+                               f"{'is' if have == 1 else 'are'} visible"
+                               f"{f' (CUDA_VISIBLE_DEVICES={visible})' if visible is not None else ''}: "
+                               "lower --tp or --replicas, or make more GPUs visible")
+        dev = f"cuda:{spec.replica * spec.tp + local_rank}"
     return dev
 
 
@@ -502,7 +509,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"engine: WORLD_SIZE={world} but the spec asks for tp={spec.tp}", file=sys.stderr)
             return 2
         init = "env://"
-    device = _device_for(spec, local_rank) if not spec.standin else "cpu"
+    try:
+        device = _device_for(spec, local_rank) if not spec.standin else "cpu"
+    except RuntimeError as e:
+        print(f"engine: {e}", file=sys.stderr)
+        if rank == 0 and args.endpoint:
+            _send_failure(args.endpoint, str(e))
+        return 1
     if spec.tp > 1:
         import torch
 

@@ -214,7 +214,8 @@ class Host:
         exports and prefix-cache entries are dropped. The other replicas carry on."""
         with self._lock:
             victims = [i for i in self._instances.values() if i.pages.replica == replica]
-        msg = f"{reason}: its KV cache is lost, the instances on it were ended (the host restarts the engine)"
+        then = "the host restarts the engine" if self.engines[replica].restart else "engine_restart is off"
+        msg = f"{reason}: its KV cache is lost, the instances on it were ended ({then})"
         for inst in victims:
             inst.terminate(msg)
         dropped = self._managers[replica].drop_contents()
@@ -306,7 +307,8 @@ class Host:
                 "instances": running, "free_pages": self.pages.free_count, "total_pages": self.total_pages,
                 "model": self.model_name,
                 "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"},
-                "engine": {"kind": "process" if self.engines else "inproc", "tp": self.config.tp,
+                "engine": {"kind": "process" if self.engines else "inproc",
+                           "tp": self.engines[0].spec.tp if self.engines else 1,
                            "replicas": [{"pid": e.pid, "alive": e.alive, "deaths": e.deaths,
                                          "instances": self._load[r], "free_pages": self._managers[r].free_count}
                                         for r, e in enumerate(self.engines)]}}

@@ -115,6 +115,15 @@ def test_an_engine_that_cannot_start_says_why() -> None:
         ProcessBackend(EngineSpec(model="/nonexistent/not-a-model.gguf"))
 
 
+def test_more_ranks_than_gpus_is_refused_with_the_count() -> None:
+    """tp x replicas ranks on cuda need that many visible GPUs; fewer is an error, not shared GPUs."""
+    import torch
+
+    have = torch.cuda.device_count()
+    with pytest.raises(EngineDied, match=rf"--tp 2 x --replicas {have + 1} needs {2 * (have + 1)} GPUs"):
+        ProcessBackend(EngineSpec(standin=False, device="cuda", tp=2, replicas=have + 1))
+
+
 def test_config_fields_and_flags() -> None:
     import argparse
 
