@@ -33,3 +33,19 @@ class Run:
 def compile_inferlet(host: Host, name_or_path: str | Path) -> str:
     """Build (cached) and compile a standard inferlet, a source folder or a .wasm; returns its hash."""
     return host.compile(resolve_inferlet(name_or_path, quiet=True).read_bytes())
+
+
+def settle(host: Host, program: str, n: int, timeout_s: float = 120.0) -> None:
+    """Let the host finish what it does after a burst before the next one is measured: the warm pool
+    refills (to the n instances the program just ran at once, up to its `warm_auto`) and the reaper
+    frees finished stores; both run while the host is idle (host/wasm/warm.py, host/wasm/reaper.py),
+    so a long-running host has done them before its next burst."""
+    import time
+
+    want = min(n, host.warm.auto)
+    if host.warm.wait_ready(program, want, timeout_s) < want:
+        raise RuntimeError(f"the warm pool did not refill to {want} instances in {timeout_s:g} s")
+    reaper = host.wasm.reaper
+    deadline = time.monotonic() + timeout_s
+    while reaper is not None and reaper.pending() and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -1,6 +1,7 @@
 """Can the host keep up with a GPU? The real host in front of a stand-in backend that sleeps per batch.
 
 Usage: python bench/host_scale.py --json OUT [--step-ms 10 2] [--instances 1 16 64 256] [--tokens 64]
+                                  [--engine inproc|process]
 
 The stand-in (gpu_backend/standin.py) sleeps `step-ms` per batch with the GIL released, as a GPU
 step does, and returns deterministic tokens (next = last + 1), so every output is checked. Two
@@ -15,6 +16,9 @@ Each entry is measured twice in the same run, after an unmeasured burst of the s
 host runs by default (`tok_s`, `efficiency`, ...: the warm pool, host/wasm/warm.py, has refilled
 to the N instances the program just had running, so the launches skip the instances' start-up),
 and with `cold_*` keys: the pool off (`--warm-auto 0`), every instance started from scratch.
+`--engine process` runs the same stand-in in an engine process (gpu_backend/engine_proc.py, fed over
+pyzmq + msgpack, as `pie-serve --engine process` does) instead of on the host's scheduler thread;
+bench/engine.py compares the two in one run.
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
@@ -22,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, Run, compile_inferlet
+from common import ROOT, Run, compile_inferlet, settle
 
+from gpu_backend.engine_proc import EngineSpec, start_engines
 from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
 
@@ -41,7 +45,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--step-ms", type=float, nargs="+", default=[10.0, 2.0], help="backend time per batch")
     ap.add_argument("--instances", type=int, nargs="+", default=[1, 16, 64, 256], help="concurrent instances")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per instance")
+    ap.add_argument("--engine", choices=("inproc", "process"), default="inproc",
+                    help="the stand-in on the host's scheduler thread, or in an engine process")
     return ap.parse_args()
+
+
+def make_host(engine: str, step_s: float) -> Host:
+    """The host in front of the stand-in sleeping `step_s` per batch, in-process or in an engine process."""
+    if engine == "process":
+        spec = EngineSpec(standin=True, page_size=16, num_pages=16384, standin_delay_s=step_s)
+        return Host(HostConfig(engine="process"), engines=start_engines(spec))
+    return Host(HostConfig(), backend=StandInBackend(page_size=16, num_pages=16384, delay_s=step_s))
 
 
 def expected_text(host: Host, tokens: int) -> str:
@@ -58,9 +72,9 @@ def workload_args(name: str, tokens: int) -> list[str]:
     return [str(tokens), PROMPT]
 
 
-def run_once(host: Host, backend: StandInBackend, program: str, args: list[str], n: int, want: str,
-             step_s: float, tokens: int) -> dict[str, float]:
-    backend.batches.clear()
+def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_s: float,
+             tokens: int) -> dict[str, float]:
+    before = host.scheduler.stats.as_dict()
     t0 = time.perf_counter()
     runs = [Run(host, program, args) for _ in range(n)]
     for r in runs:
@@ -68,29 +82,32 @@ def run_once(host: Host, backend: StandInBackend, program: str, args: list[str],
         if end.event != "completed" or end.message != want:
             raise RuntimeError(f"wrong result: {end.event}: {end.message[:200]!r} (expected {want[:80]!r})")
     wall = time.perf_counter() - t0
+    after = host.scheduler.stats.as_dict()
+    mean_batch = (after["forwards"] - before["forwards"]) / max(after["batches"] - before["batches"], 1)
     tok_s = n * tokens / wall
     ideal = n * tokens / ((tokens + 1) * step_s)
     return {"tok_s": round(tok_s, 1), "ideal_tok_s": round(ideal, 1), "efficiency": round(tok_s / ideal, 3),
-            "mean_batch": round(statistics.fmean(backend.batches), 1), "wall_s": round(wall, 3)}
+            "mean_batch": round(mean_batch, 1), "wall_s": round(wall, 3)}
 
 
-def measure(host: Host, backend: StandInBackend, program: str, args: list[str], n: int, want: str,
+def measure(host: Host, step_s: float, program: str, args: list[str], n: int, want: str,
             tokens: int) -> dict[str, float]:
     """A burst of n as the host runs by default, then one of n cold starts.
 
     An unmeasured burst of n goes first: the first time n instances run at once, the pooling
     allocator maps their slots and faults their pages in (once per slot, host/wasm/pooling.py),
     and the warm pool learns that the program runs n at once; a long-running host has done both.
-    The default burst starts once the pool has refilled (it refills while the backend is idle)."""
+    The default burst starts once the pool has refilled and the finished stores are freed (both
+    happen while the host is idle)."""
     auto = host.warm.auto
-    run_once(host, backend, program, args, n, want, backend.delay_s, tokens)
-    if host.warm.wait_ready(program, min(n, auto), timeout_s=300) < min(n, auto):
-        raise RuntimeError(f"the warm pool did not refill to {n} instances")
-    default = run_once(host, backend, program, args, n, want, backend.delay_s, tokens)
+    run_once(host, program, args, n, want, step_s, tokens)
+    settle(host, program, n)
+    default = run_once(host, program, args, n, want, step_s, tokens)
     host.warm.auto = 0  # cold: the pool off and emptied
     host.prewarm(program, 0)
+    settle(host, program, 0)  # the parked instances' stores freed too
     try:
-        cold = run_once(host, backend, program, args, n, want, backend.delay_s, tokens)
+        cold = run_once(host, program, args, n, want, step_s, tokens)
     finally:
         host.warm.auto = auto
     return {**default, **{f"cold_{k}": v for k, v in cold.items() if k != "ideal_tok_s"}}
@@ -119,8 +136,9 @@ def rss_per_instance(host: Host, program: str, n: int = 256) -> float:
     return round((during - before) / n, 2)
 
 
-def table(results: dict[str, Any], rss: float, tokens: int) -> str:
-    lines = [f"# bench/host_scale.py ({tokens} tokens per instance; efficiency = tok/s / ideal)", ""]
+def table(results: dict[str, Any], rss: float, tokens: int, engine: str) -> str:
+    lines = [f"# bench/host_scale.py ({tokens} tokens per instance; efficiency = tok/s / ideal; "
+             f"--engine {engine})", ""]
     for step, by_workload in results.items():
         for workload, by_n in by_workload.items():
             lines += [f"## {step} ms step, `{workload}`", "", "| instances | " + " | ".join(by_n) + " |",
@@ -134,34 +152,35 @@ def table(results: dict[str, Any], rss: float, tokens: int) -> str:
 
 def main() -> None:
     opts = parse_args()
-    backend = StandInBackend(page_size=16, num_pages=16384)
-    host = Host(HostConfig(), backend=backend)
-    programs = {"app": compile_inferlet(host, "text_completion"),
-                "step": compile_inferlet(host, ROOT / "bench" / "inferlets" / "stepper")}
-    want_app = expected_text(host, opts.tokens)
-    last = host.backend.tokenizer.encode(PROMPT)[-1]
-    want = {"app": want_app, "step": " ".join(str(last + 1 + i) for i in range(opts.tokens))}
     results: dict[str, Any] = {}
-    for step_ms in opts.step_ms:
-        backend.delay_s = step_ms / 1000
-        key = f"{step_ms:g}"
-        results[key] = {}
-        for workload in ("app", "step"):
-            args = workload_args(workload, opts.tokens)
-            run_once(host, backend, programs[workload], args, 1, want[workload], backend.delay_s, opts.tokens)
-            results[key][workload] = {str(n): measure(host, backend, programs[workload], args, n,
-                                                      want[workload], opts.tokens) for n in opts.instances}
-            print(key, workload, json.dumps(results[key][workload]), flush=True)
-    backend.delay_s = 0.0
-    host.warm.auto = 0  # count started instances only: no parked ones before or during
-    for program in programs.values():
-        host.prewarm(program, 0)
-    rss = rss_per_instance(host, programs["step"])
-    host.shutdown()
-    res = {**results, "rss_mb_per_instance": rss, "tokens": opts.tokens}
+    for step_ms in [*opts.step_ms, 0.0]:  # the last host (no delay) measures memory per instance
+        host = make_host(opts.engine, step_ms / 1000)
+        try:
+            programs = {"app": compile_inferlet(host, "text_completion"),
+                        "step": compile_inferlet(host, ROOT / "bench" / "inferlets" / "stepper")}
+            if step_ms == 0.0:
+                host.warm.auto = 0  # count started instances only: no parked ones before or during
+                for program in programs.values():
+                    host.prewarm(program, 0)
+                rss = rss_per_instance(host, programs["step"])
+                break
+            last = host.backend.tokenizer.encode(PROMPT)[-1]
+            want = {"app": expected_text(host, opts.tokens),
+                    "step": " ".join(str(last + 1 + i) for i in range(opts.tokens))}
+            key = f"{step_ms:g}"
+            results[key] = {}
+            for workload in ("app", "step"):
+                args = workload_args(workload, opts.tokens)
+                run_once(host, programs[workload], args, 1, want[workload], step_ms / 1000, opts.tokens)
+                results[key][workload] = {str(n): measure(host, step_ms / 1000, programs[workload], args, n,
+                                                          want[workload], opts.tokens) for n in opts.instances}
+                print(key, workload, json.dumps(results[key][workload]), flush=True)
+        finally:
+            host.shutdown()
+    res = {**results, "rss_mb_per_instance": rss, "tokens": opts.tokens, "engine": opts.engine}
     opts.json.parent.mkdir(parents=True, exist_ok=True)
     opts.json.write_text(json.dumps(res, indent=2))
-    md = table(results, rss, opts.tokens)
+    md = table(results, rss, opts.tokens, opts.engine)
     opts.json.with_suffix(".md").write_text(md)
     print(md)
 

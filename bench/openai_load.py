@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common import settle
+
 from host import Host, HostConfig
 from host.cli.build import resolve_inferlet
 from host.server import Server, ServerConfig
@@ -131,17 +133,6 @@ def _drive(mode: str, server: dict[str, str], clients: int, rounds: int, max_tok
     t0 = time.perf_counter()
     results = asyncio.run(main())
     return [s for per_client in results for s in per_client], time.perf_counter() - t0
-
-
-def settle(host: Host, program: str, n: int) -> None:
-    """Let the host finish what it does after a burst before the next level is measured: the warm pool
-    refills (up to the n instances the program just ran at once) and the reaper frees finished stores,
-    both while the host is idle (host/wasm/warm.py, host/wasm/reaper.py)."""
-    host.warm.wait_ready(program, min(n, host.warm.auto), timeout_s=120)
-    reaper = host.wasm.reaper
-    deadline = time.monotonic() + 30
-    while reaper is not None and reaper.pending() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def run_level(pool: ProcessPoolExecutor, mode: str, server: dict[str, str], clients: int, rounds: int,
