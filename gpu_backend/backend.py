@@ -214,7 +214,18 @@ class TorchBackend:
 def _resolve_device(device: str | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a torch device: use cpu, cuda or cuda:N ({e})") from None
+    if dev.type == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have == 0:
+            raise ValueError(f"device {device!r}: no CUDA GPU is visible to torch {torch.__version__} "
+                             "(a CPU-only build, no driver, or CUDA_VISIBLE_DEVICES empty): use --device cpu")
+        if dev.index is not None and dev.index >= have:
+            raise ValueError(f"device {device!r}: only {have} CUDA GPU(s) are visible (cuda:0..cuda:{have - 1})")
+    return dev
 
 
 def make_attention(name: str) -> Attention:

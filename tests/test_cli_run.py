@@ -51,3 +51,19 @@ def test_bad_host_option_is_a_usage_error(tmp_path, capsys: pytest.CaptureFixtur
     wasm.write_bytes(b"\0asm")
     assert run.main([str(wasm), "--max-batch-tokens", "0"]) == run.EXIT_USAGE
     assert "pie-run: max_batch_tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_device_that_is_not_there_is_a_clear_error(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No traceback: an absent GPU, a bad device string or more ranks than GPUs name the problem."""
+    wasm = tmp_path / "app.wasm"
+    wasm.write_bytes(b"\0asm")
+    assert run.main([str(wasm), "--device", "cuda:99"]) == run.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "pie-run: cannot load the model: device 'cuda:99'" in err and "Traceback" not in err
+    assert run.main([str(wasm), "--device", "gpu0"]) == run.EXIT_ERROR
+    assert "'gpu0' is not a torch device: use cpu, cuda or cuda:N" in capsys.readouterr().err
+    assert run.main([str(wasm), "--device", "cuda", "--tp", "99"]) == run.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "needs 99 GPUs" in err or "no CUDA GPU is visible" in err
+    assert serve.main(["--device", "cuda:99", "--port", "0", "--openai-handler", "none"]) == serve.EXIT_ERROR
+    assert "pie-serve: cannot load the model: device 'cuda:99'" in capsys.readouterr().err

@@ -69,10 +69,15 @@ def _run_embedded(opts: argparse.Namespace, wasm_path: Path, args: list[str]) ->
     except ValueError as e:
         print(f"pie-run: {e}", file=sys.stderr)
         return EXIT_USAGE
+    from gpu_backend.engine_proc import EngineDied
+
     try:
         host = Host(config)
     except (FileNotFoundError, ValueError) as e:
         print(f"pie-run: cannot load the model: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except EngineDied as e:
+        print(f"pie-run: {e}", file=sys.stderr)
         return EXIT_ERROR
     with host:
         try:

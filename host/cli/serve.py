@@ -20,7 +20,7 @@ from host.server.programs import DEFAULT_MAX_PROGRAM_BYTES
 
 __all__ = ["main", "parse_args", "server_config_from_args"]
 
-EXIT_USAGE = 2
+EXIT_ERROR, EXIT_USAGE = 1, 2
 DEFAULT_OPENAI_HANDLER = "openai_chat"
 
 
@@ -92,7 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         except (BuildError, OSError) as exc:
             print(f"pie-serve: --openai-handler: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    host = Host(config)
+    from gpu_backend.engine_proc import EngineDied
+
+    try:
+        host = Host(config)
+    except (FileNotFoundError, ValueError, EngineDied) as exc:
+        print(f"pie-serve: cannot load the model: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         program = host.compile(handler_wasm) if handler_wasm is not None else None
         server = Server(host, server_config, openai_program=program, model_name=args.served_model_name)
