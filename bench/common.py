@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import time
 from pathlib import Path
 
 from host import Host, InstanceEvent
@@ -40,8 +41,6 @@ def settle(host: Host, program: str, n: int, timeout_s: float = 120.0) -> None:
     refills (to the n instances the program just ran at once, up to its `warm_auto`) and the reaper
     frees finished stores; both run while the host is idle (host/wasm/warm.py, host/wasm/reaper.py),
     so a long-running host has done them before its next burst."""
-    import time
-
     want = min(n, host.warm.auto)
     if host.warm.wait_ready(program, want, timeout_s) < want:
         raise RuntimeError(f"the warm pool did not refill to {want} instances in {timeout_s:g} s")
