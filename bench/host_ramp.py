@@ -1,0 +1,83 @@
+"""How long a burst takes to reach the backend, by run-gate setting (diagnosis for issue 12).
+
+Usage: python bench/host_ramp.py --json OUT [--instances 64] [--bursts 5] [--step-ms 10]
+
+N `text_completion` instances (greedy, 64 tokens) launched at once in front of the stand-in backend
+sleeping `--step-ms` per batch, as in bench/host_scale.py, with the host as it runs by default
+(the warm pool refilled and the host settled before each burst: bench/common.settle). For each
+run-gate setting (`run_slots` 1, 2, 4 and the gate off) it reports the median over `--bursts` of
+the efficiency (tok/s / ideal) and of `first_batch_ms`: from the first launch to the first backend
+call. The policy holds that call until the launched instances have submitted, so first_batch_ms
+is the ramp: the guest and host work each instance does before its first forward, serialized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from common import Run, compile_inferlet, settle
+
+from gpu_backend.standin import StandInBackend
+from host import Host, HostConfig
+
+ARGS = ["--prompt", "Write a story about a lighthouse.", "--max-tokens", "64"]
+SETTINGS = {"slots1": {"run_slots": 1}, "slots2": {"run_slots": 2}, "slots4": {"run_slots": 4},
+            "no_gate": {"run_gate": False}}
+
+
+def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict[str, Any]:
+    backend = StandInBackend(page_size=16, num_pages=16384, delay_s=step_s)
+    starts: list[float] = []
+    forward = backend.forward
+
+    def timed(reqs: Any) -> Any:
+        starts.append(time.perf_counter())
+        return forward(reqs)
+
+    backend.forward = timed  # type: ignore[method-assign]
+    host = Host(HostConfig(**setting), backend=backend, progress=False)
+    effs, firsts = [], []
+    try:
+        program = compile_inferlet(host, "text_completion")
+        for k in range(bursts + 1):  # the first burst is unmeasured: the pool learns n, slots fault in
+            if k:
+                settle(host, program, n)
+            starts.clear()
+            t0 = time.perf_counter()
+            runs = [Run(host, program, ARGS) for _ in range(n)]
+            for r in runs:
+                end = r.finish(600)
+                if end.event != "completed":
+                    raise RuntimeError(f"{end.event}: {end.message[:200]}")
+            wall = time.perf_counter() - t0
+            if k:
+                effs.append(n * 64 / wall / (n * 64 / (65 * step_s)))
+                firsts.append(1000 * (starts[0] - t0))
+    finally:
+        host.shutdown()
+    return {"efficiency": round(statistics.median(effs), 3), "first_batch_ms": round(statistics.median(firsts), 1),
+            "efficiencies": [round(e, 3) for e in effs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, required=True, help="where to write the results")
+    ap.add_argument("--instances", type=int, default=64)
+    ap.add_argument("--bursts", type=int, default=5)
+    ap.add_argument("--step-ms", type=float, default=10.0)
+    opts = ap.parse_args()
+    res: dict[str, Any] = {"instances": opts.instances, "step_ms": opts.step_ms}
+    for name, setting in SETTINGS.items():
+        res[name] = measure(setting, opts.instances, opts.bursts, opts.step_ms / 1000)
+        print(name, json.dumps(res[name]), flush=True)
+    opts.json.parent.mkdir(parents=True, exist_ok=True)
+    opts.json.write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
