@@ -48,3 +48,9 @@ def settle(host: Host, program: str, n: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while reaper is not None and reaper.pending() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-quantile (0 <= q <= 1) of `values`."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import settle
+from common import percentile, settle
 
 from host import Host, HostConfig
 from host.cli.build import resolve_inferlet
@@ -141,11 +141,6 @@ def run_level(pool: ProcessPoolExecutor, mode: str, server: dict[str, str], clie
     return pool.submit(_drive, mode, server, clients, rounds, max_tokens).result()
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def summarize(samples: list[Sample], wall_s: float) -> dict[str, float]:
     ttft = [s.ttft_s * 1000 for s in samples]
     tpot = [s.tpot_s * 1000 for s in samples if s.tpot_s is not None]
@@ -153,10 +148,10 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, float]:
     tokens = sum(s.tokens for s in samples)
     return {"requests": len(samples), "wall_s": round(wall_s, 3),
             "throughput_req_s": round(len(samples) / wall_s, 3), "tokens_per_s": round(tokens / wall_s, 2),
-            "ttft_p50_ms": round(statistics.median(ttft), 1), "ttft_p99_ms": round(_pct(ttft, 0.99), 1),
+            "ttft_p50_ms": round(statistics.median(ttft), 1), "ttft_p99_ms": round(percentile(ttft, 0.99), 1),
             "tpot_p50_ms": round(statistics.median(tpot), 1) if tpot else None,
-            "tpot_p99_ms": round(_pct(tpot, 0.99), 1) if tpot else None,
-            "latency_p50_ms": round(statistics.median(lat), 1), "latency_p99_ms": round(_pct(lat, 0.99), 1)}
+            "tpot_p99_ms": round(percentile(tpot, 0.99), 1) if tpot else None,
+            "latency_p50_ms": round(statistics.median(lat), 1), "latency_p99_ms": round(percentile(lat, 0.99), 1)}
 
 
 def markdown(result: dict[str, Any], levels: list[int]) -> str:

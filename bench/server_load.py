@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common import percentile
+
 from host import Host, HostConfig
 from host.cli.build import resolve_inferlet
 from host.client import PieClient
@@ -112,19 +114,14 @@ def run_direct_level(host: Host, program: str, clients: int, rounds: int, max_to
     return samples, time.perf_counter() - t0
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def summarize(samples: list[Sample], wall_s: float, count_tokens: Callable[[str], int]) -> dict[str, float]:
     tokens = sum(count_tokens(s.text) for s in samples)
     ttfm = [s.ttfm_s * 1000 for s in samples]
     lat = [s.latency_s * 1000 for s in samples]
     return {"requests": len(samples), "wall_s": round(wall_s, 3),
             "throughput_req_s": round(len(samples) / wall_s, 3), "tokens_per_s": round(tokens / wall_s, 2),
-            "ttfm_p50_ms": round(statistics.median(ttfm), 1), "ttfm_p99_ms": round(_pct(ttfm, 0.99), 1),
-            "latency_p50_ms": round(statistics.median(lat), 1), "latency_p99_ms": round(_pct(lat, 0.99), 1)}
+            "ttfm_p50_ms": round(statistics.median(ttfm), 1), "ttfm_p99_ms": round(percentile(ttfm, 0.99), 1),
+            "latency_p50_ms": round(statistics.median(lat), 1), "latency_p99_ms": round(percentile(lat, 0.99), 1)}
 
 
 def markdown(result: dict[str, Any], levels: list[int]) -> str:
