@@ -1,6 +1,6 @@
 """How long a burst takes to reach the backend, by run-gate setting (diagnosis for issue 12).
 
-Usage: python bench/host_ramp.py --json OUT [--instances 64] [--bursts 5] [--step-ms 10]
+Usage: python bench/host_ramp.py --json OUT [--instances 64] [--bursts 5] [--step-ms 10] [--settings ...]
 
 N `text_completion` instances (greedy, 64 tokens) launched at once in front of the stand-in backend
 sleeping `--step-ms` per batch, as in bench/host_scale.py, with the host as it runs by default
@@ -9,6 +9,9 @@ run-gate setting (`run_slots` 1, 2, 4 and the gate off) it reports the median ov
 the efficiency (tok/s / ideal) and of `first_batch_ms`: from the first launch to the first backend
 call. The policy holds that call until the launched instances have submitted, so first_batch_ms
 is the ramp: the guest and host work each instance does before its first forward, serialized.
+`full_batch_ms`: from the first launch to the first backend call with at least 90% of the N
+instances in it (when the last ones have joined). `gap_ms`: the median time from one backend call's end to the next one's start (the host's own work
+per step once the instances run).
 """
 
 from __future__ import annotations
@@ -33,21 +36,29 @@ SETTINGS = {"slots1": {"run_slots": 1}, "slots2": {"run_slots": 2}, "slots4": {"
 def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict[str, Any]:
     backend = StandInBackend(page_size=16, num_pages=16384, delay_s=step_s)
     starts: list[float] = []
+    ends: list[float] = []
+    sizes: list[int] = []
     forward = backend.forward
 
     def timed(reqs: Any) -> Any:
         starts.append(time.perf_counter())
-        return forward(reqs)
+        sizes.append(len(reqs))
+        try:
+            return forward(reqs)
+        finally:
+            ends.append(time.perf_counter())
 
     backend.forward = timed  # type: ignore[method-assign]
     host = Host(HostConfig(**setting), backend=backend, progress=False)
-    effs, firsts = [], []
+    effs, firsts, fulls, gaps = [], [], [], []
     try:
         program = compile_inferlet(host, "text_completion")
         for k in range(bursts + 1):  # the first burst is unmeasured: the pool learns n, slots fault in
             if k:
                 settle(host, program, n)
             starts.clear()
+            ends.clear()
+            sizes.clear()
             t0 = time.perf_counter()
             runs = [Run(host, program, ARGS) for _ in range(n)]
             for r in runs:
@@ -58,10 +69,12 @@ def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict
             if k:
                 effs.append(n * 64 / wall / (n * 64 / (65 * step_s)))
                 firsts.append(1000 * (starts[0] - t0))
+                fulls.append(1000 * (next(t for t, k in zip(starts, sizes, strict=True) if k >= 0.9 * n) - t0))
+                gaps.append(1000 * statistics.median(b - a for a, b in zip(ends, starts[1:], strict=False)))
     finally:
         host.shutdown()
     return {"efficiency": round(statistics.median(effs), 3), "first_batch_ms": round(statistics.median(firsts), 1),
-            "efficiencies": [round(e, 3) for e in effs]}
+            "full_batch_ms": round(statistics.median(fulls), 1), "gap_ms": round(statistics.median(gaps), 2), "efficiencies": [round(e, 3) for e in effs]}
 
 
 def main() -> None:
@@ -70,10 +83,11 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=64)
     ap.add_argument("--bursts", type=int, default=5)
     ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     opts = ap.parse_args()
     res: dict[str, Any] = {"instances": opts.instances, "step_ms": opts.step_ms}
-    for name, setting in SETTINGS.items():
-        res[name] = measure(setting, opts.instances, opts.bursts, opts.step_ms / 1000)
+    for name in opts.settings:
+        res[name] = measure(SETTINGS[name], opts.instances, opts.bursts, opts.step_ms / 1000)
         print(name, json.dumps(res[name]), flush=True)
     opts.json.parent.mkdir(parents=True, exist_ok=True)
     opts.json.write_text(json.dumps(res, indent=2) + "\n")
