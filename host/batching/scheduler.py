@@ -134,11 +134,16 @@ class Scheduler:
                 raise RuntimeError("scheduler is stopped")
             if self._pins is not None:
                 self._pins.pin(_pages(request))
+            idle = len(self._queue) <= self._copies_queued and not self._resident
             self._queue.append(fut)
             if isinstance(request, CopyRequest):
                 self._copies_queued += 1
             self.policy.submitted(owner)
-            self._cv.notify()
+            # Wake the scheduler only when this submit can change its decision: it may be asleep
+            # with nothing to fire (no timeout), a copy may run now, or the batch is ready. A wake-up
+            # for every submit of a step costs each one a GIL round trip on the scheduler thread.
+            if idle or isinstance(request, CopyRequest) or self.policy.ready(self._pending(), time.perf_counter()):
+                self._cv.notify()
         return fut
 
     def busy(self) -> bool:
