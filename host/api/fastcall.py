@@ -19,10 +19,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
 from wasmtime import StoreContext
+from wasmtime import _bindings as B
 from wasmtime import _ffi as ffi
 from wasmtime.component import _linker as L
 from wasmtime.component import _types as T
@@ -75,7 +77,32 @@ def _patch_types() -> None:
     T.ListType.convert_from_c = _list_from_c  # type: ignore[method-assign]
     T.ListType.convert_to_c = _list_to_c  # type: ignore[method-assign]
     T.RecordType.convert_from_c = _record_from_c  # type: ignore[method-assign]
+    _hold_gil_in_helpers()
     _PATCHED = True
+
+
+# The C helpers a value conversion calls: they allocate, free or read small structs, never run
+# guest code and never block.
+_HELPERS = re.compile(r"^_(wasmtime_component_val(list|tuple|record|flags)?_|wasm_byte_vec_|wasm_name_|"
+                      r"wasmtime_component_\w+_type_)")
+
+
+def _hold_gil_in_helpers() -> None:
+    """Call the conversion helpers without releasing the GIL (as ctypes.PyDLL does).
+
+    ctypes releases the GIL around every foreign call. A host call converts its arguments and
+    result with a few of these helpers; with other instance threads waiting for the GIL, each
+    release hands the GIL over and the converting thread must wait to get it back: a thread
+    switch per helper call, for a call that takes well under a microsecond."""
+    held = ctypes.PyDLL(ffi.dll._name, handle=ffi.dll._handle)
+    for name, fn in list(vars(B).items()):
+        if not _HELPERS.match(name) or not isinstance(fn, ctypes._CFuncPtr):
+            continue
+        fast = getattr(held, name[1:], None)
+        if fast is None:
+            continue
+        fast.restype, fast.argtypes = fn.restype, fn.argtypes
+        setattr(B, name, fast)
 
 
 _LIST_FROM_C = T.ListType.convert_from_c
