@@ -150,7 +150,16 @@ class Host:
         self._closed = False
         self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
-                             busy=busy)
+                             busy=lambda: busy() or self._reaping())
+
+    def _reaping(self) -> bool:
+        """Stores of finished instances are still waiting to be freed. The warm pool waits for them:
+        a store freed first gives its pool slot, memory already faulted in, to the next warm
+        instance; warmed before, that instance takes a fresh slot and faults its memory in while it
+        serves (measured: ~250 page faults and ~3.5 ms of kernel time per `text_completion`
+        instance, on the critical path of the next burst)."""
+        reaper = self.wasm.reaper
+        return reaper is not None and reaper.pending() > 0
 
     # ---- programs ----
     def compile(self, wasm: bytes) -> str:

@@ -8,7 +8,8 @@ caches the forward has just flushed. The gate lets `slots` instance threads run 
 one can run guest wasm, which needs no GIL, while the other runs host code) and hands the
 wake-ups out in order, one per free slot, so that the scheduler thread finishing the batch and
 the instances waking do not get in each other's way either. A thread gives its slot up
-whenever it blocks. `bench/host_overhead.py` measures the tax with the gate on and off.
+whenever it blocks, handing it to the longest waiting thread (threads waiting for a slot do
+not poll). `bench/host_overhead.py` measures the tax with the gate on and off.
 
 The gate never stops anyone for long: a thread waits for a slot only while the holders keep
 moving. When the newest holder has held its slot longer than `max_hold_s` (a guest computing,
@@ -27,6 +28,17 @@ from collections.abc import Callable
 __all__ = ["RunGate"]
 
 
+class _Waiter:
+    """A thread waiting in `enter`: its lock is released when a leaving thread hands it a slot."""
+
+    __slots__ = ("lock", "granted")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.granted = False
+
+
 class RunGate:
     """`slots` instance threads run at a time; each gives its slot up whenever it blocks."""
 
@@ -36,8 +48,8 @@ class RunGate:
         self.enabled = enabled
         self.slots = slots
         self.max_hold_s = max_hold_s
-        self._sem = threading.Semaphore(slots)
         self._held = 0  # slots taken (guarded by _mutex)
+        self._waiters: deque[_Waiter] = deque()  # threads waiting in enter() for a slot, in order
         self._since = 0.0  # when a slot was last taken
         self._mine = threading.local()
         self._mutex = threading.Lock()
@@ -92,33 +104,59 @@ class RunGate:
 
     # ---- slots ----
     def enter(self) -> None:
-        """Take a slot (a thread that holds one keeps it); gives up when the holders are stuck."""
+        """Take a slot (a thread that holds one keeps it); gives up when the holders are stuck.
+
+        A thread that finds no free slot waits on a lock of its own and is handed the slot of the
+        next thread that leaves, in arrival order. It does not poll: hundreds of parked threads
+        waking every few ms to look cost more GIL time than the work they wait for (a burst of
+        launches). It wakes on its own only every `max_hold_s`, to pass stuck holders by."""
         if not self.enabled or getattr(self._mine, "held", False):
             return
-        sem = self._sem
-        while not sem.acquire(timeout=0.002):
-            if self._stuck(time.perf_counter()):
-                with self._mutex:  # run without a slot this time; the wake-up has arrived
-                    self._handing = max(self._handing - 1, 0)
-                return
         now = time.perf_counter()
         with self._mutex:
-            self._held += 1
-            self._handing = max(self._handing - 1, 0)
-            self._since = now
+            self._handing = max(self._handing - 1, 0)  # a wake-up handed to this thread has arrived
+            if self._held < self.slots and not self._waiters:
+                self._held += 1
+                self._since = now
+                got = True
+            elif self._stuck(now):
+                return  # run without a slot this time
+            else:
+                waiter = _Waiter()
+                self._waiters.append(waiter)
+                got = False
+        if not got and not self._wait_for_slot(waiter):
+            return
         self._mine.held = True
-        self._mine.since = now
+        self._mine.since = time.perf_counter()
         if self._pending:
             self._hand_on()  # a slot may still be free for the next one
 
+    def _wait_for_slot(self, waiter: _Waiter) -> bool:
+        """Block until a leaving thread hands `waiter` its slot (True) or the holders look stuck (False)."""
+        while not waiter.lock.acquire(timeout=self.max_hold_s):
+            with self._mutex:
+                if waiter.granted:
+                    return True  # handed over just as the wait timed out
+                if self._stuck(time.perf_counter()):
+                    self._waiters.remove(waiter)
+                    return False
+        return True
+
     def leave(self) -> None:
-        """Give this thread's slot up (if it holds one) and wake the next queued thread."""
+        """Give this thread's slot up (if it holds one): to the longest waiting thread, if any, else
+        it becomes free and the next queued wake-up goes out."""
         mine = self._mine
         if getattr(mine, "held", False):
             mine.held = False
             with self._mutex:
-                self._held -= 1
-            self._sem.release()
+                if self._waiters:
+                    waiter = self._waiters.popleft()
+                    waiter.granted = True
+                    self._since = time.perf_counter()
+                    waiter.lock.release()
+                else:
+                    self._held -= 1
         if self._pending:
             self._hand_on()
 
