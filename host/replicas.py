@@ -94,8 +94,9 @@ class ReplicaPages:
     def attach_prefix(self, table: InstancePages, tokens: Sequence[int]) -> list[int]:
         return self._of(table).attach_prefix(table, tokens)
 
-    def note_write(self, table: InstancePages, req: ForwardRequest, page_size: int) -> None:
-        self._of(table).note_write(table, req, page_size)
+    def note_write(self, table: InstancePages, req: ForwardRequest, page_size: int,
+                   context_len: int | None = None) -> None:
+        self._of(table).note_write(table, req, page_size, context_len)
 
     def note_copy(self, table: InstancePages, dst_page: int) -> None:
         self._of(table).note_copy(table, dst_page)

@@ -87,6 +87,9 @@ _HELPERS = re.compile(r"^_(wasmtime_component_val(list|tuple|record|flags)?_|was
                       r"wasmtime_component_\w+_type_)")
 
 
+_CFUNC_PTR: Any = type(ffi.dll.wasmtime_component_val_new)
+
+
 def _hold_gil_in_helpers() -> None:
     """Call the conversion helpers without releasing the GIL (as ctypes.PyDLL does).
 
@@ -96,9 +99,9 @@ def _hold_gil_in_helpers() -> None:
     switch per helper call, for a call that takes well under a microsecond."""
     held = ctypes.PyDLL(ffi.dll._name, handle=ffi.dll._handle)
     for name, fn in list(vars(B).items()):
-        if not _HELPERS.match(name) or not isinstance(fn, ctypes._CFuncPtr):
+        if not _HELPERS.match(name) or not isinstance(fn, _CFUNC_PTR):
             continue
-        fast = getattr(held, name[1:], None)
+        fast: Any = getattr(held, name[1:], None)
         if fast is None:
             continue
         fast.restype, fast.argtypes = fn.restype, fn.argtypes

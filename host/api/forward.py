@@ -76,15 +76,20 @@ class _Passes:
     def decode_request(self, inst: Instance, pages: list[int], last_len: int, token: int, position: int,
                        sampler: Any) -> ForwardRequest:
         """forward.run(pages, last_len, [token], [position], [], [sample-only spec at 0]), checked
-        inline: everything check_request would reject, for this fixed shape."""
-        req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=[token], positions=[position],
-                             name=inst.label)
-        self.check_pages(inst, req)
+        inline: everything check_request would reject, for this fixed shape. It is the call made per
+        token, so the pass's geometry is worked out once here (one token: it writes the last page)."""
+        inst.check_alive()
+        ps = self.page_size
+        if not pages:
+            raise GuestError("empty page list")
+        if not 1 <= last_len <= ps:
+            raise GuestError(f"last-page-len {last_len} is outside 1..{ps}")
+        self.pm.check_pages(inst.pages, pages, writable_from=len(pages) - 1)
         if token >= self.info.vocab_size:
             raise GuestError(f"token {token} is outside the vocabulary (size {self.info.vocab_size})")
         if position >= self.max_position:
             raise GuestError(f"position {position} is past the model's maximum {self.max_position - 1}")
-        if len(set(pages)) != len(pages):
+        if len(pages) > 1 and len(set(pages)) != len(pages):
             raise GuestError(f"the page list repeats a page: {pages}")
         key = tuple(sampler.__dict__.values())
         outputs = self.decode_specs.get(key)
@@ -92,9 +97,9 @@ class _Passes:
             outputs = [OutputSpec(index=0, sample=as_sampler(_sampler(sampler), "sampler"))]
             if len(self.decode_specs) < 1024:
                 self.decode_specs[key] = outputs
-        req.outputs = outputs
-        req.checked = True
-        self.pm.note_write(inst.pages, req, self.page_size)
+        req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=[token], positions=[position],
+                             outputs=outputs, name=inst.label, checked=True)
+        self.pm.note_write(inst.pages, req, ps, context_len=(len(pages) - 1) * ps + last_len - 1)
         return req
 
 

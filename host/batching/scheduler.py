@@ -291,9 +291,11 @@ class Scheduler:
                 return
             end = time.perf_counter()
             tokens = sum(len(f.request.tokens) for f in batch if isinstance(f.request, ForwardRequest))
+            if self._pins is not None:  # one lock for the batch: pages may become free, then waiters wake
+                self._pins.unpin([p for f in batch if f.generation is None for p in _pages(f.request)])
             for f, r in zip(batch, results, strict=True):  # a loop's step turns its request into the next
                 if f.generation is None:
-                    self._complete(f, r, None)
+                    f.finish(r, None)
                 else:
                     self._step(f, f.generation, r)
             self._record(batch, tokens, start, end)

@@ -263,19 +263,21 @@ class PageManager:
             self._hold_read_only(table, pages)
             return pages
 
-    def note_write(self, table: InstancePages, req: ForwardRequest, page_size: int) -> None:
+    def note_write(self, table: InstancePages, req: ForwardRequest, page_size: int,
+                   context_len: int | None = None) -> None:
         """A checked pass of `table`'s instance is being queued: a frozen page (shared through the
-        prefix cache) must not be written; the cache learns what the written pages hold."""
+        prefix cache) must not be written; the cache learns what the written pages hold.
+        `context_len`: the request's, when the caller has it at hand."""
         cache = self.cache
         if cache is None:
             return
+        ctx = req.context_len(page_size) if context_len is None else context_len
         with self._lock:
             if cache.frozen:
-                for p in req.pages[req.first_written_page(page_size):]:
+                for p in req.pages[ctx // page_size:]:
                     if p in cache.frozen:
                         raise PageError(f"page {p} is shared through the prefix cache: it cannot be written again")
-            cache.note_write(req.pages, req.context_len(page_size), req.tokens, req.positions,
-                             req.mask is not None, table.tenant)
+            cache.note_write(req.pages, ctx, req.tokens, req.positions, req.mask is not None, table.tenant)
 
     def note_copy(self, table: InstancePages, dst_page: int) -> None:
         """A copy-tokens into `dst_page` is being queued: refused into a frozen page; content unknown after."""
