@@ -218,10 +218,17 @@ class Instance:
         """Block (GIL released) until ready() or timeout; raises Terminated if stopped meanwhile.
 
         The wait also ends when the wall-clock budget runs out (then Terminated, with the budget
-        reason), so a guest blocked in an import cannot outlive its budget.
+        reason), so a guest blocked in an import cannot outlive its budget. A thread that blocks
+        gives its run-gate slot up first and takes one again when it goes on.
         """
+        if ready():
+            return True
+        self.check_alive()
+        if timeout_s is not None and timeout_s <= 0:
+            return False
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-        blocked = False
+        self.env.on_block(self.id)  # the scheduler need not wait for us
+        self.env.gate.leave()  # outside self.cond: the gate wakes other instances through theirs
         try:
             with self.cond:
                 while not ready():
@@ -230,11 +237,6 @@ class Instance:
                     if remaining is not None and remaining <= 0:
                         return False
                     remaining = _earliest(remaining, self.budget_left_s())
-                    if not blocked:
-                        blocked = True
-                        self.env.on_block(self.id)  # the scheduler need not wait for us
-                        self._outside_cond(self.env.gate.leave)
-                        continue  # cond was released: check again
                     self._waiting = True
                     self.cond.wait(remaining)
                     self._waiting = False
@@ -243,9 +245,8 @@ class Instance:
                         if not ready():  # not ready after all: pass the turn on
                             self._outside_cond(self.env.gate.declined)
                 return True
-        finally:
-            if blocked:  # outside self.cond: the scheduler's wake-up callback needs it
-                self.env.gate.enter()
+        finally:  # outside self.cond: the scheduler's wake-up callback needs it
+            self.env.gate.enter()
 
     def _outside_cond(self, fn: Callable[[], None]) -> None:
         """Run `fn` with self.cond released: gate calls take other instances' conds."""
