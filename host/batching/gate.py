@@ -69,6 +69,8 @@ class RunGate:
             return
         with self._mutex:
             self._pending.append(notify)
+            if self._held + self._handing >= self.slots and not self._stuck(time.perf_counter()):
+                return  # no slot free: it goes out when one is (a batch's wake-ups queue up here)
         self._hand_on()
 
     def declined(self) -> None:

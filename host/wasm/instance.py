@@ -223,8 +223,8 @@ class Instance:
         """
         if ready():
             return True
-        self.check_alive()
         if timeout_s is not None and timeout_s <= 0:
+            self.check_alive()
             return False
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         self.env.on_block(self.id)  # the scheduler need not wait for us
