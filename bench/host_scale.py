@@ -12,7 +12,9 @@ The ideal is the backend alone: one prefill step and `tokens` decode steps for a
 ideal_tok_s = N * tokens / ((tokens + 1) * step) and efficiency = tok_s / ideal_tok_s; tok_s counts
 the whole wall time from the first launch to the last instance's end. mean_batch = forwards per
 backend call. rss_mb_per_instance: resident memory added by 256 live `step` instances.
-Each entry is measured twice in the same run, after an unmeasured burst of the same size, each
+Each workload runs on a host of its own (a host that has just served 256-instance bursts of
+`app` ran `step` ~7% slower here: a confound, not the workload's cost). Each entry is measured
+twice in the same run, after an unmeasured burst of the same size, each
 time as the median (by efficiency) of `--bursts` bursts (3; this 2-core VM varies by +-5% from one
 burst to the next): as the host runs by default (`tok_s`, `efficiency`, ...: the warm pool, host/wasm/warm.py, has refilled
 to the N instances the program just had running, so the launches skip the instances' start-up),
@@ -165,31 +167,30 @@ def table(results: dict[str, Any], rss: float, tokens: int, engine: str) -> str:
 def main() -> None:
     opts = parse_args()
     results: dict[str, Any] = {}
-    for step_ms in [*opts.step_ms, 0.0]:  # the last host (no delay) measures memory per instance
-        host = make_host(opts.engine, step_ms / 1000)
-        try:
-            programs = {"app": compile_inferlet(host, "text_completion"),
-                        "step": compile_inferlet(host, ROOT / "bench" / "inferlets" / "stepper")}
-            if step_ms == 0.0:
-                host.warm.auto = 0  # count started instances only: no parked ones before or during
-                for program in programs.values():
-                    host.prewarm(program, 0)
-                rss = rss_per_instance(host, programs["step"])
-                break
-            last = host.backend.tokenizer.encode(PROMPT)[-1]
-            want = {"app": expected_text(host, opts.tokens),
-                    "step": " ".join(str(last + 1 + i) for i in range(opts.tokens))}
-            key = f"{step_ms:g}"
-            results[key] = {}
-            for workload in ("app", "step"):
+    for step_ms in opts.step_ms:
+        key = f"{step_ms:g}"
+        results[key] = {}
+        for workload in ("app", "step"):  # each on a host of its own (see the module doc)
+            host = make_host(opts.engine, step_ms / 1000)
+            try:
+                program = compile_inferlet(host, "text_completion" if workload == "app"
+                                           else ROOT / "bench" / "inferlets" / "stepper")
+                last = host.backend.tokenizer.encode(PROMPT)[-1]
+                want = expected_text(host, opts.tokens) if workload == "app" else \
+                    " ".join(str(last + 1 + i) for i in range(opts.tokens))
                 args = workload_args(workload, opts.tokens)
-                run_once(host, programs[workload], args, 1, want[workload], step_ms / 1000, opts.tokens)
-                results[key][workload] = {str(n): measure(host, step_ms / 1000, programs[workload], args, n,
-                                                          want[workload], opts.tokens, opts.bursts)
-                                          for n in opts.instances}
+                run_once(host, program, args, 1, want, step_ms / 1000, opts.tokens)
+                results[key][workload] = {str(n): measure(host, step_ms / 1000, program, args, n, want, opts.tokens,
+                                                          opts.bursts) for n in opts.instances}
                 print(key, workload, json.dumps(results[key][workload]), flush=True)
-        finally:
-            host.shutdown()
+            finally:
+                host.shutdown()
+    host = make_host(opts.engine, 0.0)  # memory per instance, on a host with no delay
+    try:
+        host.warm.auto = 0  # count started instances only: no parked ones before or during
+        rss = rss_per_instance(host, compile_inferlet(host, ROOT / "bench" / "inferlets" / "stepper"))
+    finally:
+        host.shutdown()
     res = {**results, "rss_mb_per_instance": rss, "tokens": opts.tokens, "engine": opts.engine}
     opts.json.parent.mkdir(parents=True, exist_ok=True)
     opts.json.write_text(json.dumps(res, indent=2))
