@@ -98,3 +98,30 @@ def test_disabled_gate_never_blocks_and_wakes_at_once() -> None:
 def test_slots_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least one slot"):
         RunGate(slots=0)
+
+
+def test_a_freed_slot_goes_to_the_longest_waiting_thread() -> None:
+    gate = RunGate(slots=1, max_hold_s=5.0)
+    gate.enter()  # the holder
+    order: list[int] = []
+    arrived = threading.Semaphore(0)
+
+    def waiter(i: int) -> None:
+        arrived.release()
+        gate.enter()
+        order.append(i)
+        gate.leave()
+
+    threads = []
+    for i in range(4):
+        t = threading.Thread(target=waiter, args=(i,))
+        t.start()
+        arrived.acquire()
+        time.sleep(0.02)  # it is waiting in enter() before the next one arrives
+        threads.append(t)
+    assert order == []  # nobody passes the holder (it is not stuck: max_hold_s is long)
+    gate.leave()
+    for t in threads:
+        t.join(5)
+    assert order == [0, 1, 2, 3]
+    assert not gate.held()
