@@ -274,3 +274,25 @@ def test_policies_are_classes_behind_one_interface() -> None:
     assert p.ready(q * 2, time.perf_counter())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown batching policy 'fifo'"):
         make_policy("fifo")
+
+
+def test_a_submit_wakes_the_scheduler_only_when_it_can_fire() -> None:
+    rec = Recorder()
+    s = make(rec)
+    wakes = [0]
+    notify = s._cv.notify
+
+    def counting_notify(n: int = 1) -> None:
+        wakes[0] += 1
+        notify(n)
+
+    s._cv.notify = counting_notify  # type: ignore[method-assign]
+    for owner in ("a", "b", "c"):
+        s.expect(owner)  # three launched instances: the policy waits for all of them
+    futs = [s.submit(req([i], 1, 1, tag=i), owner) for i, owner in enumerate(("a", "b", "c"))]
+    for f in futs:
+        f.wait(5)
+    assert rec.batches == [[0, 1, 2]]  # one batch, fired when the last expected one arrived
+    # the first submit (the scheduler had nothing to do) and the last (the batch is complete)
+    assert wakes[0] == 2
+    s.stop()
