@@ -11,13 +11,15 @@ call. The policy holds that call until the launched instances have submitted, so
 is the ramp: the guest and host work each instance does before its first forward, serialized.
 `full_batch_ms`: from the first launch to the first backend call with at least 90% of the N
 instances in it (when the last ones have joined). `gap_ms`: the median time from one backend call's end to the next one's start (the host's own work
-per step once the instances run).
+per step once the instances run). `minflt` / `nvcsw`: the process's minor page faults and voluntary
+context switches during the burst (getrusage), e.g. pool slots faulting in or threads waking to poll.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -50,7 +52,7 @@ def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict
 
     backend.forward = timed  # type: ignore[method-assign]
     host = Host(HostConfig(**setting), backend=backend, progress=False)
-    effs, firsts, fulls, gaps = [], [], [], []
+    effs, firsts, fulls, gaps, faults, switches = [], [], [], [], [], []
     try:
         program = compile_inferlet(host, "text_completion")
         for k in range(bursts + 1):  # the first burst is unmeasured: the pool learns n, slots fault in
@@ -59,6 +61,7 @@ def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict
             starts.clear()
             ends.clear()
             sizes.clear()
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             runs = [Run(host, program, ARGS) for _ in range(n)]
             for r in runs:
@@ -66,7 +69,10 @@ def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict
                 if end.event != "completed":
                     raise RuntimeError(f"{end.event}: {end.message[:200]}")
             wall = time.perf_counter() - t0
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)
             if k:
+                faults.append(ru1.ru_minflt - ru0.ru_minflt)
+                switches.append(ru1.ru_nvcsw - ru0.ru_nvcsw)
                 effs.append(n * 64 / wall / (n * 64 / (65 * step_s)))
                 firsts.append(1000 * (starts[0] - t0))
                 fulls.append(1000 * (next(t for t, k in zip(starts, sizes, strict=True) if k >= 0.9 * n) - t0))
@@ -74,7 +80,8 @@ def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict
     finally:
         host.shutdown()
     return {"efficiency": round(statistics.median(effs), 3), "first_batch_ms": round(statistics.median(firsts), 1),
-            "full_batch_ms": round(statistics.median(fulls), 1), "gap_ms": round(statistics.median(gaps), 2), "efficiencies": [round(e, 3) for e in effs]}
+            "full_batch_ms": round(statistics.median(fulls), 1), "gap_ms": round(statistics.median(gaps), 2), "minflt": statistics.median(faults),
+            "nvcsw": statistics.median(switches), "efficiencies": [round(e, 3) for e in effs]}
 
 
 def main() -> None:

@@ -70,9 +70,9 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
         specs[constrained] = replace(specs[constrained], allowed=allowed)
         req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens, positions=positions,
                              mask=mask or None, outputs=specs, name=inst.label)
-        passes.check_pages(inst, req)
+        ctx = passes.check_pages(inst, pages, last_len, len(tokens))
         req = check_request(req, info)
-        pm.note_write(inst.pages, req, passes.page_size)
+        pm.note_write(inst.pages, req, passes.page_size, context_len=ctx)
         fut = scheduler.submit(req, inst.id)
         m.busy = True
         fut.add_done_callback(_accept_when_done(m, constrained))  # before the waiter's wake-up

@@ -41,27 +41,30 @@ class _Passes:
         self.max_position = info.max_position or 2**32
         self.decode_specs: dict[tuple[Any, ...], list[OutputSpec]] = {}  # sampler fields -> [OutputSpec]
 
-    def check_pages(self, inst: Instance, req: ForwardRequest) -> None:
-        """The page list of a pass: held by the instance, long enough, written pages writable."""
+    def check_pages(self, inst: Instance, pages: list[int], last_len: int, n_tokens: int) -> int:
+        """The page list of a pass of `n_tokens` new tokens: held by the instance, long enough, written
+        pages writable. Returns the pass's context length (tokens in the pages before it)."""
         inst.check_alive()
         ps = self.page_size
-        if not req.pages:
+        if not pages:
             raise GuestError("empty page list")
-        if not 1 <= req.last_page_len <= ps:
-            raise GuestError(f"last-page-len {req.last_page_len} is outside 1..{ps}")
-        total = req.total_len(ps)
-        if len(req.tokens) > total:
-            raise GuestError(f"{len(req.tokens)} new tokens do not fit: the {len(req.pages)} pages with "
-                             f"last-page-len {req.last_page_len} hold {total} tokens")
-        self.pm.check_pages(inst.pages, req.pages, writable_from=req.first_written_page(ps))
+        if not 1 <= last_len <= ps:
+            raise GuestError(f"last-page-len {last_len} is outside 1..{ps}")
+        total = (len(pages) - 1) * ps + last_len
+        if n_tokens > total:
+            raise GuestError(f"{n_tokens} new tokens do not fit: the {len(pages)} pages with "
+                             f"last-page-len {last_len} hold {total} tokens")
+        ctx = total - n_tokens
+        self.pm.check_pages(inst.pages, pages, writable_from=ctx // ps)
+        return ctx
 
     def submit(self, inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
                mask: list[list[int]], outputs: list[Any]) -> int:
         req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens, positions=positions,
                              mask=mask or None, outputs=_outputs(outputs), name=inst.label)
-        self.check_pages(inst, req)
+        ctx = self.check_pages(inst, pages, last_len, len(tokens))
         req = check_request(req, self.info)
-        self.pm.note_write(inst.pages, req, self.page_size)
+        self.pm.note_write(inst.pages, req, self.page_size, context_len=ctx)
         return inst.new_handle(self.scheduler.submit(req, inst.id))
 
     def take(self, inst: Instance, handle: int) -> list[OutputResult]:
@@ -76,15 +79,8 @@ class _Passes:
     def decode_request(self, inst: Instance, pages: list[int], last_len: int, token: int, position: int,
                        sampler: Any) -> ForwardRequest:
         """forward.run(pages, last_len, [token], [position], [], [sample-only spec at 0]), checked
-        inline: everything check_request would reject, for this fixed shape. It is the call made per
-        token, so the pass's geometry is worked out once here (one token: it writes the last page)."""
-        inst.check_alive()
-        ps = self.page_size
-        if not pages:
-            raise GuestError("empty page list")
-        if not 1 <= last_len <= ps:
-            raise GuestError(f"last-page-len {last_len} is outside 1..{ps}")
-        self.pm.check_pages(inst.pages, pages, writable_from=len(pages) - 1)
+        inline: everything check_request would reject, for this fixed shape (the call made per token)."""
+        ctx = self.check_pages(inst, pages, last_len, 1)
         if token >= self.info.vocab_size:
             raise GuestError(f"token {token} is outside the vocabulary (size {self.info.vocab_size})")
         if position >= self.max_position:
@@ -99,7 +95,7 @@ class _Passes:
                 self.decode_specs[key] = outputs
         req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=[token], positions=[position],
                              outputs=outputs, name=inst.label, checked=True)
-        self.pm.note_write(inst.pages, req, ps, context_len=(len(pages) - 1) * ps + last_len - 1)
+        self.pm.note_write(inst.pages, req, self.page_size, context_len=ctx)
         return req
 
 
@@ -116,9 +112,9 @@ def _generation(passes: _Passes, tok: Tokenizer, inst: Instance, pages: list[int
     sample = as_sampler(_sampler(sampler), "sampler")
     req = ForwardRequest(pages=list(pages), last_page_len=last_len, tokens=tokens, positions=positions,
                          outputs=[OutputSpec(index=len(tokens) - 1, sample=sample)], name=inst.label)
-    passes.check_pages(inst, req)
+    ctx = passes.check_pages(inst, req.pages, last_len, len(tokens))
     req = check_request(req, passes.info)
-    passes.pm.note_write(inst.pages, req, passes.page_size)
+    passes.pm.note_write(inst.pages, req, passes.page_size, context_len=ctx)
     rules = StopRules(max_tokens, frozenset(stop_tokens), tuple(stop_strings), passes.max_position)
     send = (lambda text: inst.emit("message", text)) if stream else None
     return make(req, sample, rules, passes.page_size, passes.pm, inst.pages, tok.decode, send)

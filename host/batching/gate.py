@@ -69,8 +69,8 @@ class RunGate:
             return
         with self._mutex:
             self._pending.append(notify)
-            if self._held + self._handing >= self.slots and not self._stuck(time.perf_counter()):
-                return  # no slot free: it goes out when one is (a batch's wake-ups queue up here)
+            if self._full():
+                return  # it goes out when a slot frees (a batch's wake-ups queue up here)
         self._hand_on()
 
     def declined(self) -> None:
@@ -88,13 +88,15 @@ class RunGate:
     def _stuck(self, now: float) -> bool:
         return now - max(self._since, self._handed_at) > self.max_hold_s
 
+    def _full(self) -> bool:
+        """No slot for another wake-up: all taken or promised, and the holders are moving (mutex held)."""
+        return self._held + self._handing >= self.slots and not self._stuck(time.perf_counter())
+
     def _hand_on(self) -> None:
         """Send queued wake-ups while slots are free (or everyone ahead looks stuck)."""
         while True:
             with self._mutex:
-                if not self._pending:
-                    return
-                if self._held + self._handing >= self.slots and not self._stuck(time.perf_counter()):
+                if not self._pending or self._full():
                     return
                 notify = self._pending.popleft()
                 self._handing += 1
