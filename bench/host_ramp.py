@@ -13,11 +13,15 @@ is the ramp: the guest and host work each instance does before its first forward
 instances in it (when the last ones have joined). `gap_ms`: the median time from one backend call's end to the next one's start (the host's own work
 per step once the instances run). `minflt` / `nvcsw`: the process's minor page faults and voluntary
 context switches during the burst (getrusage), e.g. pool slots faulting in or threads waking to poll.
+`gc_ms`: the median over bursts of the time Python's cyclic GC stopped the process during a burst
+(gc.callbacks), `gc_max_ms` the longest single collection in any burst; `no_freeze` is the
+default host with `freeze_gc` off (HostConfig: the start-up objects are not frozen).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import resource
 import statistics
@@ -32,7 +36,7 @@ from host import Host, HostConfig
 
 ARGS = ["--prompt", "Write a story about a lighthouse.", "--max-tokens", "64"]
 SETTINGS = {"slots1": {"run_slots": 1}, "slots2": {"run_slots": 2}, "slots4": {"run_slots": 4},
-            "no_gate": {"run_gate": False}}
+            "no_gate": {"run_gate": False}, "no_freeze": {"freeze_gc": False}}
 
 
 def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict[str, Any]:
@@ -53,6 +57,18 @@ def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict
     backend.forward = timed  # type: ignore[method-assign]
     host = Host(HostConfig(**setting), backend=backend, progress=False)
     effs, firsts, fulls, gaps, faults, switches = [], [], [], [], [], []
+    pauses: list[float] = []  # GC pauses of the current burst
+    gc_totals: list[float] = []
+    gc_max = 0.0
+    gc_start = [0.0]
+
+    def on_gc(phase: str, _info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - gc_start[0])
+
+    gc.callbacks.append(on_gc)
     try:
         program = compile_inferlet(host, "text_completion")
         for k in range(bursts + 1):  # the first burst is unmeasured: the pool learns n, slots fault in
@@ -61,6 +77,7 @@ def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict
             starts.clear()
             ends.clear()
             sizes.clear()
+            pauses.clear()
             ru0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             runs = [Run(host, program, ARGS) for _ in range(n)]
@@ -71,6 +88,8 @@ def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict
             wall = time.perf_counter() - t0
             ru1 = resource.getrusage(resource.RUSAGE_SELF)
             if k:
+                gc_totals.append(1000 * sum(pauses))
+                gc_max = max([gc_max, *(1000 * p for p in pauses)])
                 faults.append(ru1.ru_minflt - ru0.ru_minflt)
                 switches.append(ru1.ru_nvcsw - ru0.ru_nvcsw)
                 effs.append(n * 64 / wall / (n * 64 / (65 * step_s)))
@@ -78,10 +97,12 @@ def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict
                 fulls.append(1000 * (next(t for t, k in zip(starts, sizes, strict=True) if k >= 0.9 * n) - t0))
                 gaps.append(1000 * statistics.median(b - a for a, b in zip(ends, starts[1:], strict=False)))
     finally:
+        gc.callbacks.remove(on_gc)
         host.shutdown()
     return {"efficiency": round(statistics.median(effs), 3), "first_batch_ms": round(statistics.median(firsts), 1),
             "full_batch_ms": round(statistics.median(fulls), 1), "gap_ms": round(statistics.median(gaps), 2), "minflt": statistics.median(faults),
-            "nvcsw": statistics.median(switches), "efficiencies": [round(e, 3) for e in effs]}
+            "nvcsw": statistics.median(switches), "gc_ms": round(statistics.median(gc_totals), 1),
+            "gc_max_ms": round(gc_max, 1), "efficiencies": [round(e, 3) for e in effs]}
 
 
 def main() -> None:
