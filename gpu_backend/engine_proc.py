@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -435,6 +436,8 @@ def _serve(spec: EngineSpec, endpoint: str, backend: Any, tp: Any) -> None:
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(endpoint)
+    gc.collect()  # the model, torch and the wire live as long as this process: keep them out of
+    gc.freeze()  # every later full collection (~100 ms each with all of torch tracked; host/host.py)
     sock.send(pack(["ready", _hello_payload(spec, backend)]))
     parent = os.getppid()
     idle_since = time.monotonic()
