@@ -59,30 +59,34 @@ class Generation:
         self._seeded = sampler.seed is not None
 
     def advance(self, token: int) -> bool:
-        """Take the token drawn by the last step; True when the generation has ended (see `result`)."""
+        """Take the token drawn by the last step; True when the generation has ended (see `result`).
+
+        The common step (no stop, no stream, no seed, the page not full) is a handful of attribute
+        updates: with 256 loops in a batch this runs 256 times between two backend calls."""
         if self.cancelled:
             return self._end("cancelled")
         tokens = self.tokens
         tokens.append(token)
-        finish, trim = self._stop(tokens)
+        rules = self.rules
+        if len(tokens) >= rules.max_tokens:
+            finish, trim = "length", 0
+        elif token in rules.stop_tokens:
+            finish, trim = "stop-token", 1
+        elif rules.stop_strings and self._stop_string(tokens):
+            finish, trim = "stop-string", 0
+        else:
+            finish, trim = None, 0
         if self._send is not None:
-            self._stream(tokens, 0 if finish is None else trim)
+            self._stream(tokens, trim)
         if finish is not None:
             self.result = GenerationResult(tokens, self.new_pages, trim, finish)
             return True
         return self._next_step(token)
 
-    def _stop(self, tokens: list[int]) -> tuple[str | None, int]:
-        rules = self.rules
-        if len(tokens) >= rules.max_tokens:
-            return "length", 0
-        if tokens[-1] in rules.stop_tokens:
-            return "stop-token", 1
-        if rules.stop_strings:
-            tail = self._decode(tokens[-max(len(s.encode()) + 4 for s in rules.stop_strings):])
-            if any(s in tail for s in rules.stop_strings):
-                return "stop-string", 0
-        return None, 0
+    def _stop_string(self, tokens: list[int]) -> bool:
+        stops = self.rules.stop_strings
+        tail = self._decode(tokens[-max(len(s.encode()) + 4 for s in stops):])
+        return any(s in tail for s in stops)
 
     def _stream(self, tokens: list[int], trim: int) -> None:
         text = self._decode(tokens[: len(tokens) - trim])
@@ -97,7 +101,8 @@ class Generation:
         position = req.positions[-1] + 1
         if position >= self.rules.max_position:
             return self._end("max-position")
-        if req.last_page_len == self.page_size:
+        ps = self.page_size
+        if req.last_page_len == ps:
             got = self._pm.allocate(self._table, 1)
             if isinstance(got, str):
                 return self._end("out-of-pages")
@@ -116,7 +121,8 @@ class Generation:
         if self._seeded:
             seed = (self.sampler.seed + len(self.tokens)) % U64  # type: ignore[operator]
             req.outputs = [OutputSpec(index=0, sample=replace(self.sampler, seed=seed))]
-        self._pm.note_write(self._table, req, self.page_size)
+        # the one new token goes after everything in the pages (req.context_len, worked out here)
+        self._pm.note_write(self._table, req, ps, (len(req.pages) - 1) * ps + req.last_page_len - 1)
         return False
 
     def _end(self, finish: str) -> bool:
