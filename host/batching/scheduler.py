@@ -343,6 +343,13 @@ class Scheduler:
         st.batch_size_counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, len(batch))] += 1
         st.queue_wait_s += sum(start - f.submitted for f in batch)
         st.backend_s += end - start
-        with self._cv:  # loops that go on are not waited for: they are in the next batch anyway
-            self.policy.batch_done([f.owner for f in batch if f.generation is None or f.generation.result],
-                                   start, end)
+        # Whom the policy waits for before the next batch: the owners of plain forwards (a guest
+        # stepping itself comes back). A loop that goes on is in the next batch anyway. The owner
+        # of a loop that has just ended may come back (an agent's next turn) or end; it is waited
+        # for only when no loop goes on: holding the batch for it would hold every running loop
+        # too (measured in a burst's tail, where ~15 instances end per step: ~5 ms per step).
+        loops_go_on = bool(self._resident)
+        owners = [f.owner for f in batch
+                  if f.generation is None or (f.generation.result is not None and not loops_go_on)]
+        with self._cv:
+            self.policy.batch_done(owners, start, end)
