@@ -290,19 +290,31 @@ class Scheduler:
                 self._fail(batch, e)
                 return
             end = time.perf_counter()
-            tokens = sum(len(f.request.tokens) for f in batch if isinstance(f.request, ForwardRequest))
-            if self._pins is not None:  # one lock for the batch: pages may become free, then waiters wake
-                self._pins.unpin([p for f in batch if f.generation is None for p in _pages(f.request)])
-            for f, r in zip(batch, results, strict=True):  # a loop's step turns its request into the next
+            # one pass for the numbers (before the steps change the loops' requests) and the pins
+            tokens, waited, unpin = 0, 0.0, list[int]()
+            for f in batch:
+                req = f.request
+                assert isinstance(req, ForwardRequest)  # copies never join a batch (_take)
+                tokens += len(req.tokens)
+                waited += start - f.submitted
                 if f.generation is None:
+                    unpin.extend(req.pages)
+            if self._pins is not None:  # one lock for the batch: pages may become free, then waiters wake
+                self._pins.unpin(unpin)
+            come_back: list[str] = []  # owners of plain forwards: a guest stepping itself comes back
+            ended: list[str] = []  # owners of loops that ended
+            for f, r in zip(batch, results, strict=True):  # a loop's step turns its request into the next
+                gen = f.generation
+                if gen is None:
                     f.finish(r, None)
-                else:
-                    self._step(f, f.generation, r)
-            self._record(batch, tokens, start, end)
+                    come_back.append(f.owner)
+                elif self._step(f, gen, r, end):
+                    ended.append(f.owner)
+            self._record(batch, tokens, waited, start, end, come_back, ended)
             return
 
-    def _step(self, fut: ForwardFuture, gen: Generation, outputs: list[OutputResult]) -> None:
-        """One step of a host-side loop is done: it stays for the next batch or ends."""
+    def _step(self, fut: ForwardFuture, gen: Generation, outputs: list[OutputResult], end: float) -> bool:
+        """One step of a host-side loop is done: it stays for the next batch (False) or ends (True)."""
         try:
             token = outputs[0].token
             assert token is not None  # a generation's pass samples its one output
@@ -310,11 +322,13 @@ class Scheduler:
         except Exception as e:  # a host bug ends this loop only
             log.exception("generation loop of %s failed", fut.owner)
             self._complete(fut, None, RuntimeError(f"host error in generate: {type(e).__name__}: {e}"))
-            return
+            return True
         if ended:
             self._complete(fut, gen.result, None)
-        else:
-            self._resident.append(fut)
+            return True
+        fut.submitted = end  # its next step is queued from now (the scheduler's queue-wait stat)
+        self._resident.append(fut)
+        return False
 
     def _fail(self, batch: list[ForwardFuture], e: Exception) -> None:
         log.error("backend failed on a batch of %d forwards: %s: %s", len(batch), type(e).__name__, e)
@@ -334,22 +348,21 @@ class Scheduler:
             self._pins.unpin(_pages(fut.request))
         fut.finish(result, error)
 
-    def _record(self, batch: list[ForwardFuture], tokens: int, start: float, end: float) -> None:
+    def _record(self, batch: list[ForwardFuture], tokens: int, waited: float, start: float, end: float,
+                come_back: list[str], ended: list[str]) -> None:
         st = self.stats
         st.batches += 1
         st.forwards += len(batch)
         st.tokens += tokens
         st.max_batch_size = max(st.max_batch_size, len(batch))
         st.batch_size_counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, len(batch))] += 1
-        st.queue_wait_s += sum(start - f.submitted for f in batch)
+        st.queue_wait_s += waited
         st.backend_s += end - start
-        # Whom the policy waits for before the next batch: the owners of plain forwards (a guest
-        # stepping itself comes back). A loop that goes on is in the next batch anyway. The owner
-        # of a loop that has just ended may come back (an agent's next turn) or end; it is waited
-        # for only when no loop goes on: holding the batch for it would hold every running loop
-        # too (measured in a burst's tail, where ~15 instances end per step: ~5 ms per step).
-        loops_go_on = bool(self._resident)
-        owners = [f.owner for f in batch
-                  if f.generation is None or (f.generation.result is not None and not loops_go_on)]
+        # Whom the policy waits for before the next batch: the owners of plain forwards. A loop
+        # that goes on is in the next batch anyway. The owner of a loop that has just ended may
+        # come back (an agent's next turn) or end; it is waited for only when no loop goes on:
+        # holding the batch for it would hold every running loop too (measured in a burst's
+        # tail, where ~15 instances end per step: ~5 ms per step).
+        owners = come_back if self._resident else come_back + ended
         with self._cv:
             self.policy.batch_done(owners, start, end)
