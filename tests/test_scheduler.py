@@ -335,5 +335,27 @@ def test_an_ended_loop_holds_no_batch_while_other_loops_go_on() -> None:
     assert long.wait(5) == "ended after 2"
     assert rec.batches == [[99], [1, 2], [2], [2]]
     # after [1, 2] "long" went on: nobody waited for; after its last step nothing runs: waited for
-    assert spy.waited_for == [["x"], [], [], ["long"]]
+    assert spy.waited_for == [["x"], ["long"]]
+    s.stop()
+
+
+def test_the_policy_hears_whom_to_wait_for_before_anyone_wakes() -> None:
+    """A guest woken by its result may resubmit at once; had the policy not yet been told to wait
+    for it, it would wait for it again, in vain, until its grace ran out."""
+    log: list[tuple[str, str]] = []
+
+    class Spy(AdaptivePolicy):
+        def batch_done(self, owners, start: float, end: float) -> None:  # noqa: ANN001
+            log.extend(("expect", o) for o in owners)
+            super().batch_done(owners, start, end)
+
+    rec = Recorder()
+    s = make(rec, policy=Spy())
+    rec.hold(s)
+    fut = s.submit(req([1], 1, 1, tag=1), "a")
+    fut.add_done_callback(lambda _f: log.append(("wake", "a")))
+    rec.gate.set()
+    fut.wait(5)
+    assert log.index(("expect", "a")) < log.index(("wake", "a"))
+    s.forget("a")
     s.stop()

@@ -292,6 +292,7 @@ class Scheduler:
             end = time.perf_counter()
             # one pass for the numbers (before the steps change the loops' requests) and the pins
             tokens, waited, unpin = 0, 0.0, list[int]()
+            come_back: list[str] = []  # owners of plain forwards: a guest stepping itself comes back
             for f in batch:
                 req = f.request
                 assert isinstance(req, ForwardRequest)  # copies never join a batch (_take)
@@ -299,18 +300,26 @@ class Scheduler:
                 waited += start - f.submitted
                 if f.generation is None:
                     unpin.extend(req.pages)
+                    come_back.append(f.owner)
             if self._pins is not None:  # one lock for the batch: pages may become free, then waiters wake
                 self._pins.unpin(unpin)
-            come_back: list[str] = []  # owners of plain forwards: a guest stepping itself comes back
+            # The policy learns whom to wait for before anyone wakes: a guest that resubmitted before
+            # that would be waited for again, in vain, until the policy's grace ran out.
+            self._expect(come_back, start, end)
             ended: list[str] = []  # owners of loops that ended
             for f, r in zip(batch, results, strict=True):  # a loop's step turns its request into the next
                 gen = f.generation
                 if gen is None:
                     f.finish(r, None)
-                    come_back.append(f.owner)
                 elif self._step(f, gen, r, end):
                     ended.append(f.owner)
-            self._record(batch, tokens, waited, start, end, come_back, ended)
+            # A loop that goes on is in the next batch anyway. The owner of a loop that has just
+            # ended may come back (an agent's next turn) or end; it is waited for only when no loop
+            # goes on: holding the batch for it would hold every running loop too (measured in a
+            # burst's tail, where ~15 instances end per step: ~5 ms per step).
+            if ended and not self._resident:
+                self._expect(ended, start, end)
+            self._record(len(batch), tokens, waited, start, end)
             return
 
     def _step(self, fut: ForwardFuture, gen: Generation, outputs: list[OutputResult], end: float) -> bool:
@@ -348,21 +357,18 @@ class Scheduler:
             self._pins.unpin(_pages(fut.request))
         fut.finish(result, error)
 
-    def _record(self, batch: list[ForwardFuture], tokens: int, waited: float, start: float, end: float,
-                come_back: list[str], ended: list[str]) -> None:
+    def _expect(self, owners: list[str], start: float, end: float) -> None:
+        """Tell the policy whose next forward the batch that ran from `start` to `end` is waiting for."""
+        if owners:
+            with self._cv:
+                self.policy.batch_done(owners, start, end)
+
+    def _record(self, size: int, tokens: int, waited: float, start: float, end: float) -> None:
         st = self.stats
         st.batches += 1
-        st.forwards += len(batch)
+        st.forwards += size
         st.tokens += tokens
-        st.max_batch_size = max(st.max_batch_size, len(batch))
-        st.batch_size_counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, len(batch))] += 1
+        st.max_batch_size = max(st.max_batch_size, size)
+        st.batch_size_counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, size)] += 1
         st.queue_wait_s += waited
         st.backend_s += end - start
-        # Whom the policy waits for before the next batch: the owners of plain forwards. A loop
-        # that goes on is in the next batch anyway. The owner of a loop that has just ended may
-        # come back (an agent's next turn) or end; it is waited for only when no loop goes on:
-        # holding the batch for it would hold every running loop too (measured in a burst's
-        # tail, where ~15 instances end per step: ~5 ms per step).
-        owners = come_back if self._resident else come_back + ended
-        with self._cv:
-            self.policy.batch_done(owners, start, end)
