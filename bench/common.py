@@ -40,8 +40,15 @@ def settle(host: Host, program: str, n: int, timeout_s: float = 120.0) -> None:
     """Let the host finish what it does after a burst before the next one is measured: the warm pool
     refills (to the n instances the program just ran at once, up to its `warm_auto`) and the reaper
     frees finished stores; both run while the host is idle (host/wasm/warm.py, host/wasm/reaper.py),
-    so a long-running host has done them before its next burst."""
+    so a long-running host has done them before its next burst.
+
+    The pool learns n from a burst that had n instances running at once; a first, cold burst
+    whose launches are slower than its instances' runs never had them all at once (the earliest
+    end before the last start), so the pool is told n outright (`Host.prewarm`), as it would have
+    learned from the next bursts."""
     want = min(n, host.warm.auto)
+    if want and host.warm.wait_ready(program, want, 0.0) < want:
+        host.prewarm(program, want, timeout_s)
     if host.warm.wait_ready(program, want, timeout_s) < want:
         raise RuntimeError(f"the warm pool did not refill to {want} instances in {timeout_s:g} s")
     reaper = host.wasm.reaper

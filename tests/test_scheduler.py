@@ -359,3 +359,21 @@ def test_the_policy_hears_whom_to_wait_for_before_anyone_wakes() -> None:
     assert log.index(("expect", "a")) < log.index(("wake", "a"))
     s.forget("a")
     s.stop()
+
+
+def test_a_launch_holds_no_batch_while_work_is_under_way() -> None:
+    """At an idle scheduler a launched instance is waited for (a burst prefills together); while a
+    batch runs or forwards are queued, it joins the next batch instead of holding the running ones."""
+    rec = Recorder()
+    s = make(rec)
+    s.expect("early")
+    assert s.policy.expects("early")
+    s.forget("early")
+    rec.hold(s)  # a batch is in the backend
+    s.expect("late")
+    assert not s.policy.expects("late")
+    rec.gate.set()
+    s.submit(req([1], 1, 1, tag=1), "y").wait(5)
+    s.forget("x")
+    s.forget("y")
+    s.stop()

@@ -101,6 +101,7 @@ class Scheduler:
         self._queue: list[ForwardFuture] = []
         self._resident: list[ForwardFuture] = []  # generation loops: in every batch until they end
         self._copies_queued = 0
+        self._batch_running = False  # a batch is in the backend (set and cleared by the scheduler thread)
         self._cv = threading.Condition()
         self._stopped = False
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
@@ -151,9 +152,14 @@ class Scheduler:
         return bool(self._queue or self._resident)
 
     def expect(self, owner: str) -> None:
-        """A new instance will submit soon (the policy may hold a batch for it)."""
+        """A new instance will submit soon. The policy may hold a batch for it only while nothing
+        else is under way (a burst arriving at an idle host prefills together); with forwards or
+        loops running, the newcomer joins whichever batch comes next, instead of holding the
+        running ones until it submits (measured: 32 loops running, a launch every 25 ms: batch
+        gaps of up to 3-11 ms, 0.4-0.9 ms on average, vs ~0.3 ms without the hold)."""
         with self._cv:
-            self.policy.launched(owner, time.perf_counter())
+            if not (self._queue or self._resident or self._batch_running):
+                self.policy.launched(owner, time.perf_counter())
 
     def forget(self, owner: str) -> None:
         """An instance ended or blocked on something other than a forward: don't wait for it."""
@@ -186,6 +192,7 @@ class Scheduler:
                     return
                 job = self._calls.popleft() if self._calls else None
                 copies, batch = ([], []) if job else self._take()
+                self._batch_running = bool(batch)
             if job is not None:
                 fn, cfut = job
                 try:
@@ -197,6 +204,7 @@ class Scheduler:
                 self._run_copy(c)
             if batch:
                 self._run(batch)
+                self._batch_running = False
 
     def _pending(self) -> list[ForwardFuture]:
         """What the policy looks at: the resident loops (always ready) and the queue."""
