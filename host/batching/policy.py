@@ -55,7 +55,9 @@ class AdaptivePolicy(BatchPolicy):
     `max_grace_s`), and for as long after that as they keep coming back (each arrival allows
     `slack_s` more), never past `max_wait_s` after the batch. An instance that ends or blocks on
     something else is not waited for. Instances just launched are expected the same way, for
-    `launch_grace_s` after the last launch, so requests arriving together prefill together.
+    `launch_grace_s` after the last launch, so requests arriving together prefill together (the
+    scheduler reports a launch only while nothing else is under way: a newcomer never holds
+    running forwards or loops).
     Host-side generation loops are in every batch anyway and are never waited for.
     Every method is O(1): they run on the per-step path, with hundreds of instances.
     """
