@@ -14,8 +14,8 @@ instances in it (when the last ones have joined). `gap_ms`: the median time from
 per step once the instances run). `minflt` / `nvcsw`: the process's minor page faults and voluntary
 context switches during the burst (getrusage), e.g. pool slots faulting in or threads waking to poll.
 `gc_ms`: the median over bursts of the time Python's cyclic GC stopped the process during a burst
-(gc.callbacks), `gc_max_ms` the longest single collection in any burst; `no_freeze` is the
-default host with `freeze_gc` off (HostConfig: the start-up objects are not frozen).
+(gc.callbacks), `gc_max_ms` the longest single collection in any burst; `python_gc` is the
+default host with `tune_gc` off (HostConfig: Python's own GC settings, nothing frozen).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from host import Host, HostConfig
 
 ARGS = ["--prompt", "Write a story about a lighthouse.", "--max-tokens", "64"]
 SETTINGS = {"slots1": {"run_slots": 1}, "slots2": {"run_slots": 2}, "slots4": {"run_slots": 4},
-            "no_gate": {"run_gate": False}, "no_freeze": {"freeze_gc": False}}
+            "no_gate": {"run_gate": False}, "python_gc": {"tune_gc": False}}
 
 
 def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict[str, Any]:

@@ -152,9 +152,7 @@ class Host:
         self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
                              busy=lambda: busy() or self._reaping())
-        self._gc_frozen = config.freeze_gc
-        if self._gc_frozen:
-            _freeze_gc()
+        self._gc_before: tuple[int, int, int] | None = _tune_gc() if config.tune_gc else None
 
     def _reaping(self) -> bool:
         """Stores of finished instances are still waiting to be freed. The warm pool waits for them:
@@ -343,8 +341,9 @@ class Host:
         self.linker.close()
         self.wasm.close()  # instances not joined above keep what they use alive (wasmtime refcounts)
         self.kvstore.close()
-        if self._gc_frozen:  # what this host leaves behind can be collected again
+        if self._gc_before is not None:  # what this host leaves behind can be collected again
             gc.unfreeze()
+            gc.set_threshold(*self._gc_before)
 
     def __enter__(self) -> Host:
         return self
@@ -353,14 +352,26 @@ class Host:
         self.shutdown()
 
 
-def _freeze_gc() -> None:
-    """Collect once, then freeze every object alive: a started host holds ~190k objects (torch,
-    the tokenizer, modules) that live as long as it does, and each full (generation 2) collection
-    scanned them all: ~100 ms with every thread stopped, about once a second while bursts of
-    instances come and go (bench/host_ramp.py's gc_max_ms: 110-145 ms; frozen: 15-40 ms, the
-    objects made since). A serving process keeps its start-up objects anyway."""
+_YOUNG_GC_THRESHOLD = 10_000  # net allocations between two young collections (Python's default: 700)
+
+
+def _tune_gc() -> tuple[int, int, int]:
+    """Collect once, freeze every object alive and collect the young generation less often;
+    returns the thresholds before.
+
+    A started host holds ~190k objects (torch, the tokenizer, modules) that live as long as it
+    does, and each full (generation 2) collection scanned them all: 100-150 ms with every thread
+    stopped, about once a second while bursts of instances came and went (bench/host_ramp.py,
+    `gc_max_ms`). Frozen, they are never scanned again. With the young generation collected every
+    700 net allocations, a burst of 256 `text_completion` instances made ~70 young and ~7 middle
+    collections and, frozen, a full one of 14-90 ms over the objects made since; at 10,000 it
+    makes 1-2 young ones (~2.5 ms) and no full one. A serving process keeps its start-up
+    objects anyway; cyclic garbage waits a little longer to be collected."""
+    before = gc.get_threshold()
     gc.collect()
     gc.freeze()
+    gc.set_threshold(max(before[0], _YOUNG_GC_THRESHOLD), before[1], before[2])
+    return before
 
 
 def _ignore(_event: InstanceEvent) -> None:

@@ -1,4 +1,5 @@
-"""The host freezes its start-up objects out of the cyclic GC's reach (HostConfig.freeze_gc).
+"""The host freezes its start-up objects out of the cyclic GC's reach and collects the young
+generation less often (HostConfig.tune_gc).
 
 Why it matters: a full collection scans every tracked object with all threads stopped; a host
 holds ~190k of them (torch, the tokenizer, modules) for its whole life, so each full collection
@@ -21,6 +22,8 @@ def _tracked_ids(generations: range = range(3)) -> set[int]:
 
 def test_a_started_host_freezes_what_is_alive_and_its_shutdown_thaws_it(tmp_path: Path) -> None:
     gc.unfreeze()
+    before = gc.get_threshold()
+    assert before[0] < 10_000
     sentinel = [["made before the host"]]  # a tracked container, alive through the host's start
     assert id(sentinel) in _tracked_ids()
     h = Host(HostConfig(data_dir=tmp_path), backend=FakeBackend(page_size=4, num_pages=64))
@@ -28,17 +31,21 @@ def test_a_started_host_freezes_what_is_alive_and_its_shutdown_thaws_it(tmp_path
         assert gc.get_freeze_count() > 1000
         assert id(sentinel) not in _tracked_ids()  # frozen: no collection scans it
         assert id(h.scheduler) not in _tracked_ids()  # nor the host's own parts
+        assert gc.get_threshold() == (10_000, before[1], before[2])  # young collections rarer
     finally:
         h.shutdown()
     assert gc.get_freeze_count() == 0
     assert id(sentinel) in _tracked_ids()
+    assert gc.get_threshold() == before
 
 
-def test_freeze_gc_off_leaves_the_collector_as_it_is(tmp_path: Path) -> None:
+def test_tune_gc_off_leaves_the_collector_as_it_is(tmp_path: Path) -> None:
     gc.unfreeze()
-    h = Host(HostConfig(data_dir=tmp_path, freeze_gc=False), backend=FakeBackend(page_size=4, num_pages=64))
+    before = gc.get_threshold()
+    h = Host(HostConfig(data_dir=tmp_path, tune_gc=False), backend=FakeBackend(page_size=4, num_pages=64))
     try:
         assert gc.get_freeze_count() == 0
         assert id(h.scheduler) in _tracked_ids()
+        assert gc.get_threshold() == before
     finally:
         h.shutdown()
