@@ -152,7 +152,9 @@ class Host:
         self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
                              busy=lambda: busy() or self._reaping())
-        self._gc_before: tuple[int, int, int] | None = _tune_gc() if config.tune_gc else None
+        self._gc_tuned = config.tune_gc
+        if self._gc_tuned:
+            _tune_gc()
 
     def _reaping(self) -> bool:
         """Stores of finished instances are still waiting to be freed. The warm pool waits for them:
@@ -341,9 +343,8 @@ class Host:
         self.linker.close()
         self.wasm.close()  # instances not joined above keep what they use alive (wasmtime refcounts)
         self.kvstore.close()
-        if self._gc_before is not None:  # what this host leaves behind can be collected again
-            gc.unfreeze()
-            gc.set_threshold(*self._gc_before)
+        if self._gc_tuned:
+            _untune_gc()
 
     def __enter__(self) -> Host:
         return self
@@ -353,11 +354,13 @@ class Host:
 
 
 _YOUNG_GC_THRESHOLD = 10_000  # net allocations between two young collections (Python's default: 700)
+_gc_lock = threading.Lock()
+_gc_hosts = 0  # hosts alive with tune_gc; the first tunes the collector, the last one out restores it
+_gc_before = (700, 10, 10)
 
 
-def _tune_gc() -> tuple[int, int, int]:
-    """Collect once, freeze every object alive and collect the young generation less often;
-    returns the thresholds before.
+def _tune_gc() -> None:
+    """Collect once, freeze every object alive and collect the young generation less often.
 
     A started host holds ~190k objects (torch, the tokenizer, modules) that live as long as it
     does, and each full (generation 2) collection scanned them all: 100-150 ms with every thread
@@ -367,11 +370,25 @@ def _tune_gc() -> tuple[int, int, int]:
     collections and, frozen, a full one of 14-90 ms over the objects made since; at 10,000 it
     makes 1-2 young ones (~2.5 ms) and no full one. A serving process keeps its start-up
     objects anyway; cyclic garbage waits a little longer to be collected."""
-    before = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(max(before[0], _YOUNG_GC_THRESHOLD), before[1], before[2])
-    return before
+    global _gc_hosts, _gc_before
+    with _gc_lock:
+        if _gc_hosts == 0:
+            _gc_before = gc.get_threshold()
+        _gc_hosts += 1
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(max(_gc_before[0], _YOUNG_GC_THRESHOLD), _gc_before[1], _gc_before[2])
+
+
+def _untune_gc() -> None:
+    """A tuned host has shut down: with no other left, what they left behind can be collected
+    again and the collector runs as before."""
+    global _gc_hosts
+    with _gc_lock:
+        _gc_hosts -= 1
+        if _gc_hosts == 0:
+            gc.unfreeze()
+            gc.set_threshold(*_gc_before)
 
 
 def _ignore(_event: InstanceEvent) -> None:

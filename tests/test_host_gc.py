@@ -49,3 +49,16 @@ def test_tune_gc_off_leaves_the_collector_as_it_is(tmp_path: Path) -> None:
         assert gc.get_threshold() == before
     finally:
         h.shutdown()
+
+
+def test_overlapping_hosts_restore_the_collector_when_the_last_one_ends(tmp_path: Path) -> None:
+    gc.unfreeze()
+    before = gc.get_threshold()
+    a = Host(HostConfig(data_dir=tmp_path / "a"), backend=FakeBackend(page_size=4, num_pages=64))
+    b = Host(HostConfig(data_dir=tmp_path / "b"), backend=FakeBackend(page_size=4, num_pages=64))
+    a.shutdown()
+    assert gc.get_threshold() == (10_000, before[1], before[2])  # b still runs: still tuned
+    assert gc.get_freeze_count() > 0
+    b.shutdown()
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
