@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import time
 from pathlib import Path
+from typing import Any
 
 from host import Host, InstanceEvent
 from host.cli.build import resolve_inferlet
@@ -29,6 +30,28 @@ class Run:
             else:
                 self.messages.append(ev.message)
         return self.end
+
+
+class BatchLog:
+    """Every call of `backend.forward` from now on, as (start, end, batch size): the forward is
+    wrapped to time it (a stand-in backend, whose calls are the GPU steps of the benches)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.calls: list[tuple[float, float, int]] = []
+        forward = backend.forward
+
+        def timed(reqs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return forward(reqs)
+            finally:
+                self.calls.append((start, time.perf_counter(), len(reqs)))
+
+        backend.forward = timed
+
+    def gaps_ms(self, t0: float = float("-inf"), t1: float = float("inf")) -> list[float]:
+        """From each call's end to the next call's start, for the calls that start in [t0, t1]."""
+        return [1000 * (b[0] - a[1]) for a, b in zip(self.calls, self.calls[1:], strict=False) if t0 <= a[0] <= t1]
 
 
 def compile_inferlet(host: Host, name_or_path: str | Path) -> str:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import Run, compile_inferlet, percentile, settle
+from common import BatchLog, Run, compile_inferlet, percentile, settle
 
 from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
@@ -29,23 +29,9 @@ from host import Host, HostConfig
 PROMPT = "Write a story about a lighthouse."
 
 
-def gaps_during(recs: list[tuple[float, float]], t0: float, t1: float) -> list[float]:
-    return [1000 * (s1 - e0) for (s0, e0), (s1, _e1) in zip(recs, recs[1:], strict=False) if t0 <= s0 <= t1]
-
-
 def measure(opts: argparse.Namespace, warm: bool) -> dict[str, Any]:
     backend = StandInBackend(page_size=16, num_pages=16384, delay_s=opts.step_ms / 1000)
-    recs: list[tuple[float, float]] = []
-    forward = backend.forward
-
-    def timed(reqs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return forward(reqs)
-        finally:
-            recs.append((start, time.perf_counter()))
-
-    backend.forward = timed  # type: ignore[method-assign]
+    log = BatchLog(backend)
     host = Host(HostConfig(warm_auto=256 if warm else 0), backend=backend, progress=False)
     long_args = ["--prompt", PROMPT, "--max-tokens", "150"]
     short_args = ["--prompt", PROMPT, "--max-tokens", "8"]
@@ -56,7 +42,7 @@ def measure(opts: argparse.Namespace, warm: bool) -> dict[str, Any]:
         for k in range(opts.reps + 1):  # the first round is unmeasured (slots fault in, the pool learns)
             if warm and k:
                 settle(host, program, opts.running)
-            recs.clear()
+            log.calls.clear()
             running = [Run(host, program, long_args) for _ in range(opts.running)]
             time.sleep(0.2)  # all running
             q0 = time.perf_counter()
@@ -72,8 +58,8 @@ def measure(opts: argparse.Namespace, warm: bool) -> dict[str, Any]:
                 if end.event != "completed":
                     raise RuntimeError(f"{end.event}: {end.message[:200]}")
             if k:
-                quiet.append(gaps_during(recs, q0, q1))
-                busy.append(gaps_during(recs, q1, b1))
+                quiet.append(log.gaps_ms(q0, q1))
+                busy.append(log.gaps_ms(q1, b1))
     finally:
         host.shutdown()
 

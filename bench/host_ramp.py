@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import Run, compile_inferlet, settle
+from common import BatchLog, Run, compile_inferlet, settle
 
 from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
@@ -41,20 +41,7 @@ SETTINGS = {"slots1": {"run_slots": 1}, "slots2": {"run_slots": 2}, "slots4": {"
 
 def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict[str, Any]:
     backend = StandInBackend(page_size=16, num_pages=16384, delay_s=step_s)
-    starts: list[float] = []
-    ends: list[float] = []
-    sizes: list[int] = []
-    forward = backend.forward
-
-    def timed(reqs: Any) -> Any:
-        starts.append(time.perf_counter())
-        sizes.append(len(reqs))
-        try:
-            return forward(reqs)
-        finally:
-            ends.append(time.perf_counter())
-
-    backend.forward = timed  # type: ignore[method-assign]
+    log = BatchLog(backend)
     host = Host(HostConfig(**setting), backend=backend, progress=False)
     effs, firsts, fulls, gaps, faults, switches = [], [], [], [], [], []
     pauses: list[float] = []  # GC pauses of the current burst
@@ -74,9 +61,7 @@ def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict
         for k in range(bursts + 1):  # the first burst is unmeasured: the pool learns n, slots fault in
             if k:
                 settle(host, program, n)
-            starts.clear()
-            ends.clear()
-            sizes.clear()
+            log.calls.clear()
             pauses.clear()
             ru0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
@@ -93,9 +78,9 @@ def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict
                 faults.append(ru1.ru_minflt - ru0.ru_minflt)
                 switches.append(ru1.ru_nvcsw - ru0.ru_nvcsw)
                 effs.append(n * 64 / wall / (n * 64 / (65 * step_s)))
-                firsts.append(1000 * (starts[0] - t0))
-                fulls.append(1000 * (next(t for t, k in zip(starts, sizes, strict=True) if k >= 0.9 * n) - t0))
-                gaps.append(1000 * statistics.median(b - a for a, b in zip(ends, starts[1:], strict=False)))
+                firsts.append(1000 * (log.calls[0][0] - t0))
+                fulls.append(1000 * (next(start for start, _, size in log.calls if size >= 0.9 * n) - t0))
+                gaps.append(statistics.median(log.gaps_ms()))
     finally:
         gc.callbacks.remove(on_gc)
         host.shutdown()

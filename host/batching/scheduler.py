@@ -135,7 +135,7 @@ class Scheduler:
                 raise RuntimeError("scheduler is stopped")
             if self._pins is not None:
                 self._pins.pin(_pages(request))
-            idle = len(self._queue) <= self._copies_queued and not self._resident
+            idle = self._no_forwards()
             self._queue.append(fut)
             if isinstance(request, CopyRequest):
                 self._copies_queued += 1
@@ -206,12 +206,16 @@ class Scheduler:
                 self._run(batch)
                 self._batch_running = False
 
+    def _no_forwards(self) -> bool:
+        """Nothing to put in a batch: no queued forward (copies aside) and no loop (lock held)."""
+        return len(self._queue) <= self._copies_queued and not self._resident
+
     def _pending(self) -> list[ForwardFuture]:
         """What the policy looks at: the resident loops (always ready) and the queue."""
         return self._resident + self._queue if self._resident else self._queue
 
     def _forwards_ready(self) -> bool:
-        if len(self._queue) <= self._copies_queued and not self._resident:
+        if self._no_forwards():
             return False
         return self.policy.ready(self._pending(), time.perf_counter())
 
@@ -219,7 +223,7 @@ class Scheduler:
         return self._forwards_ready() or (self._copies_queued > 0 and bool(self._take(dry=True)[0]))
 
     def _wait_s(self) -> float | None:
-        if len(self._queue) <= self._copies_queued and not self._resident:
+        if self._no_forwards():
             return None
         return self.policy.wait_s(self._pending(), time.perf_counter())
 
