@@ -47,3 +47,61 @@ def test_list_to_c_falls_back_for_what_it_does_not_handle() -> None:
     empty = ffi.wasmtime_component_val_t()
     fastcall._list_to_c(lt, None, [], ctypes.pointer(empty))
     assert empty.of.list.size == 0
+
+
+def _record_type(fields: list[tuple[str, object]]) -> T.RecordType:
+    """A record type object as the linker would hand it to a conversion (fields memoized)."""
+    rt = T.RecordType.__new__(T.RecordType)
+    rt.__dict__["fields"] = fields
+    return rt
+
+
+def _option(payload: object) -> T.OptionType:
+    ot = T.OptionType.__new__(T.OptionType)
+    ot.__dict__["payload"] = payload
+    return ot
+
+
+def _sampler_type() -> T.RecordType:
+    """The WIT `sampler` record's shape: f32, u32, f32, f32, option<u64>."""
+    return _record_type([("temperature", T.F32()), ("top-k", T.U32()), ("top-p", T.F32()),
+                         ("min-p", T.F32()), ("seed", _option(T.U64()))])
+
+
+def _to_c(rt: T.RecordType, values: dict[str, object]) -> ffi.wasmtime_component_val_t:
+    rec = T.Record()
+    rec.__dict__.update(values)
+    val = ffi.wasmtime_component_val_t()
+    rt.convert_to_c(None, rec, ctypes.pointer(val))
+    return val
+
+
+@pytest.mark.parametrize("values", [
+    {"temperature": 0.0, "top-k": 0, "top-p": 1.0, "min-p": 0.0, "seed": None},
+    {"temperature": 0.7, "top-k": 2**32 - 1, "top-p": 0.9, "min-p": 0.05, "seed": None},
+    {"temperature": 1.5, "top-k": 40, "top-p": 0.5, "min-p": 0.0, "seed": 2**64 - 1},  # some(..): general path
+    {"temperature": 1.0, "top-k": 1, "top-p": 1.0, "min-p": 0.0, "seed": 0},
+])
+def test_record_from_c_matches_wasmtime_py(values: dict[str, object]) -> None:
+    fastcall._patch_types()
+    rt = _sampler_type()
+    fast = fastcall._record_from_c(rt, _to_c(rt, values))  # frees the record
+    ref = fastcall._RECORD_FROM_C(rt, _to_c(rt, values))
+    assert fast.__dict__ == ref.__dict__
+    assert list(fast.__dict__) == list(rt.fields[i][0] for i in range(5))
+    assert fast.__dict__["top-k"] == values["top-k"] and fast.__dict__["seed"] == values["seed"]
+
+
+def test_record_from_c_reads_every_scalar_kind() -> None:
+    fastcall._patch_types()
+    fields: list[tuple[str, object]] = [
+        ("b", T.Bool()), ("s8", T.S8()), ("u8", T.U8()), ("s16", T.S16()), ("u16", T.U16()), ("s32", T.S32()),
+        ("u32", T.U32()), ("s64", T.S64()), ("u64", T.U64()), ("f32", T.F32()), ("f64", T.F64())]
+    rt = _record_type(fields)
+    values = {"b": True, "s8": -128, "u8": 255, "s16": -32768, "u16": 65535, "s32": -2**31, "u32": 2**32 - 1,
+              "s64": -2**63, "u64": 2**64 - 1, "f32": 0.5, "f64": -1e300}
+    assert fastcall._FlatRecord.plan(fields) is not None  # read in one unpack, not field by field
+    assert fastcall._record_from_c(rt, _to_c(rt, values)).__dict__ == values
+    mixed = _record_type([("n", T.U32()), ("name", T.String())])  # a string field: the general path
+    assert fastcall._FlatRecord.plan(mixed.fields) is None
+    assert fastcall._record_from_c(mixed, _to_c(mixed, {"n": 3, "name": "x"})).__dict__ == {"n": 3, "name": "x"}

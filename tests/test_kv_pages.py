@@ -121,3 +121,74 @@ def test_export_names_belong_to_a_tenant() -> None:
     pm.release_all(mallory)
     assert pm.free_count == 6
     check_invariants(pm, [alice, alice2, mallory])
+
+
+def _reference_step_check(pm: PageManager, t: InstancePages, pages: list[int], writable_from: int) -> None:
+    """What check_step_pages must decide, checked from scratch: held, writable from there, no repeat."""
+    pm.check_pages(t, pages, writable_from)
+    if len(set(pages)) != len(pages):
+        raise PageError("the page list repeats a page")
+
+
+def test_step_page_check_is_incremental_but_decides_like_a_full_check() -> None:
+    """A guest sends its whole page list every token; the host checks only what changed since the last
+    list it accepted, yet must refuse exactly what a full check refuses: a foreign page anywhere, a
+    repeat, a page dropped since, a read-only page where tokens are written."""
+    import random
+
+    rng = random.Random(7)
+    pm = PageManager(2000)
+    t, other = InstancePages("a"), InstancePages("b")
+    mine = pm.allocate(t, 60)
+    foreign = pm.allocate(other, 10)
+    assert isinstance(mine, list) and isinstance(foreign, list)
+    assert pm.export(other, "shared", foreign[:3], persistent=False) is None
+    read_only = pm.import_(t, "shared")  # held by `t`, read-only
+    assert isinstance(read_only, list)
+    pages: list[int] = mine[:4]
+    outcomes = {True: 0, False: 0}
+    for _ in range(3000):
+        op = rng.random()
+        held = [p for p in t.held]
+        if op < 0.45:
+            nxt = pages + [rng.choice(held)]  # the next page of a growing context (maybe a repeat)
+        elif op < 0.55:
+            nxt = pages + [rng.choice(foreign[3:])]  # somebody else's page
+        elif op < 0.65 and pages:
+            nxt = list(pages)
+            nxt[rng.randrange(len(nxt))] = rng.choice(held + foreign)  # an earlier entry changed
+        elif op < 0.72:
+            nxt = list(pages)  # the same list again
+        elif op < 0.78 and len(pages) > 1:
+            nxt = pages[: rng.randrange(1, len(pages))]  # a shorter one (trimmed)
+        elif op < 0.85:
+            owned = [p for p in t.held if t.held[p][1]]
+            if len(owned) > 8:
+                listed = [p for p in pages if p in owned]
+                pm.release(t, [rng.choice(listed if listed and rng.random() < 0.7 else owned)])  # maybe a listed one
+                pm.allocate(other, 1)  # the page it dropped may now be somebody else's
+                if rng.random() < 0.5:
+                    pm.allocate(t, 1)
+            nxt = list(pages)
+        else:
+            nxt = rng.sample(held, min(len(held), rng.randrange(1, 6)))  # a fresh list
+        if not nxt:
+            continue
+        wf = rng.choice([len(nxt) - 1, len(nxt) - 1, 0, max(len(nxt) - 2, 0)])
+        try:
+            _reference_step_check(pm, t, nxt, wf)
+            ok = True
+        except PageError:
+            ok = False
+        try:
+            pm.check_step_pages(t, nxt, wf)
+            got = True
+        except PageError:
+            got = False
+        assert got == ok, (nxt, wf)
+        outcomes[ok] += 1
+        if ok and rng.random() < 0.9:
+            pages = nxt
+        elif not ok and rng.random() < 0.5:
+            pages = [p for p in dict.fromkeys(pages) if p in t.held and t.held[p][1]] or [pm.allocate(t, 1)[0]]
+    assert outcomes[True] > 300 and outcomes[False] > 300  # both sides exercised

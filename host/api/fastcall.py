@@ -20,6 +20,7 @@ import ctypes
 import functools
 import itertools
 import re
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +110,7 @@ def _hold_gil_in_helpers() -> None:
 
 
 _LIST_FROM_C = T.ListType.convert_from_c
+_RECORD_FROM_C = T.RecordType.convert_from_c
 _LIST_TO_C = T.ListType.convert_to_c
 _VAL_SIZE = ctypes.sizeof(ffi.wasmtime_component_val_t)
 _U32_OFFSET = ffi.wasmtime_component_val_t.of.offset  # the union's start; u32 sits at its start
@@ -149,11 +151,84 @@ def _list_from_c(self: T.ListType, c: Any) -> Any:
         ffi.wasmtime_component_valtuple_delete(ctypes.byref(c.of.tuple))
 
 
+# Scalar field types: (their kind tag in a val, how their value is laid out in the val's union).
+_SCALARS: dict[type, tuple[int, str]] = {
+    T.Bool: (ffi.WASMTIME_COMPONENT_BOOL.value, "?"), T.S8: (ffi.WASMTIME_COMPONENT_S8.value, "b"),
+    T.U8: (ffi.WASMTIME_COMPONENT_U8.value, "B"), T.S16: (ffi.WASMTIME_COMPONENT_S16.value, "h"),
+    T.U16: (ffi.WASMTIME_COMPONENT_U16.value, "H"), T.S32: (ffi.WASMTIME_COMPONENT_S32.value, "i"),
+    T.U32: (ffi.WASMTIME_COMPONENT_U32.value, "I"), T.S64: (ffi.WASMTIME_COMPONENT_S64.value, "q"),
+    T.U64: (ffi.WASMTIME_COMPONENT_U64.value, "Q"), T.F32: (ffi.WASMTIME_COMPONENT_F32.value, "f"),
+    T.F64: (ffi.WASMTIME_COMPONENT_F64.value, "d"),
+}
+_OPTION_KIND = ffi.WASMTIME_COMPONENT_OPTION.value
+_ENTRY = ffi.wasmtime_component_valrecord_entry_t
+_ENTRY_SIZE = ctypes.sizeof(_ENTRY)
+_KIND_AT = _ENTRY.val.offset + ffi.wasmtime_component_val_t.kind.offset  # in an entry
+_VALUE_AT = _ENTRY.val.offset + ffi.wasmtime_component_val_t.of.offset
+
+
+class _FlatRecord:
+    """How to read a record of scalar fields (and options, read as their payload pointer: only a
+    `none`, a null pointer, is taken as is) in one struct.unpack_from of its entry array."""
+
+    def __init__(self, fields: list[tuple[str, Any]]) -> None:
+        fmt, kinds, pos = ["<"], [], 0
+        self.options = []  # indices of option fields
+        for i, (_name, ty) in enumerate(fields):
+            if type(ty) is T.OptionType:
+                kind, code = _OPTION_KIND, "Q"
+                self.options.append(i)
+            else:
+                kind, code = _SCALARS[type(ty)]
+            base = i * _ENTRY_SIZE
+            fmt += [f"{base + _KIND_AT - pos}x" if base + _KIND_AT > pos else "", "B",
+                    f"{_VALUE_AT - _KIND_AT - 1}x", code]
+            pos = base + _VALUE_AT + struct.calcsize("<" + code)
+            kinds.append(kind)
+        self.struct = struct.Struct("".join(fmt))
+        self.names = [name for name, _ in fields]
+        self.kinds = tuple(kinds)
+        self.size = len(fields)
+        self.buffer = ctypes.c_char * (self.size * _ENTRY_SIZE)
+
+    @staticmethod
+    def plan(fields: list[tuple[str, Any]]) -> _FlatRecord | None:
+        if ctypes.sizeof(ctypes.c_void_p) != 8 or not fields:
+            return None
+        for _name, ty in fields:
+            if type(ty) not in _SCALARS and type(ty) is not T.OptionType:
+                return None
+        return _FlatRecord(fields)
+
+    def read(self, record: Any) -> list[Any] | None:
+        """The field values, or None when a field is not as planned (an option holding a value)."""
+        if record.size != self.size:
+            return None
+        got = self.struct.unpack_from(self.buffer.from_address(ctypes.addressof(record.data.contents)))
+        if got[0::2] != self.kinds:
+            return None
+        values = list(got[1::2])
+        for i in self.options:
+            if values[i]:
+                return None  # some(...): its payload is converted the general way
+            values[i] = None
+        return values
+
+
 def _record_from_c(self: T.RecordType, c: Any) -> Any:
-    """wasmtime-py's RecordType.convert_from_c without decoding every field name from C."""
+    """wasmtime-py's RecordType.convert_from_c without decoding every field name from C; a record
+    of scalars (e.g. the sampler of every decode step) is read in one struct.unpack_from."""
     assert c.kind == ffi.WASMTIME_COMPONENT_RECORD.value
     try:
+        d = self.__dict__
+        flat = d.get("_flat", False)
+        if flat is False:
+            flat = d["_flat"] = _FlatRecord.plan(self.fields)
         ret = T.Record()
+        values = None if flat is None else flat.read(c.of.record)
+        if values is not None:
+            ret.__dict__.update(zip(flat.names, values, strict=True))
+            return ret
         d = ret.__dict__
         data = c.of.record.data
         for i, (name, ty) in zip(range(c.of.record.size), self.fields, strict=False):

@@ -41,9 +41,10 @@ class _Passes:
         self.max_position = info.max_position or 2**32
         self.decode_specs: dict[tuple[Any, ...], list[OutputSpec]] = {}  # sampler fields -> [OutputSpec]
 
-    def check_pages(self, inst: Instance, pages: list[int], last_len: int, n_tokens: int) -> int:
+    def check_pages(self, inst: Instance, pages: list[int], last_len: int, n_tokens: int, step: bool = False) -> int:
         """The page list of a pass of `n_tokens` new tokens: held by the instance, long enough, written
-        pages writable. Returns the pass's context length (tokens in the pages before it)."""
+        pages writable (`step`: and none repeated, checked incrementally from the last step's list).
+        Returns the pass's context length (tokens in the pages before it)."""
         inst.check_alive()
         ps = self.page_size
         if not pages:
@@ -55,7 +56,10 @@ class _Passes:
             raise GuestError(f"{n_tokens} new tokens do not fit: the {len(pages)} pages with "
                              f"last-page-len {last_len} hold {total} tokens")
         ctx = total - n_tokens
-        self.pm.check_pages(inst.pages, pages, writable_from=ctx // ps)
+        if step:
+            self.pm.check_step_pages(inst.pages, pages, writable_from=ctx // ps)
+        else:
+            self.pm.check_pages(inst.pages, pages, writable_from=ctx // ps)
         return ctx
 
     def submit(self, inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
@@ -80,13 +84,11 @@ class _Passes:
                        sampler: Any) -> ForwardRequest:
         """forward.run(pages, last_len, [token], [position], [], [sample-only spec at 0]), checked
         inline: everything check_request would reject, for this fixed shape (the call made per token)."""
-        ctx = self.check_pages(inst, pages, last_len, 1)
+        ctx = self.check_pages(inst, pages, last_len, 1, step=True)  # no page repeated either
         if token >= self.info.vocab_size:
             raise GuestError(f"token {token} is outside the vocabulary (size {self.info.vocab_size})")
         if position >= self.max_position:
             raise GuestError(f"position {position} is past the model's maximum {self.max_position - 1}")
-        if len(pages) > 1 and len(set(pages)) != len(pages):
-            raise GuestError(f"the page list repeats a page: {pages}")
         key = tuple(sampler.__dict__.values())
         outputs = self.decode_specs.get(key)
         if outputs is None:

@@ -92,6 +92,12 @@ class Instance:
         self.state = "starting"
         self.pages = InstancePages(self.id)
         self.cond = threading.Condition()
+        # The thread blocked in wait_until sleeps on `_kick` (released = woken), not on `cond`:
+        # a Condition allocates a lock per wait and its waiter must take `cond` back while the
+        # notifier still holds it; `_notify` (the per-token wake-up) releases the kick after
+        # letting go of `cond`. Other waiters on `cond` (the warm pool, await_launch) still use it.
+        self._kick = threading.Lock()
+        self._kick.acquire()
         self._waiting = False  # the thread is blocked in wait_until (guarded by cond)
         self._handed = False  # the gate has woken it for its turn (guarded by cond)
         self.inbox: deque[str] = deque()
@@ -165,7 +171,7 @@ class Instance:
                 return
             self.stop_reason = reason
             self.stop_event = event
-            self.cond.notify_all()
+            self._wake_all()
 
     def on_epoch(self) -> str | None:
         """Epoch tick while the guest runs: a trap message if it must stop, else None."""
@@ -194,19 +200,19 @@ class Instance:
         """A message published on a topic this instance subscribed to."""
         with self.cond:
             self.published.put(topic, message)
-            self.cond.notify_all()
+            self._wake_all()
 
     def signal(self, message: str) -> None:
         """A client message for the guest's receive()."""
         with self.cond:
             self.inbox.append(message)
-            self.cond.notify_all()
+            self._wake_all()
 
     def close_input(self) -> None:
         """From now on receive() returns none once the inbox is empty."""
         with self.cond:
             self.input_closed = True
-            self.cond.notify_all()
+            self._wake_all()
 
     def check_alive(self) -> None:
         """Raise Terminated if the instance was told to stop or has run past its wall-clock budget."""
@@ -238,8 +244,12 @@ class Instance:
                         return False
                     remaining = _earliest(remaining, self.budget_left_s())
                     self._waiting = True
-                    self.cond.wait(remaining)
-                    self._waiting = False
+                    self.cond.release()
+                    try:
+                        self._kick.acquire(True, -1 if remaining is None else max(remaining, 0.0))
+                    finally:
+                        self.cond.acquire()
+                    self._waiting = False  # a kick that came after a timeout stays: a spurious wake-up
                     if self._handed:  # the gate woke us for our turn
                         self._handed = False
                         if not ready():  # not ready after all: pass the turn on
@@ -272,9 +282,17 @@ class Instance:
         with self.cond:
             if not self._waiting:
                 return False
+            self._waiting = False
             self._handed = True
-            self.cond.notify_all()
-            return True
+        self._kick.release()  # outside cond, so the thread does not wake only to wait for it
+        return True
+
+    def _wake_all(self) -> None:
+        """Something a waiter may be waiting for has changed (cond held): wake them all."""
+        self.cond.notify_all()
+        if self._waiting:
+            self._waiting = False
+            self._kick.release()
 
     def _capture_stdout(self, data: bytes) -> None:
         for line in data.decode("utf-8", "replace").splitlines():
