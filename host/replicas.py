@@ -59,6 +59,9 @@ class ReplicaPages:
     def check_pages(self, table: InstancePages, pages: list[int], writable_from: int) -> None:
         self._of(table).check_pages(table, pages, writable_from)
 
+    def check_step_pages(self, table: InstancePages, pages: list[int], writable_from: int) -> None:
+        self._of(table).check_step_pages(table, pages, writable_from)
+
     def check_writable(self, table: InstancePages, page: int) -> None:
         self._of(table).check_writable(table, page)
 
