@@ -5,7 +5,8 @@ Usage: python bench/host_context.py --json OUT [--instances 16] [--tokens 64 102
 N instances of bench/inferlets/stepper (every token a `forward.decode-step`, whose arguments
 include the instance's whole page list) generate `--tokens` tokens each against the stand-in
 backend with no delay, so the wall time is the host's own work (and the stand-in's validation):
-`us_per_token` is wall / (N * tokens), the median of `--bursts` bursts on one host. The baseline
+`us_per_token` is wall / (N * tokens), the median of `--bursts` bursts on one host (after an
+unmeasured one of the same length). The baseline
 is the first length in the same run: `ratio` = us_per_token / us_per_token at that length. A
 context of `t` tokens is t / 16 pages; everything the host does per page per step (the list's
 conversion, the page checks, pins, the scheduler's footprint sets) shows up as a ratio above 1.
@@ -44,7 +45,7 @@ def main() -> None:
         for tokens in opts.tokens:
             want = " ".join(str((last + 1 + i) % vocab) for i in range(tokens))
             runs_us = []
-            for _ in range(opts.bursts):
+            for burst in range(opts.bursts + 1):  # the first, unmeasured: pool slots and the warm pool
                 settle(host, program, n)
                 t0 = time.perf_counter()
                 runs = [Run(host, program, [str(tokens), PROMPT]) for _ in range(n)]
@@ -52,7 +53,8 @@ def main() -> None:
                     end = r.finish(600)
                     if end.event != "completed" or end.message != want:
                         raise RuntimeError(f"wrong result: {end.event}: {end.message[:120]!r}")
-                runs_us.append(1e6 * (time.perf_counter() - t0) / (n * tokens))
+                if burst:
+                    runs_us.append(1e6 * (time.perf_counter() - t0) / (n * tokens))
             per_token[str(tokens)] = round(statistics.median(runs_us), 1)
             print(f"{tokens} tokens: {per_token[str(tokens)]} us per token and instance", flush=True)
     finally:

@@ -259,3 +259,30 @@ def test_the_prefix_cache_is_asked_once_per_pass(host: FakeHost, monkeypatch: py
     assert len(host.kv.prefix_lookups) == 1
     assert isinstance(token, int) and ctx.kv_len == 3 * PS + 1
     check_invariants(ctx)
+
+
+def test_the_plain_step_follows_the_mask_through_unmask_fork_and_drop(host: FakeHost) -> None:
+    """The context counts its masked tokens instead of scanning them every step: every way the flags
+    change (unmasking, a fork's copy, dropping masked pages) must still pick forward.run with a mask
+    while a token is masked, and forward.decode-step once none is."""
+    ctx = Context()
+    ctx.fill("abcdefghijklmnopq")  # 17 tokens
+    ctx.flush()
+    ctx.mask_token_range(1, 3)
+    ctx.decode_step()
+    assert host.forward.decode_step_calls == 0 and host.forward.requests[-1].mask != []
+    ctx.mask_token_range(0, 3, masked=False)  # nothing masked any more
+    assert not ctx.any_masked
+    ctx.decode_step()
+    assert host.forward.decode_step_calls == 1 and host.forward.requests[-1].mask == []
+
+    ctx.mask_token_range(0, 8)  # two full pages (4 tokens each) masked
+    child = ctx.fork()
+    assert child.any_masked and child.masked == ctx.masked
+    child.decode_step()
+    assert host.forward.decode_step_calls == 1 and host.forward.requests[-1].mask != []
+    assert ctx.drop_masked_pages() == 2  # the masked tokens leave with their pages
+    assert not ctx.any_masked
+    ctx.decode_step()
+    assert host.forward.decode_step_calls == 2 and host.forward.requests[-1].mask == []
+    check_invariants(ctx)

@@ -44,7 +44,7 @@ def decode_step(ctx: Context, sampler: Sampler, matcher: Matcher) -> int:
     ctx._check_idle("decode_step")
     kv_len, n_pages = ctx.kv_len, len(ctx.pages)
     try:
-        if len(ctx.tokens) == kv_len + 1 and True not in ctx.masked and kv_len > 0:
+        if len(ctx.tokens) == kv_len + 1 and not ctx.any_masked and kv_len > 0:
             pages, last_len, tokens, positions, _mask = ctx._prepare(1)
             token: int = _host.forward.decode_step_constrained(pages, last_len, tokens[0], positions[0],
                                                                sampler.to_wit(), matcher.handle)

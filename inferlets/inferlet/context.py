@@ -52,6 +52,22 @@ class Context:
 
     # ---- filling -------------------------------------------------------------------------
 
+    @property
+    def masked(self) -> list[bool]:
+        """Per token, whether later passes skip it. Change it with `mask_token_range` (or assign a
+        new list): the context keeps count of the masked tokens, so that a step need not scan them."""
+        return self._masked
+
+    @masked.setter
+    def masked(self, flags: list[bool]) -> None:
+        self._masked = flags
+        self._n_masked = flags.count(True)
+
+    @property
+    def any_masked(self) -> bool:
+        """Whether some token is masked (O(1): a plain step checks it every token)."""
+        return self._n_masked > 0
+
     def fill(self, text: str) -> None:
         """Append text (tokenized on its own, so split points matter) as pending tokens."""
         self.fill_tokens(self.model.encode(text))
@@ -108,7 +124,7 @@ class Context:
             return constrained.decode_step(self, sampler, matcher)
         n = self.kv_len + 1
         tokens, pages = self.tokens, self.pages
-        if len(tokens) == n and self._inflight is None and not self._released and True not in self.masked:
+        if len(tokens) == n and self._inflight is None and not self._released and not self._n_masked:
             # The plain step (one pending token, causal): forward.decode-step, whose only list is
             # the pages. Written out flat: this runs once per generated token.
             ps = self.model.page_size
@@ -120,7 +136,7 @@ class Context:
                                               sampler.to_wit())
             tokens.append(token)
             self.positions.append(pos)
-            self.masked.append(False)
+            self._masked.append(False)
             self.next_pos = pos + 1
             return token
         self._check_idle("decode_step")
@@ -190,7 +206,8 @@ class Context:
         """Hide (or show again) `tokens[start:end]` from the attention of all later passes."""
         if not 0 <= start <= end <= len(self.tokens):
             raise IndexError(f"token range [{start}, {end}) outside 0..{len(self.tokens)}")
-        self.masked[start:end] = [masked] * (end - start)
+        self._masked[start:end] = [masked] * (end - start)
+        self._n_masked = self._masked.count(True)
 
     def drop_masked_pages(self) -> int:
         """Release full pages whose tokens are all masked; returns how many were dropped.
@@ -267,7 +284,7 @@ class Context:
         n = len(ids)
         self.tokens.extend(ids)
         self.positions.extend(range(self.next_pos, self.next_pos + n))
-        self.masked.extend([False] * n)
+        self._masked.extend([False] * n)
         self.next_pos += n
 
     def _spec(self, sampler: Sampler | None, dist: int) -> Any:
@@ -318,6 +335,6 @@ class Context:
         need = -(-hi // ps) - len(self.pages)
         if need > 0:
             self.pages.extend(PAGES.allocate(need))
-        mask = pass_rows(self.masked[:lo], self.masked[lo:hi]) if True in self.masked else []
+        mask = pass_rows(self._masked[:lo], self._masked[lo:hi]) if self._n_masked else []
         self.kv_len = hi
         return self.pages, hi - (len(self.pages) - 1) * ps, self.tokens[lo:hi], self.positions[lo:hi], mask

@@ -72,7 +72,7 @@ def generate(
 
 def _host_loop_fits(ctx: Context) -> bool:
     return (ctx._inflight is None and not ctx._released and len(ctx.tokens) > ctx.kv_len
-            and True not in ctx.masked and ctx.next_pos == ctx.positions[-1] + 1)
+            and not ctx.any_masked and ctx.next_pos == ctx.positions[-1] + 1)
 
 
 def _generate_on_host(ctx: Context, sampler: Sampler, rules: tuple[int | None, list[int], list[str]],
