@@ -188,9 +188,7 @@ class PageManager:
             if p not in held:
                 raise PageError(f"page {p} is not held by this instance")
             seen.add(p)
-        for p in pages[writable_from:]:
-            if not held[p][1]:
-                raise PageError(f"page {p} is read-only here (imported); new tokens cannot be written into it")
+        self.check_pages(table, pages[writable_from:], 0)  # the written ones writable (all held: checked)
         table.checked, table.checked_set, table.checked_drops = list(pages), seen, table.drops
 
     def check_writable(self, table: InstancePages, page: int) -> None:

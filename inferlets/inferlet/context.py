@@ -50,8 +50,6 @@ class Context:
         self._attach_tried = False  # the cache is asked once, before the first pass
         self._generation = PAGES.generation
 
-    # ---- filling -------------------------------------------------------------------------
-
     @property
     def masked(self) -> list[bool]:
         """Per token, whether later passes skip it. Change it with `mask_token_range` (or assign a
@@ -67,6 +65,8 @@ class Context:
     def any_masked(self) -> bool:
         """Whether some token is masked (O(1): a plain step checks it every token)."""
         return self._n_masked > 0
+
+    # ---- filling -------------------------------------------------------------------------
 
     def fill(self, text: str) -> None:
         """Append text (tokenized on its own, so split points matter) as pending tokens."""
