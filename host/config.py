@@ -50,6 +50,10 @@ class HostConfig:
     tp: tensor-parallel ranks per engine (torch.distributed: NCCL on GPUs, gloo on CPU).
     replicas: engines, each with its own KV cache; an instance lives on one (placed by load).
     engine_restart: start an engine process again after it died (its instances end first).
+    step_lookahead: run the predicted next `decode-step` of a guest that steps every token itself
+        in the batch after the one that drew its token, while the guest runs (host/api/forward.py's
+        `_Stepper`; the guest's call claims it if its arguments are the predicted ones). False:
+        every step waits for its guest's call (for comparisons).
     tune_gc: once started, move every object then alive (the model, tokenizer, modules: ~190k
         objects) out of reach of Python's cyclic GC (`gc.freeze`), so a full collection, which
         otherwise stops every thread for ~100-150 ms while the host serves, scans only what came
@@ -87,6 +91,7 @@ class HostConfig:
     replicas: int = 1
     engine_restart: bool = True
     tune_gc: bool = True
+    step_lookahead: bool = True
 
     @property
     def engine_kind(self) -> str:

@@ -140,7 +140,7 @@ class Host:
         self.wasm.on_tick.append(self.gate.poll)  # queued wake-ups go out even if holders stall
         self.services = ApiServices(
             info=info, tokenizer=backend.tokenizer, pages=self.pages, scheduler=self.scheduler,
-            kvstore=self.kvstore, topics=self.topics)
+            kvstore=self.kvstore, topics=self.topics, step_lookahead=self.config.step_lookahead)
         self.linker = build_linker(self.wasm.engine, self.services)
         self._env = InstanceEnv(
             engine=self.wasm, linker=self.linker, gate=self.gate,
@@ -285,7 +285,8 @@ class Host:
         # A forward still queued or running finishes on its own (its pages stay pinned until it
         # has, so the backend never writes into a page someone else owns); waiting for it here
         # means the instance's pages are all free by the time its end is reported.
-        for fut in inst.forwards.values():
+        ahead = inst.stepper.close() if inst.stepper is not None else None  # a decode-step run ahead
+        for fut in [*inst.forwards.values(), *([ahead] if ahead is not None else [])]:
             if not fut.done():
                 try:
                     fut.wait()

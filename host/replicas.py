@@ -121,11 +121,15 @@ class ReplicaSchedulers:
     def _of(self, owner: str) -> Scheduler:
         return self.replicas[self._owner.get(owner, 0)]
 
-    def submit(self, request: Job, owner: str, generation: Generation | None = None) -> ForwardFuture:
-        return self._of(owner).submit(request, owner, generation)
+    def submit(self, request: Job, owner: str, generation: Generation | None = None,
+               lookahead: bool = False) -> ForwardFuture:
+        return self._of(owner).submit(request, owner, generation, lookahead)
 
     def expect(self, owner: str) -> None:
         self._of(owner).expect(owner)
+
+    def withdraw(self, fut: ForwardFuture) -> bool:
+        return self._of(fut.owner).withdraw(fut)
 
     def forget(self, owner: str) -> None:
         r = self._owner.get(owner)
@@ -146,7 +150,8 @@ class ReplicaSchedulers:
         total = SchedulerStats()
         for s in self.replicas:
             st = s.stats
-            for f in ("batches", "forwards", "tokens", "copies", "queue_wait_s", "backend_s", "errors"):
+            for f in ("batches", "forwards", "tokens", "copies", "queue_wait_s", "backend_s", "errors", "lookaheads",
+                      "lookaheads_withdrawn"):
                 setattr(total, f, getattr(total, f) + getattr(st, f))
             total.max_batch_size = max(total.max_batch_size, st.max_batch_size)
         return total

@@ -377,3 +377,74 @@ def test_a_launch_holds_no_batch_while_work_is_under_way() -> None:
     s.forget("x")
     s.forget("y")
     s.stop()
+
+
+class _Pins:
+    """Counts pins per page, as the page manager does."""
+
+    def __init__(self) -> None:
+        self.count: dict[int, int] = {}
+        self.forgotten: list[int] = []
+
+    def pin(self, pages) -> None:  # noqa: ANN001
+        for p in pages:
+            self.count[p] = self.count.get(p, 0) + 1
+
+    def unpin(self, pages) -> None:  # noqa: ANN001
+        for p in pages:
+            self.count[p] -= 1
+
+    def forget_content(self, pages) -> None:  # noqa: ANN001
+        self.forgotten.extend(pages)
+
+
+def test_a_follow_up_is_queued_before_its_owner_wakes_and_keeps_the_pages_pinned() -> None:
+    """`ForwardFuture.follow` (a stepping guest's predicted next step): the scheduler thread queues
+    what it returns before the done step's waiter wakes, so the next batch has it without a submit;
+    the follow-up takes over the step's pins, and they go when it ends."""
+    from host.batching.future import ForwardFuture
+
+    rec = Recorder()
+    pins = _Pins()
+    s = Scheduler(AdaptivePolicy())
+    s.bind(rec, None, 4, pins=pins)
+    seen: list[tuple[int, int]] = []  # (page 7's pins, queued jobs) when the first step's waiter wakes
+    follow_ups: list[ForwardFuture] = []
+
+    def follow(fut: ForwardFuture, outputs: list[OutputResult]) -> ForwardFuture:
+        nxt = ForwardFuture(req([7], 2, 1, tag=(outputs[0].token or 0) + 1), fut.owner)
+        follow_ups.append(nxt)
+        return nxt
+
+    rec.hold(s)
+    first = s.submit(req([7], 1, 1, tag=1), "a")
+    first.follow = follow
+    first.add_done_callback(lambda _f: seen.append((pins.count[7], len(s._queue))))
+    rec.gate.set()
+    assert first.wait(5)[0].token == 1
+    assert follow_ups and follow_ups[0].wait(5)[0].token == 2  # ran without anyone submitting it
+    assert seen == [(1, 1)]  # queued, pages still pinned, before the waiter woke
+    assert rec.batches[-2:] == [[1], [2]] and first.follow is None  # called once, then cleared
+    assert pins.count[7] == 0 and s.stats.lookaheads == 1
+    s.stop()
+
+
+def test_withdraw_takes_back_a_queued_job_only() -> None:
+    rec = Recorder()
+    pins = _Pins()
+    s = Scheduler(AdaptivePolicy())
+    s.bind(rec, None, 4, pins=pins)
+    rec.hold(s)  # a batch is in the backend: what is submitted now stays queued
+    later = s.submit(req([63], 1, 1, tag=98), "x")  # queued behind the held one (same owner)
+    queued = s.submit(req([5], 2, 1, tag=5), "a")
+    assert pins.count[5] == 1
+    assert s.withdraw(queued)
+    assert pins.count[5] == 0 and pins.forgotten == []  # it wrote nothing: the page's content stays known
+    with pytest.raises(RuntimeError, match="withdrawn"):
+        queued.wait(1)
+    rec.gate.set()
+    later.wait(5)
+    assert not s.withdraw(later)  # done: nothing to take back
+    assert all(5 not in b for b in rec.batches)
+    assert s.stats.lookaheads_withdrawn == 1
+    s.stop()

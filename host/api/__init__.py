@@ -48,6 +48,7 @@ class ApiServices:
     scheduler: Scheduler
     kvstore: KeyValueStore
     topics: Topics
+    step_lookahead: bool = True  # HostConfig.step_lookahead
 
     @cached_property
     def grammars(self) -> grammar.Grammars:
@@ -64,7 +65,7 @@ def import_tables(s: ApiServices) -> dict[str, dict[str, Import]]:
         "model": model.imports(s.info, s.tokenizer),
         "kv": kv.imports(s.pages, s.scheduler, s.info.page_size),
         "grammar": grammar.imports(s.grammars),
-        "forward": {**forward.imports(s.pages, s.scheduler, s.info, s.tokenizer),
+        "forward": {**forward.imports(s.pages, s.scheduler, s.info, s.tokenizer, s.step_lookahead),
                     **constrained.imports(s.pages, s.scheduler, s.info, s.tokenizer, s.grammars)},
     }
 

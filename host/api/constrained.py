@@ -94,7 +94,7 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
         allowed = allowed_mask(m.matcher)
         if isinstance(allowed, str):
             return allowed
-        req = passes.decode_request(inst, pages, last_len, token, position, sampler)
+        req = passes.decode_request(inst, pages, last_len, token, position, sampler, tuple(sampler.__dict__.values()))
         req.outputs = [replace(req.outputs[0], allowed=allowed)]
         fut = scheduler.submit(req, inst.id)
         fut.add_done_callback(inst.wake)

@@ -27,6 +27,12 @@ U32_MAX = 2**32 - 1
 Import = Callable[..., Any]
 
 
+# `forward` and `kv` calls that leave a stepping guest's predicted next decode-step valid (the
+# others drop it first: host/api/forward.py's `_Stepper`). kv.allocate is the step's own page.
+_KEEP_LOOKAHEAD = frozenset({"forward.decode-step", "kv.allocate", "kv.page-size", "kv.free-pages",
+                             "kv.list-exports"})
+
+
 class GuestError(Exception):
     """Guest misuse of an import: traps the instance with this message."""
 
@@ -35,11 +41,15 @@ def guest_import(name: str, store: bool = False) -> Callable[[Callable[..., Any]
     """Wrap `fn(instance, *args)` as the import `name` (e.g. "kv.allocate"); with `store`,
     `fn(instance, store_context, *args)` (resource handles are resolved through the store)."""
 
+    drops = name.split(".", 1)[0] in ("forward", "kv") and name not in _KEEP_LOOKAHEAD
+
     def deco(fn: Callable[..., Any]) -> Import:
         @functools.wraps(fn)
         def wrapper(_store: Any, *args: Any) -> Any:
             inst = current()
             try:
+                if drops and inst.stepper is not None:  # its view of its pages may change: no lookahead
+                    inst.stepper.drop()
                 return fn(inst, _store, *args) if store else fn(inst, *args)
             except Terminated as e:
                 raise wasmtime.WasmtimeError(f"instance terminated: {e}") from None

@@ -41,13 +41,17 @@ class ForwardFuture:
     wait on their own condition (woken by a done-callback), and finishing a batch is on the
     per-step critical path."""
 
-    __slots__ = ("request", "owner", "generation", "submitted", "_done", "_event", "_result", "_error",
+    __slots__ = ("request", "owner", "generation", "follow", "submitted", "_done", "_event", "_result", "_error",
                  "_callbacks")
 
     def __init__(self, request: Job, owner: str, generation: Generation | None = None) -> None:
         self.request = request
         self.owner = owner
         self.generation = generation  # a host-side loop: the scheduler keeps its request in every batch
+        # Set by the owner while it waits: called by the scheduler thread with the outputs when the
+        # forward is done, before anyone wakes; it may return the owner's next forward (its pages
+        # still pinned), which the scheduler queues at once. The scheduler clears it when it calls it.
+        self.follow: Callable[[ForwardFuture, Any], ForwardFuture | None] | None = None
         self.submitted = time.perf_counter()
         self._done = False
         self._event: threading.Event | None = None

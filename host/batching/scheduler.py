@@ -60,6 +60,8 @@ class SchedulerStats:
     backend_s: float = 0.0
     max_batch_size: int = 0
     errors: int = 0
+    lookaheads: int = 0  # predicted steps queued before their owner asked (follow-ups, `submit(lookahead=True)`)
+    lookaheads_withdrawn: int = 0  # follow-ups taken back before they ran
     # batches by size: [i] counts sizes <= BATCH_SIZE_BUCKETS[i] (and > the bound before); the last, larger ones
     batch_size_counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SIZE_BUCKETS) + 1))
 
@@ -71,6 +73,7 @@ class SchedulerStats:
             "mean_batch_size": self.forwards / b, "mean_batch_tokens": self.tokens / b,
             "max_batch_size": self.max_batch_size, "mean_queue_wait_ms": 1000 * self.queue_wait_s / f,
             "mean_backend_ms": 1000 * self.backend_s / b, "backend_errors": self.errors,
+            "lookaheads": self.lookaheads, "lookaheads_withdrawn": self.lookaheads_withdrawn,
             "batch_size_counts": list(self.batch_size_counts),
         }
 
@@ -122,11 +125,13 @@ class Scheduler:
             self._cv.notify()
         return fut.result()
 
-    def submit(self, request: Job, owner: str, generation: Generation | None = None) -> ForwardFuture:
+    def submit(self, request: Job, owner: str, generation: Generation | None = None,
+               lookahead: bool = False) -> ForwardFuture:
         """Queue a forward (a checked ForwardRequest) or a KV copy for `owner`; returns its future.
 
         With `generation` (whose `request` this is), the forward is the first step of a host-side
-        loop: the future completes with the loop's result when it ends."""
+        loop: the future completes with the loop's result when it ends. `lookahead`: a predicted
+        step its owner has not asked for yet (counted in `stats.lookaheads`, like follow-ups)."""
         if self._forward is None:
             raise RuntimeError("scheduler has no backend yet")
         fut = ForwardFuture(request, owner, generation)
@@ -137,6 +142,7 @@ class Scheduler:
                 self._pins.pin(_pages(request))
             idle = self._no_forwards()
             self._queue.append(fut)
+            self.stats.lookaheads += lookahead
             if isinstance(request, CopyRequest):
                 self._copies_queued += 1
             self.policy.submitted(owner)
@@ -302,17 +308,27 @@ class Scheduler:
                 self._fail(batch, e)
                 return
             end = time.perf_counter()
-            # one pass for the numbers (before the steps change the loops' requests) and the pins
+            # one pass for the numbers (before the steps change the loops' requests), the pins and
+            # the follow-ups (a stepping guest's predicted next step, queued before anyone wakes)
             tokens, waited, unpin = 0, 0.0, list[int]()
             come_back: list[str] = []  # owners of plain forwards: a guest stepping itself comes back
-            for f in batch:
+            follow_ups: list[ForwardFuture] = []
+            for f, r in zip(batch, results, strict=True):
                 req = f.request
                 assert isinstance(req, ForwardRequest)  # copies never join a batch (_take)
                 tokens += len(req.tokens)
                 waited += start - f.submitted
                 if f.generation is None:
-                    unpin.extend(req.pages)
-                    come_back.append(f.owner)
+                    nxt = self._follow_up(f, r) if f.follow is not None else None
+                    if nxt is None:
+                        unpin.extend(req.pages)
+                        come_back.append(f.owner)
+                    else:  # its pages stay pinned for the follow-up
+                        follow_ups.append(nxt)
+            if follow_ups:
+                with self._cv:
+                    self._queue.extend(follow_ups)
+                self.stats.lookaheads += len(follow_ups)
             if self._pins is not None:  # one lock for the batch: pages may become free, then waiters wake
                 self._pins.unpin(unpin)
             # The policy learns whom to wait for before anyone wakes: a guest that resubmitted before
@@ -333,6 +349,31 @@ class Scheduler:
                 self._expect(ended, start, end)
             self._record(len(batch), tokens, waited, start, end)
             return
+
+    def _follow_up(self, fut: ForwardFuture, outputs: list[OutputResult]) -> ForwardFuture | None:
+        """The owner's next forward, if `fut.follow` makes one (on `fut`'s pages: it takes over their pins)."""
+        follow, fut.follow = fut.follow, None
+        assert follow is not None
+        try:
+            nxt = follow(fut, outputs)
+        except Exception:  # a host bug: no follow-up; the owner submits its next forward itself
+            log.exception("follow-up of a forward of %s failed", fut.owner)
+            return None
+        return nxt
+
+    def withdraw(self, fut: ForwardFuture) -> bool:
+        """Take back a queued forward before it runs (a follow-up its owner did not want): True if it
+        was still queued (it then fails with an error nobody waits for), False if running or done."""
+        with self._cv:
+            try:
+                self._queue.remove(fut)
+            except ValueError:
+                return False
+            self.stats.lookaheads_withdrawn += 1
+        if self._pins is not None:  # it wrote nothing: what the pages hold is still known
+            self._pins.unpin(_pages(fut.request))
+        fut.finish(None, RuntimeError("withdrawn before it ran"))
+        return True
 
     def _step(self, fut: ForwardFuture, gen: Generation, outputs: list[OutputResult], end: float) -> bool:
         """One step of a host-side loop is done: it stays for the next batch (False) or ends (True)."""

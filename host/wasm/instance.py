@@ -107,6 +107,7 @@ class Instance:
         self.forwards: dict[int, ForwardFuture] = {}
         self._next_handle = 1
         self.wasi_helper: Any = None  # host/api/wasi.py's helper in this instance's store, once made
+        self.stepper: Any = None  # host/api/forward.py's decode-step lookahead, once the guest steps
         self.return_value: str | None = None
         self.trap_reason: str | None = None  # set by an import before it traps the guest
         self.stop_reason: str | None = None  # set by terminate()
