@@ -101,8 +101,11 @@ class ReplicaPages:
                    context_len: int | None = None) -> None:
         self._of(table).note_write(table, req, page_size, context_len)
 
-    def note_copy(self, table: InstancePages, dst_page: int) -> None:
-        self._of(table).note_copy(table, dst_page)
+    def note_copy(self, table: InstancePages, dst_page: int, end: int) -> None:
+        self._of(table).note_copy(table, dst_page, end)
+
+    def filled(self, table: InstancePages, page: int) -> int:
+        return self._of(table).filled(table, page)
 
 
 class ReplicaSchedulers:

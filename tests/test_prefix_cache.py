@@ -90,7 +90,7 @@ def test_a_page_handed_out_by_the_cache_cannot_be_written_again() -> None:
     with pytest.raises(PageError, match="shared through the prefix cache"):
         pm.note_write(owner, rewrite, PS)
     with pytest.raises(PageError, match="shared through the prefix cache"):
-        pm.note_copy(owner, pages[1])
+        pm.note_copy(owner, pages[1], 1)
 
 
 def test_content_that_failed_or_was_overwritten_is_forgotten() -> None:

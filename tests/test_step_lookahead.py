@@ -96,6 +96,20 @@ def test_a_call_between_two_steps_drops_the_prediction(hosts: dict[bool, tuple[H
         assert stats["forwards"] + stats["lookaheads_withdrawn"] == 5 + int(lookahead)
 
 
+def test_a_guest_stepping_over_positions_it_wrote_before_is_not_run_ahead_over_them(
+        hosts: dict[bool, tuple[Host, str]]) -> None:
+    """Positions 0..4 prefilled, then stepped again from 0: after the third step the next slot (3)
+    still holds what the guest wrote there, which its next pass reads; no step is run ahead."""
+    a, b, c, d, e, f = 5, 6, 7, 100, 9, 11
+    out = reference([a], 3)
+    want = out + [(a + out[0] + out[1] + d + e + f) % VOCAB]
+    assert d != out[2]  # a step run ahead would have put out[2] where d is
+    for lookahead, (host, program) in hosts.items():
+        got, stats = _run(host, program, ["step_rewind", *map(str, (a, b, c, d, e, f))])
+        assert got == " ".join(map(str, want)), f"lookahead={lookahead}"
+        assert stats == {"forwards": 5, "lookaheads": 0, "lookaheads_withdrawn": 0}
+
+
 def test_sequences_stepped_in_turn_are_not_run_ahead(hosts: dict[bool, tuple[Host, str]]) -> None:
     a, b = 9, 40
     ra, rb = reference([a], 4), reference([b], 4)

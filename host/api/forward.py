@@ -125,9 +125,10 @@ class _Stepper:
     (the guest allocates that page) nor the model's last position.
 
     What a prediction writes before it is claimed is the K/V of the drawn token in the next slot
-    of the instance's own last page, a slot past what the guest has written and the next one its
-    next step writes: reads stop before it, nobody else can write or free the page (pinned), and
-    the prefix cache learns of the write only when the guest claims it. A claimed prediction is
+    of the instance's own last page, a slot the guest has never written since it allocated the
+    page (`PageManager.filled`; a guest that went back to an earlier position is not run ahead
+    over what it wrote there) and the one its next step writes: nobody else can write or free
+    the page (pinned), and the prefix cache learns of the write only when the guest claims it. A claimed prediction is
     the guest's own call with the same inputs: the outputs are the same.
     """
 
@@ -207,8 +208,9 @@ class _Stepper:
         """Turn the done step `req` into the predicted next one, if there can be one."""
         passes = self.passes
         if (token is None or token >= passes.info.vocab_size or req.last_page_len >= passes.page_size
-                or req.positions[0] + 1 >= passes.max_position or self.closed or self.pending is not None):
-            return False
+                or req.positions[0] + 1 >= passes.max_position or self.closed or self.pending is not None
+                or passes.pm.filled(self.inst.pages, req.pages[-1]) > req.last_page_len):
+            return False  # (the last: the guest wrote that slot before, and may still count on it)
         req.last_page_len += 1
         req.tokens[0] = token
         req.positions[0] += 1

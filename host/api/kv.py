@@ -68,7 +68,7 @@ def _copy_tokens(pm: PageManager, scheduler: Scheduler, page_size: int, inst: In
                          f"the page size {page_size}")
     if c.count == 0:
         return
-    pm.note_copy(inst.pages, c.dst_page)
+    pm.note_copy(inst.pages, c.dst_page, c.dst_offset + c.count)
     fut = scheduler.submit(c, inst.id)
     fut.add_done_callback(inst.wake)
     inst.wait_until(fut.done)

@@ -63,6 +63,7 @@ class PageManager:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._refs = [0] * num_pages
         self._pins = [0] * num_pages  # queued or running jobs touching each page
+        self._filled = [0] * num_pages  # slots written since the page was allocated (a high-water mark)
         self._exports: dict[tuple[str, str], _Export] = {}  # (tenant, name) -> export
         self.refused = 0  # allocations refused for lack of free pages (a condition the guest waits out)
         self._lock = threading.Lock()
@@ -89,6 +90,7 @@ class PageManager:
             pages = [self._take_free() for _ in range(count)]
             for p in pages:
                 self._refs[p] = 1
+                self._filled[p] = 0
                 table.held[p] = [1, True]
             table.owned_count += count
             return pages
@@ -299,10 +301,16 @@ class PageManager:
         """A checked pass of `table`'s instance is being queued: a frozen page (shared through the
         prefix cache) must not be written; the cache learns what the written pages hold.
         `context_len`: the request's, when the caller has it at hand."""
+        ctx = req.context_len(page_size) if context_len is None else context_len
+        end = ctx + len(req.tokens)
+        filled = self._filled  # the owner is the only writer of these pages: no lock needed
+        for j in range(ctx // page_size, (end - 1) // page_size + 1):
+            p = req.pages[j]
+            if filled[p] < end - j * page_size:
+                filled[p] = min(end - j * page_size, page_size)
         cache = self.cache
         if cache is None:
             return
-        ctx = req.context_len(page_size) if context_len is None else context_len
         with self._lock:
             if cache.frozen:
                 for p in req.pages[ctx // page_size:]:
@@ -310,8 +318,10 @@ class PageManager:
                         raise PageError(f"page {p} is shared through the prefix cache: it cannot be written again")
             cache.note_write(req.pages, ctx, req.tokens, req.positions, req.mask is not None, table.tenant)
 
-    def note_copy(self, table: InstancePages, dst_page: int) -> None:
-        """A copy-tokens into `dst_page` is being queued: refused into a frozen page; content unknown after."""
+    def note_copy(self, table: InstancePages, dst_page: int, end: int) -> None:
+        """A copy-tokens into `dst_page` up to slot `end` is being queued: refused into a frozen page;
+        content unknown after."""
+        self._filled[dst_page] = max(self._filled[dst_page], end)
         cache = self.cache
         if cache is None:
             return
@@ -319,6 +329,10 @@ class PageManager:
             if dst_page in cache.frozen:
                 raise PageError(f"page {dst_page} is shared through the prefix cache: it cannot be written again")
             cache.forget([dst_page])
+
+    def filled(self, table: InstancePages, page: int) -> int:
+        """How many slots of `page` (held by `table`'s instance) have been written since it was allocated."""
+        return self._filled[page]
 
     def forget_content(self, pages: Sequence[int]) -> None:
         """What these pages hold is no longer known (a failed pass, a copy into them)."""
