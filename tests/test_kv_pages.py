@@ -192,3 +192,27 @@ def test_step_page_check_is_incremental_but_decides_like_a_full_check() -> None:
         elif not ok and rng.random() < 0.5:
             pages = [p for p in dict.fromkeys(pages) if p in t.held and t.held[p][1]] or [pm.allocate(t, 1)[0]]
     assert outcomes[True] > 300 and outcomes[False] > 300  # both sides exercised
+
+
+def test_filled_is_the_high_water_mark_of_slots_written_since_allocation() -> None:
+    """`filled` (what step lookahead must not overwrite): raised by passes and copies, never lowered
+    by a rewrite of earlier slots, back to 0 when the page is allocated again."""
+    from gpu_backend.types import ForwardRequest
+
+    pm = PageManager(2)
+    t = InstancePages("a")
+    p, q = pm.allocate(t, 2)  # type: ignore[misc]
+    assert (pm.filled(t, p), pm.filled(t, q)) == (0, 0)
+    pm.note_write(t, ForwardRequest(pages=[p, q], last_page_len=1, tokens=[1, 2, 3, 4, 5],
+                                    positions=[0, 1, 2, 3, 4]), 4)
+    assert (pm.filled(t, p), pm.filled(t, q)) == (4, 1)
+    pm.note_write(t, ForwardRequest(pages=[p, q], last_page_len=2, tokens=[6], positions=[5]), 4)
+    assert pm.filled(t, q) == 2
+    pm.note_write(t, ForwardRequest(pages=[p], last_page_len=2, tokens=[7], positions=[1]), 4)  # back at 1
+    pm.note_write(t, ForwardRequest(pages=[p, q], last_page_len=1, tokens=[8], positions=[4]), 4)
+    assert (pm.filled(t, p), pm.filled(t, q)) == (4, 2)
+    pm.note_copy(t, q, 3)
+    assert pm.filled(t, q) == 3
+    pm.release(t, [q])
+    (again,) = pm.allocate(t, 1)  # type: ignore[misc]
+    assert again == q and pm.filled(t, again) == 0

@@ -302,12 +302,17 @@ class PageManager:
         prefix cache) must not be written; the cache learns what the written pages hold.
         `context_len`: the request's, when the caller has it at hand."""
         ctx = req.context_len(page_size) if context_len is None else context_len
-        end = ctx + len(req.tokens)
         filled = self._filled  # the owner is the only writer of these pages: no lock needed
-        for j in range(ctx // page_size, (end - 1) // page_size + 1):
-            p = req.pages[j]
-            if filled[p] < end - j * page_size:
-                filled[p] = min(end - j * page_size, page_size)
+        if len(req.tokens) == 1:  # a decode step (every token of every loop: kept short)
+            j, slot = divmod(ctx, page_size)
+            if filled[req.pages[j]] <= slot:
+                filled[req.pages[j]] = slot + 1
+        else:
+            end = ctx + len(req.tokens)
+            for j in range(ctx // page_size, (end - 1) // page_size + 1):
+                p = req.pages[j]
+                if filled[p] < end - j * page_size:
+                    filled[p] = min(end - j * page_size, page_size)
         cache = self.cache
         if cache is None:
             return
