@@ -10,7 +10,8 @@ from host.server.metrics import ServerMetrics
 
 
 def _stats() -> dict[str, Any]:
-    sched = {"batches": 7, "forwards": 21, "tokens": 90, "backend_errors": 1, "mean_batch_size": 3.0}
+    sched = {"batches": 7, "forwards": 21, "tokens": 90, "backend_errors": 1, "mean_batch_size": 3.0,
+             "lookaheads": 12, "lookaheads_withdrawn": 2}
     return {"scheduler": sched, "instances": 2, "free_pages": 10, "total_pages": 64}
 
 
@@ -35,6 +36,7 @@ def test_host_view_and_requests() -> None:
     assert s["pie_instances_running"] == 2 and s["pie_instances_queued"] == 3
     assert s["pie_kv_pages_free"] == 10 and s["pie_kv_pages_used"] == 54
     assert s["pie_batches_total"] == 7 and s["pie_forward_errors_total"] == 1
+    assert s["pie_step_lookaheads_total"] == 12 and s["pie_step_lookaheads_withdrawn_total"] == 2
     assert s["pie_tokens_prefilled_total"] == 5 and s["pie_tokens_generated_total"] == 11
     assert s["pie_time_to_first_token_seconds_count"] == 1
     assert abs(s["pie_time_per_output_token_seconds_sum"] - 0.1) < 1e-9

@@ -32,7 +32,8 @@ class _HostCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
         sched: dict[str, Any] = {"batches": 0, "forwards": 0, "tokens": 0, "backend_errors": 0,
-                                 "mean_batch_size": 0.0, **s.get("scheduler", {})}
+                                 "mean_batch_size": 0.0, "lookaheads": 0, "lookaheads_withdrawn": 0,
+                                 **s.get("scheduler", {})}
         free, total = s["free_pages"], s["total_pages"]
         yield GaugeMetricFamily("pie_instances_running", "Instances running", value=s["instances"])
         yield GaugeMetricFamily("pie_instances_queued", "Requests waiting for an instance slot",
@@ -46,6 +47,10 @@ class _HostCollector(Collector):
                                   value=sched["tokens"])
         yield CounterMetricFamily("pie_forward_errors", "Batches the backend failed",
                                   value=sched["backend_errors"])
+        yield CounterMetricFamily("pie_step_lookaheads", "Decode steps of stepping guests run ahead of "
+                                  "their call (host/api/forward.py's lookahead)", value=sched["lookaheads"])
+        yield CounterMetricFamily("pie_step_lookaheads_withdrawn", "Steps run ahead taken back before they ran "
+                                  "(the guest's call was not the predicted one)", value=sched["lookaheads_withdrawn"])
         yield GaugeMetricFamily("pie_batch_size_mean", "Mean forwards per batch",
                                 value=sched["mean_batch_size"])
         counts = sched.get("batch_size_counts")
