@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from common import ROOT, compile_inferlet, settle
-from host_scale import PROMPT, run_once
+from host_scale import expected_steps, make_host, run_once, workload_args
 
-from gpu_backend.standin import StandInBackend
-from host import Host, HostConfig
+from host import Host
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,12 +42,11 @@ def main() -> None:
     step_s = opts.step_ms / 1000
     hosts: dict[str, tuple[Host, str]] = {}
     for name, on in (("on", True), ("off", False)):
-        h = Host(HostConfig(step_lookahead=on), backend=StandInBackend(page_size=16, num_pages=16384, delay_s=step_s))
+        h = make_host("inproc", step_s, step_lookahead=on)
         hosts[name] = (h, compile_inferlet(h, ROOT / "bench" / "inferlets" / "stepper"))
     try:
-        last = hosts["on"][0].backend.tokenizer.encode(PROMPT)[-1]
-        want = " ".join(str(last + 1 + i) for i in range(opts.tokens))
-        args = [str(opts.tokens), PROMPT]
+        want = expected_steps(hosts["on"][0], opts.tokens)
+        args = workload_args("step", opts.tokens)
         results: dict[str, Any] = {}
         for n in opts.instances:
             effs: dict[str, list[float]] = {"on": [], "off": []}

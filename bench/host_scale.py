@@ -54,12 +54,13 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def make_host(engine: str, step_s: float) -> Host:
-    """The host in front of the stand-in sleeping `step_s` per batch, in-process or in an engine process."""
+def make_host(engine: str, step_s: float, **config: Any) -> Host:
+    """The host (HostConfig `config`) in front of the stand-in sleeping `step_s` per batch, in-process
+    or in an engine process."""
     if engine == "process":
         spec = EngineSpec(standin=True, page_size=16, num_pages=16384, standin_delay_s=step_s)
-        return Host(HostConfig(engine="process"), engines=start_engines(spec))
-    return Host(HostConfig(), backend=StandInBackend(page_size=16, num_pages=16384, delay_s=step_s))
+        return Host(HostConfig(engine="process", **config), engines=start_engines(spec))
+    return Host(HostConfig(**config), backend=StandInBackend(page_size=16, num_pages=16384, delay_s=step_s))
 
 
 def expected_text(host: Host, tokens: int) -> str:
@@ -68,6 +69,12 @@ def expected_text(host: Host, tokens: int) -> str:
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}], True))
     vocab = host.backend.info.vocab_size
     return tok.decode([(prompt[-1] + 1 + i) % vocab for i in range(tokens)])
+
+
+def expected_steps(host: Host, tokens: int) -> str:
+    """The stepper guest's output on the stand-in: the tokens after the prompt's last one."""
+    last = host.backend.tokenizer.encode(PROMPT)[-1]
+    return " ".join(str(last + 1 + i) for i in range(tokens))
 
 
 def workload_args(name: str, tokens: int) -> list[str]:
@@ -175,9 +182,7 @@ def main() -> None:
             try:
                 program = compile_inferlet(host, "text_completion" if workload == "app"
                                            else ROOT / "bench" / "inferlets" / "stepper")
-                last = host.backend.tokenizer.encode(PROMPT)[-1]
-                want = expected_text(host, opts.tokens) if workload == "app" else \
-                    " ".join(str(last + 1 + i) for i in range(opts.tokens))
+                want = expected_text(host, opts.tokens) if workload == "app" else expected_steps(host, opts.tokens)
                 args = workload_args(workload, opts.tokens)
                 run_once(host, program, args, 1, want, step_ms / 1000, opts.tokens)
                 results[key][workload] = {str(n): measure(host, step_ms / 1000, program, args, n, want, opts.tokens,

@@ -326,9 +326,9 @@ class Scheduler:
                     else:  # its pages stay pinned for the follow-up
                         follow_ups.append(nxt)
             if follow_ups:
-                with self._cv:
+                with self._cv:  # (submit counts lookaheads under it too)
                     self._queue.extend(follow_ups)
-                self.stats.lookaheads += len(follow_ups)
+                    self.stats.lookaheads += len(follow_ups)
             if self._pins is not None:  # one lock for the batch: pages may become free, then waiters wake
                 self._pins.unpin(unpin)
             # The policy learns whom to wait for before anyone wakes: a guest that resubmitted before
