@@ -106,3 +106,48 @@ def test_content_that_failed_or_was_overwritten_is_forgotten() -> None:
     pm.note_write(c, over, PS)
     pm.release_all(c)
     assert pm.attach_prefix(InstancePages("d"), list(range(40, 45))) == []
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_a_generation_loop_notes_its_writes_as_its_steps_would_one_by_one(offset: int) -> None:
+    """A host-side loop notes its steps' writes a page at a time (and when it ends). The cache and
+    the pages' write marks must come out as if each step had been noted when it was queued, and a
+    page must be in the cache from the step that fills it on (a request arriving meanwhile finds
+    it). The reference is a second loop, in step with the first, whose steps are noted one by one
+    with `note_write`. With `offset`, positions run ahead of the slots: not cacheable either way."""
+    from gpu_backend.types import SamplerParams
+    from host.batching.generation import Generation, StopRules
+
+    drawn = list(range(40, 53))  # 13 drawn after a 5-token prompt: 17 slots written (the last drawn is not)
+    runs = []
+    for _ in range(2):
+        pm = manager()
+        a = InstancePages("a")
+        pages = pm.allocate(a, 2)
+        assert isinstance(pages, list)
+        first = ForwardRequest(pages=list(pages), last_page_len=1, tokens=[1, 2, 3, 4, 5],
+                               positions=[i + offset for i in range(5)])
+        pm.note_write(a, first, PS)
+        gen = Generation(first, SamplerParams(), StopRules(len(drawn), frozenset(), (), 1000), PS, pm, a,
+                         lambda ids: "", None)
+        runs.append((pm, a, gen))
+    (pm, a, gen), (ref, ra, rgen) = runs
+    rgen._noted = 10**9  # the reference loop's own notes off: each of its steps is noted below
+    for i, tok in enumerate(drawn):
+        ended, rended = gen.advance(tok), rgen.advance(tok)
+        assert ended == rended == (i == len(drawn) - 1)
+        if not rended:
+            ref.note_write(ra, rgen.request, PS)
+        assert pm.cache.entries == ref.cache.entries  # type: ignore[union-attr]
+        full = gen.request.pages[:-1]  # every page before the one being written is full and noted
+        assert [pm.filled(a, p) for p in full] == [ref.filled(ra, p) for p in rgen.request.pages[:-1]]
+    gen.note_writes()  # what the scheduler does when the loop ends
+    pages = gen.request.pages
+    assert pages == rgen.request.pages
+    assert [pm.filled(a, p) for p in pages] == [ref.filled(ra, p) for p in pages] == [4, 4, 4, 4, 1]
+    tokens = [1, 2, 3, 4, 5] + drawn
+    pm.release_all(a)
+    ref.release_all(ra)
+    got = pm.attach_prefix(InstancePages("b"), tokens)
+    assert got == ref.attach_prefix(InstancePages("b"), tokens)
+    assert got == ([] if offset else pages[:4])

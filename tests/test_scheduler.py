@@ -310,6 +310,9 @@ class _Loop:
             self.result = f"ended after {token}"
         return self.left == 0
 
+    def note_writes(self) -> None:  # the scheduler's call when a loop ends (nothing noted here)
+        pass
+
 
 class _Spy(AdaptivePolicy):
     def __init__(self) -> None:
@@ -448,3 +451,30 @@ def test_withdraw_takes_back_a_queued_job_only() -> None:
     assert all(5 not in b for b in rec.batches)
     assert s.stats.lookaheads_withdrawn == 1
     s.stop()
+
+
+def test_a_loop_that_ends_mid_page_has_its_last_writes_noted() -> None:
+    """A host-side loop notes its writes a page at a time; when it ends, the scheduler has it note
+    the rest, so the last, partial page's write mark (what step lookahead reads) is exact."""
+    from gpu_backend.types import OutputSpec, SamplerParams
+    from host.batching.generation import Generation, StopRules
+    from host.state.pages import InstancePages, PageManager
+    from host.state.prefix_cache import PrefixCache
+
+    pm = PageManager(16, cache=PrefixCache(4, "per-client"))
+    table = InstancePages("a")
+    pages = pm.allocate(table, 1)
+    assert isinstance(pages, list)
+    first = ForwardRequest(pages=list(pages), last_page_len=2, tokens=[7, 8], positions=[0, 1],
+                           outputs=[OutputSpec(index=1, sample=SamplerParams())])
+    pm.note_write(table, first, 4)
+    gen = Generation(first, SamplerParams(), StopRules(5, frozenset(), (), 1000), 4, pm, table,
+                     lambda ids: "", None)
+    s = Scheduler(AdaptivePolicy())
+    s.bind(Recorder(), None, 4, pins=pm)
+    try:
+        result = s.submit(first, "a", generation=gen).wait()
+    finally:
+        s.stop()
+    # 2 prompt tokens + 4 of the 5 drawn ones written (the last drawn is not): slots 0-5
+    assert [pm.filled(table, p) for p in pages + result.new_pages] == [4, 2]

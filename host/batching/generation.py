@@ -57,6 +57,12 @@ class Generation:
         self.cancelled = False  # set by the instance when it stops waiting (terminated, out of budget)
         # with a seed, step i draws with seed + i (as the SDK's own loop does)
         self._seeded = sampler.seed is not None
+        # The first step (noted by its submitter) writes up to slot `_base`; drawn token i goes to
+        # slot _base + i at position _base + i + _pos_off. The steps' writes are noted a page at a
+        # time (`note_writes`): slots below `_noted` are.
+        self._base = request.context_len(page_size) + len(request.tokens)
+        self._pos_off = request.positions[-1] + 1 - self._base
+        self._noted = self._base
 
     def advance(self, token: int) -> bool:
         """Take the token drawn by the last step; True when the generation has ended (see `result`).
@@ -121,9 +127,21 @@ class Generation:
         if self._seeded:
             seed = (self.sampler.seed + len(self.tokens)) % U64  # type: ignore[operator]
             req.outputs = [OutputSpec(index=0, sample=replace(self.sampler, seed=seed))]
-        # the one new token goes after everything in the pages (req.context_len, worked out here)
-        self._pm.note_write(self._table, req, ps, (len(req.pages) - 1) * ps + req.last_page_len - 1)
+        if req.last_page_len == ps:  # this step fills its page: the page's writes are noted now
+            self.note_writes()
         return False
+
+    def note_writes(self) -> None:
+        """Note the writes of the steps made so far that are not noted yet (`PageManager.note_run`):
+        when a step fills its page, and when the loop ends, however it ends (the scheduler calls
+        it then, before the pages' content may be forgotten)."""
+        req, ps = self.request, self.page_size
+        end = (len(req.pages) - 1) * ps + req.last_page_len  # after the slot the last step writes
+        start = self._noted
+        if end > start:
+            self._noted = end
+            tokens = self.tokens[start - self._base : end - self._base]
+            self._pm.note_run(self._table, req.pages, ps, start, tokens, start + self._pos_off)
 
     def _end(self, finish: str) -> bool:
         self.result = GenerationResult(self.tokens, self.new_pages, 0, finish)

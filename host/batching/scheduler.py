@@ -401,6 +401,12 @@ class Scheduler:
 
     def _complete(self, fut: ForwardFuture, result: Any, error: BaseException | None) -> None:
         """End a job: its pages may become free again, then its waiter wakes."""
+        if fut.generation is not None:  # what the loop's steps wrote is noted first
+            try:
+                fut.generation.note_writes()
+            except Exception:  # a host bug: the pages' content is forgotten below instead
+                log.exception("generation loop of %s could not note its writes", fut.owner)
+                error = error or RuntimeError("host error in generate: its writes could not be noted")
         if self._pins is not None:
             if error is not None:  # what the job wrote is unknown: the prefix cache must not trust it
                 job = fut.request
