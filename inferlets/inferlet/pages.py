@@ -39,7 +39,7 @@ class PageTable:
         """
         if count <= 0:
             return []
-        deadline = time.monotonic() + self.wait_s
+        deadline = None  # set at the first refusal: the clock is a host call, not needed when pages are there
         delay = 0.005
         while True:
             try:
@@ -47,6 +47,8 @@ class PageTable:
                 break
             except _host.Err as e:
                 reason = str(e.value)
+            if deadline is None:
+                deadline = time.monotonic() + self.wait_s
             # Only "out of KV pages" can pass by waiting; a request larger than the whole cache
             # or this instance's own page limit cannot (nor a refusal while enough pages are free).
             transient = reason.startswith("out of KV pages") and _host.kv.free_pages() < count
