@@ -348,7 +348,9 @@ class PageManager:
             cache.forget([dst_page])
 
     def filled(self, table: InstancePages, page: int) -> int:
-        """How many slots of `page` (held by `table`'s instance) have been written since it was allocated."""
+        """How many slots of `page` (held by `table`'s instance) have been written since it was allocated.
+        A host-side generation loop's writes count from when it notes them: a page at a time and at
+        its end (`Generation.note_writes`), all before its owner runs again."""
         return self._filled[page]
 
     def forget_content(self, pages: Sequence[int]) -> None:
