@@ -1,13 +1,23 @@
 """Freeing finished instances' stores off the critical path.
 
 Freeing a store hands its slot back to the pooling allocator, which resets the slot's memory
-(a memset of up to `keep_resident_bytes`, host/wasm/pooling.py): measured ~2.7 ms of CPU per
-`text_completion` instance, more than the rest of its end. When a burst of instances finishes
-together, each freeing its own store on its own thread, those resets compete for the cores with
-the instances still finishing, and the burst's last answers come late. The reaper frees stores on
-one thread of its own, while the backend is idle; under load it still frees each store within
-`max_delay_s`, and at once when `max_pending` stores are waiting (each holds a pool slot, which
-the pool is sized for: host/host.py).
+(a memset of up to `keep_resident_bytes`, host/wasm/pooling.py): ~0.6 ms of CPU for a slot in
+use since the host started, ~25 ms the first time (the reset faults the slot's pages in, each
+copy-on-write fault a TLB-flush interrupt to the other cores). When a burst of instances
+finishes together, each freeing its own store on its own thread, those resets compete for the
+cores with the instances still finishing, and the burst's last answers come late. The reaper
+frees stores on one thread of its own, while the backend is idle, and under load each within
+`max_delay_s`.
+
+Under sustained load the backend is never idle, and one thread may not keep up: a store waiting
+keeps its slot, so the next launch takes a slot never used before (the allocator reuses a freed
+slot of the same module first), whose start and free cost ~20x more, which puts the reaper
+further behind. Measured with 256 instances kept running (bench/host_sustained.py), a host
+that only queued reached 1,500 waiting stores in 12 s and then refused launches because its
+instance pool was full. So when the reaper is behind (its oldest store has waited `max_delay_s`,
+or `max_pending` wait) the instance that ends frees its own store, on its own thread, at once:
+frees then keep pace with ends, slots are reused while their pages are resident, and the
+reaper's thread only defers what a burst leaves.
 
 Invariants: an instance's store is handed over after its terminal event and after everything the
 instance held in the host (pages, forwards, subscriptions) was released; nothing uses a store after
@@ -31,8 +41,8 @@ log = logging.getLogger(__name__)
 class StoreReaper:
     """Frees stores (objects with `close()`) on a thread of its own, preferably while `busy()` is False."""
 
-    def __init__(self, busy: Callable[[], bool], max_pending: int = 256, max_delay_s: float = 1.0,
-                 poll_s: float = 0.005) -> None:
+    def __init__(self, busy: Callable[[], bool], max_pending: int = 256, max_delay_s: float = 0.25,
+                 poll_s: float = 0.02) -> None:
         self._busy = busy
         self.max_pending = max_pending
         self.max_delay_s = max_delay_s
@@ -40,17 +50,26 @@ class StoreReaper:
         self._queue: deque[tuple[float, Any]] = deque()
         self._cond = threading.Condition()
         self._closed = False
+        self.free_when_behind = True  # False: queue every store, however far behind (the rule before)
+        self.freed_inline = 0  # stores put while the reaper was behind, freed by their caller
         self._thread = threading.Thread(target=self._run, name="pie-reaper", daemon=True)
         self._thread.start()
 
     def put(self, store: Any) -> None:
-        """Free `store` soon (at once if the reaper is closed)."""
+        """Free `store` soon; at once, on the calling thread, if the reaper is closed or behind."""
+        now = time.monotonic()
         with self._cond:
-            if not self._closed:
-                self._queue.append((time.monotonic(), store))
-                self._cond.notify()
+            if not self._closed and not (self.free_when_behind and self._behind(now)):
+                self._queue.append((now, store))
+                if len(self._queue) == 1:
+                    self._cond.notify()  # the thread waits for a first store; it looks at later ones itself
                 return
-        _free(store)
+            self.freed_inline += 1
+        _free(store)  # outside the lock: the reaper's thread and other ending threads go on
+
+    def _behind(self, now: float) -> bool:
+        """Whether the queue has fallen behind its limits (called with the lock held)."""
+        return len(self._queue) >= self.max_pending or bool(self._queue) and now - self._queue[0][0] >= self.max_delay_s
 
     def pending(self) -> int:
         return len(self._queue)
@@ -65,11 +84,14 @@ class StoreReaper:
         while self._queue:
             _free(self._queue.popleft()[1])
 
-    def _due(self) -> bool:
-        """Whether the oldest queued store should be freed now (called with the lock held)."""
-        queued_at = self._queue[0][0]
-        return (len(self._queue) > self.max_pending or time.monotonic() - queued_at >= self.max_delay_s
-                or not self._busy())
+    def _wait_s(self) -> float:
+        """0 if the oldest queued store is due to be freed now, else how long to wait before looking
+        again: while the backend is busy, until that store has waited `max_delay_s`, looking at the
+        backend every `poll_s` (called with the lock held)."""
+        age = time.monotonic() - self._queue[0][0]
+        if len(self._queue) >= self.max_pending or age >= self.max_delay_s or not self._busy():
+            return 0.0
+        return min(self.poll_s, self.max_delay_s - age)
 
     def _run(self) -> None:
         while True:
@@ -78,11 +100,12 @@ class StoreReaper:
                     self._cond.wait()
                 if self._closed:
                     return
-                store = self._queue.popleft()[1] if self._due() else None
-            if store is None:
-                time.sleep(self.poll_s)
-            else:
-                _free(store)
+                wait = self._wait_s()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                store = self._queue.popleft()[1]
+            _free(store)
 
 
 def _free(store: Any) -> None:
