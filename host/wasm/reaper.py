@@ -1,8 +1,8 @@
 """Freeing finished instances' stores off the critical path.
 
 Freeing a store hands its slot back to the pooling allocator, which resets the slot's memory
-(a memset of up to `keep_resident_bytes`, host/wasm/pooling.py): ~0.6 ms of CPU for a slot in
-use since the host started, ~25 ms the first time (the reset faults the slot's pages in, each
+(a memset of up to `keep_resident_bytes`, host/wasm/pooling.py): ~0.6 ms of CPU for a slot that
+has been used before, ~25 ms the first time (the reset faults the slot's pages in, each
 copy-on-write fault a TLB-flush interrupt to the other cores). When a burst of instances
 finishes together, each freeing its own store on its own thread, those resets compete for the
 cores with the instances still finishing, and the burst's last answers come late. The reaper
