@@ -51,9 +51,37 @@ def test_a_holder_past_max_hold_is_passed_by() -> None:
 
     t = threading.Thread(target=other)
     t.start()
+    t.join(0.2)
+    assert t.is_alive()  # nothing looks at the holders but the ticker's poll (the host's epoch ticker)
+    for _ in range(100):  # the ticker: every 10 ms
+        gate.poll()
+        if not t.is_alive():
+            break
+        time.sleep(0.01)
     t.join(5)
     assert got["waited"] < 1.0 and got["held"] is False  # went ahead without the gate
     gate.leave()
+
+
+def test_poll_leaves_waiters_alone_while_the_holders_move() -> None:
+    gate = RunGate(slots=1, max_hold_s=0.05)
+    gate.enter()
+    got = {}
+
+    def other() -> None:
+        gate.enter()
+        got["held"] = gate.held()
+        gate.leave()
+
+    t = threading.Thread(target=other)
+    t.start()
+    time.sleep(0.02)
+    gate.poll()  # the holder took its slot 20 ms ago: not stuck
+    t.join(0.05)
+    assert t.is_alive()
+    gate.leave()  # hands the slot over
+    t.join(5)
+    assert got["held"] is True
 
 
 def test_wake_ups_go_out_in_order_one_per_free_slot() -> None:

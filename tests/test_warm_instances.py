@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,50 @@ def test_the_wall_budget_starts_at_launch_not_when_warmed(host: Host, misbehave:
     assert (end.event, end.message) == ("completed", expected([7], 4))
     spin = Run(host, misbehave, ["loop"]).finish(60)  # ... and it still holds after launch
     assert spin.event == "exception" and "wall-clock budget of 1 s exceeded" in spin.message
+
+
+
+def _hold_gate(gate, n: int) -> tuple[list, threading.Event]:
+    """Threads that take `n` run-gate slots and keep them until the event is set."""
+    release = threading.Event()
+    holding = threading.Barrier(n + 1)
+
+    def hold() -> None:
+        gate.enter()
+        holding.wait(5)
+        release.wait(30)
+        gate.leave()
+
+    threads = [threading.Thread(target=hold) for _ in range(n)]
+    for t in threads:
+        t.start()
+    holding.wait(5)
+    return threads, release
+
+
+def test_a_warm_launch_waits_for_its_turn_at_the_run_gate(host: Host, misbehave: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launched warm instance is woken when a gate slot is free (like an instance whose forward is
+    done), not at once only to queue for one; ended before its turn, it gives the turn back."""
+    assert host.prewarm(misbehave, 2) == 2
+    monkeypatch.setattr(host.gate, "max_hold_s", 30.0)  # the holders below are not "stuck"
+    threads, release = _hold_gate(host.gate, host.gate.slots)
+    try:
+        waiting = Run(host, misbehave, ["generate", "3", "5"])
+        stopped = Run(host, misbehave, ["generate", "3", "5"])
+        time.sleep(0.2)
+        insts = host._instances
+        assert insts[waiting.id].state == "warm" and insts[stopped.id].state == "warm"  # not resumed
+        assert len(host.gate._waiters) == 0 and len(host.gate._pending) == 2  # queued, not woken
+        host.terminate(stopped.id)
+        assert stopped.finish(30).event == "aborted"
+    finally:
+        release.set()
+        for t in threads:
+            t.join(10)
+    end = waiting.finish(60)
+    assert (end.event, end.message) == ("completed", expected([5], 3))
+    wait_for(lambda: host.gate._held == 0 and host.gate._handing == 0, what="the gate to be free")
 
 
 def test_max_instances_refuses_a_launch_with_a_clear_error(host: Host, misbehave: str) -> None:

@@ -117,6 +117,8 @@ class Instance:
         self.finished = threading.Event()
         self.parked = warm  # not launched yet: the first host call waits (guarded by cond)
         self.at_first_call = False  # a warm instance has reached its first host call
+        self._awaiting_launch = False  # a warm instance's thread waits in await_launch (guarded by cond)
+        self._resumed = False  # the gate has handed a launched warm instance its turn (guarded by cond)
 
     def launch(self, args: list[str], on_event: Callable[[InstanceEvent], None], tenant: str) -> bool:
         """Hand a warm instance its launch; False if it can no longer be used (it ended or was stopped)."""
@@ -129,6 +131,19 @@ class Instance:
             self.started_at = time.time()
             self._t0 = time.perf_counter()
             self.parked = False
+        # Its thread is woken in its turn, like an instance whose forward is done: woken at once,
+        # a burst of launches had every parked thread take the GIL only to queue for a gate slot
+        # (host/batching/gate.py).
+        self.env.gate.wake(self._resume)
+        return True
+
+    def _resume(self) -> bool:
+        """The gate's wake-up for a launched warm instance; returns whether its thread was waiting."""
+        with self.cond:
+            if not self._awaiting_launch:
+                return False
+            self._awaiting_launch = False
+            self._resumed = True
             self.cond.notify_all()
         return True
 
@@ -138,14 +153,16 @@ class Instance:
             self.at_first_call = True
             self.state = "warm"
             self.cond.notify_all()  # the pool may be waiting for it to get here
-            while self.parked and self.stop_reason is None:
+            self._awaiting_launch = True
+            while not self._resumed and self.stop_reason is None:
                 self.cond.wait()
+            self._awaiting_launch = False
             if self.stop_reason is not None:
+                if self._resumed:  # handed a turn it will not take
+                    self._outside_cond(self.env.gate.declined)
                 raise Terminated(self.stop_reason)
             self.state = "running"
-        # Launched: take a turn like any instance waking up (a burst of launches would otherwise
-        # have every parked thread fighting for the GIL at once; see host/batching/gate.py).
-        self.env.gate.enter()
+        self.env.gate.enter()  # the turn the gate handed it
 
     # ---- lifecycle ----
     def start(self) -> None:
