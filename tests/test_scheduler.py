@@ -199,6 +199,22 @@ def test_adaptive_waits_for_launched_instances_so_their_prefills_batch_together(
     s.stop()
 
 
+
+def test_by_default_a_launch_waits_for_another_only_briefly() -> None:
+    """With the default policy, an instance launched at an idle host does not wait for another
+    launched with it that takes long to start (it joins the batches as they come: waiting for a
+    whole burst made all of it end after the same last step)."""
+    rec = Recorder()
+    s = make(rec, policy=AdaptivePolicy())
+    s.expect("quick")
+    s.expect("slow")  # launched too, submits only after 0.5 s
+    t0 = time.perf_counter()
+    s.submit(req([0], 1, 1, tag=0), "quick").wait(5)
+    assert time.perf_counter() - t0 < 0.04
+    s.submit(req([1], 1, 1, tag=1), "slow").wait(5)
+    assert rec.batches == [[0], [1]]
+    s.stop()
+
 def test_adaptive_stops_waiting_for_an_instance_that_blocks_or_never_submits() -> None:
     rec = Recorder()
     s = make(rec, policy=AdaptivePolicy(launch_grace_s=0.3))

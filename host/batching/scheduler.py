@@ -159,7 +159,7 @@ class Scheduler:
 
     def expect(self, owner: str) -> None:
         """A new instance will submit soon. The policy may hold a batch for it only while nothing
-        else is under way (a burst arriving at an idle host prefills together); with forwards or
+        else is under way (launches that come together at an idle host prefill together); with forwards or
         loops running, the newcomer joins whichever batch comes next, instead of holding the
         running ones until it submits (measured: 32 loops running, a launch every 25 ms: batch
         gaps of up to 3-11 ms, 0.4-0.9 ms on average, vs ~0.3 ms without the hold)."""
