@@ -319,6 +319,7 @@ class _Loop:
 
     def __init__(self, request: ForwardRequest, steps: int) -> None:
         self.request, self.left, self.result, self.cancelled = request, steps, None, False
+        self.fast = 0  # every step through advance
 
     def advance(self, token: int) -> bool:
         self.left -= 1
@@ -494,3 +495,55 @@ def test_a_loop_that_ends_mid_page_has_its_last_writes_noted() -> None:
         s.stop()
     # 2 prompt tokens + 4 of the 5 drawn ones written (the last drawn is not): slots 0-5
     assert [pm.filled(table, p) for p in pages + result.new_pages] == [4, 2]
+
+
+def test_a_loops_steps_are_the_same_on_the_fast_path() -> None:
+    """Most steps of a host-side loop are done inline by the scheduler (`Generation.fast`); each
+    step's pass must still be what the loop's rules make of the drawn token: the token, the next
+    position, the page geometry (a new page when one fills), and the loop ends at a stop token drawn
+    mid-page. Expected passes are computed here from the geometry, not by the code under test."""
+    from gpu_backend.types import OutputSpec, SamplerParams
+    from host.batching.generation import Generation, StopRules
+    from host.state.pages import InstancePages, PageManager
+
+    drawn = [40 + i for i in range(13)] + [3]  # the 14th draw is a stop token, in the middle of page 4
+    seen: list[tuple[list[int], list[int], int, int]] = []
+
+    def backend(reqs: list[ForwardRequest]) -> list[list[OutputResult]]:
+        (r,) = reqs
+        seen.append((list(r.tokens), list(r.positions), len(r.pages), r.last_page_len))
+        return [[OutputResult(token=drawn[len(seen) - 1])]]
+
+    pm = PageManager(16)
+    table = InstancePages("a")
+    pages = pm.allocate(table, 1)
+    assert isinstance(pages, list)
+    prompt = [7, 8, 9]
+    first = ForwardRequest(pages=list(pages), last_page_len=3, tokens=list(prompt), positions=[0, 1, 2],
+                           outputs=[OutputSpec(index=2, sample=SamplerParams())])
+    gen = Generation(first, SamplerParams(), StopRules(100, frozenset({3}), (), 1000), 4, pm, table,
+                     lambda ids: "", None)
+    advanced = 0
+    advance = gen.advance
+
+    def counted(token: int) -> bool:
+        nonlocal advanced
+        advanced += 1
+        return advance(token)
+
+    gen.advance = counted  # type: ignore[method-assign]
+    s = Scheduler(AdaptivePolicy())
+    s.bind(backend, None, 4, pins=pm)
+    try:
+        result = s.submit(first, "a", generation=gen).wait(5)
+    finally:
+        s.stop()
+    assert (result.tokens, result.finish, result.trim) == (drawn, "stop-token", 1)
+    assert seen[0] == (prompt, [0, 1, 2], 1, 3)
+    for k in range(1, len(drawn)):  # step k writes drawn token k-1 at slot / position 2 + k
+        slot = 2 + k
+        assert seen[k] == ([drawn[k - 1]], [slot], slot // 4 + 1, slot % 4 + 1), k
+    assert len(result.new_pages) == 3 and len(set(result.new_pages + pages)) == 4
+    # through `advance`: the first step, the two at each page boundary (the one that fills a page
+    # notes its writes, the next one takes a new page: draws 1-2, 5-6, 9-10) and the stop token
+    assert advanced == 8 < len(drawn)

@@ -39,6 +39,8 @@ def allowed_mask(matcher: Matcher) -> bytes | str:
 class ConstrainedGeneration(Generation):
     """A host-side loop whose draws `matcher` constrains; `accepted` counts the tokens it fed the matcher."""
 
+    FAST_STEPS = False  # each token goes through the matcher
+
     def __init__(self, *args: Any, matcher: Matcher, first_mask: bytes, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.matcher = matcher

@@ -4,6 +4,11 @@ A `Generation` is one sequence the scheduler keeps in every batch until it stops
 step it takes the drawn token, checks the stop rules, grows the page list from its instance's
 quota, and turns its (reused) request into the next step. All of that runs on the scheduler
 thread between two backend calls, so it is kept to a few attribute updates per token.
+
+Most steps are the same few updates: no stop rule can apply but the stop tokens, no page fills,
+nothing streams. `Generation.fast` counts how many steps in a row are of that kind from here;
+the scheduler does those inline (`Scheduler._run`), without a call per loop, and `advance`
+does the others and counts again.
 """
 
 from __future__ import annotations
@@ -38,7 +43,14 @@ class GenerationResult:
 
 
 class Generation:
-    """One host-side generation loop. `advance` is called with each drawn token, on the scheduler thread."""
+    """One host-side generation loop. `advance` is called with each drawn token, on the scheduler thread.
+
+    `fast`: how many of the next steps, in a row, need only this when their token is not a stop
+    token: append it to `tokens`, write it and the next position into the request, one more slot
+    in the last page (`Scheduler._run` does that inline, and counts `fast` down; `advance` sets it).
+    0 while streaming, with stop strings or a seed, and for subclasses that do more per step."""
+
+    FAST_STEPS = True  # False: every step goes through `advance` (a subclass with its own per-step work)
 
     def __init__(self, request: ForwardRequest, sampler: SamplerParams, rules: StopRules, page_size: int,
                  pages: PageManager, table: InstancePages, decode: Callable[[list[int]], str],
@@ -63,6 +75,8 @@ class Generation:
         self._base = request.context_len(page_size) + len(request.tokens)
         self._pos_off = request.positions[-1] + 1 - self._base
         self._noted = self._base
+        self.stop_tokens = rules.stop_tokens
+        self.fast = 0  # the first step (all the pending tokens) goes through `advance`
 
     def advance(self, token: int) -> bool:
         """Take the token drawn by the last step; True when the generation has ended (see `result`).
@@ -129,6 +143,11 @@ class Generation:
             req.outputs = [OutputSpec(index=0, sample=replace(self.sampler, seed=seed))]
         if req.last_page_len == ps:  # this step fills its page: the page's writes are noted now
             self.note_writes()
+        if self.FAST_STEPS and self._send is None and not self._seeded and not self.rules.stop_strings:
+            # the next fast steps: each appends a token (the `length` rule), moves the position
+            # (`max-position`) and fills one more slot, without filling the page (its writes are noted then)
+            self.fast = min(self.rules.max_tokens - 1 - len(self.tokens), self.rules.max_position - 1 - position,
+                            ps - 1 - req.last_page_len)
         return False
 
     def note_writes(self) -> None:

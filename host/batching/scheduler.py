@@ -105,6 +105,7 @@ class Scheduler:
         self._resident: list[ForwardFuture] = []  # generation loops: in every batch until they end
         self._copies_queued = 0
         self._batch_running = False  # a batch is in the backend (set and cleared by the scheduler thread)
+        self._loops_in_batch = 0  # the batch being taken starts with this many resident loops (_take -> _run)
         self._cv = threading.Condition()
         self._stopped = False
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
@@ -245,7 +246,9 @@ class Scheduler:
         tokens = 0
         if fire and self._resident:
             batch.extend(self._resident)
-            self._resident = [] if not dry else self._resident
+            if not dry:
+                self._resident = []
+                self._loops_in_batch = len(batch)
             if self._queue:  # the loops' pages count as ahead of every queued job
                 for fut in batch:
                     r, w = _footprint(fut.request, self._page_size)
@@ -293,6 +296,7 @@ class Scheduler:
     def _run(self, batch: list[ForwardFuture]) -> None:
         """Run one batch; a request the backend rejects fails alone and the others run without it."""
         assert self._forward is not None  # submit() refuses jobs before bind()
+        loops, self._loops_in_batch = self._loops_in_batch, 0  # batch[:loops]: resident loops' next steps
         while batch:
             start = time.perf_counter()
             try:
@@ -303,17 +307,20 @@ class Scheduler:
                     return
                 self.stats.errors += 1
                 self._complete(batch.pop(e.request_index), None, e)
+                loops = 0  # (the batch changed: all of it goes through the general path)
                 continue
             except Exception as e:  # the backend failed: every forward in this batch fails, host carries on
                 self._fail(batch, e)
                 return
             end = time.perf_counter()
+            # The resident loops' steps were each queued at the last batch's end, and are one token.
+            tokens, waited, unpin = loops, loops * (start - batch[0].submitted) if loops else 0.0, list[int]()
+            rest, rest_results = (batch[loops:], results[loops:]) if loops else (batch, results)
             # one pass for the numbers (before the steps change the loops' requests), the pins and
             # the follow-ups (a stepping guest's predicted next step, queued before anyone wakes)
-            tokens, waited, unpin = 0, 0.0, list[int]()
             come_back: list[str] = []  # owners of plain forwards: a guest stepping itself comes back
             follow_ups: list[ForwardFuture] = []
-            for f, r in zip(batch, results, strict=True):
+            for f, r in zip(rest, rest_results, strict=True):
                 req = f.request
                 assert isinstance(req, ForwardRequest)  # copies never join a batch (_take)
                 tokens += len(req.tokens)
@@ -335,7 +342,9 @@ class Scheduler:
             # that would be waited for again, in vain, until the policy's grace ran out.
             self._expect(come_back, start, end)
             ended: list[str] = []  # owners of loops that ended
-            for f, r in zip(batch, results, strict=True):  # a loop's step turns its request into the next
+            if loops:
+                self._step_loops(batch, results, loops, end, ended)
+            for f, r in zip(rest, rest_results, strict=True):  # a loop's step turns its request into the next
                 gen = f.generation
                 if gen is None:
                     f.finish(r, None)
@@ -374,6 +383,36 @@ class Scheduler:
             self._pins.unpin(_pages(fut.request))
         fut.finish(None, RuntimeError("withdrawn before it ran"))
         return True
+
+    def _step_loops(self, batch: list[ForwardFuture], results: list[list[OutputResult]], loops: int, end: float,
+                    ended: list[str]) -> None:
+        """The steps of the first `loops` forwards of `batch`, resident loops': a fast step inline
+        (`Generation.fast`: its token is no stop token, so the loop goes on with the token written
+        into its request), any other through `_step`. With 256 loops this runs 256 times between two
+        backend calls: a call per loop and the rules checked one by one cost ~1.3 us a loop (0.33 ms
+        a step, measured at 256), this ~0.4 us."""
+        keep = self._resident  # (empty: _take took the loops; _step appends the others in order)
+        for i in range(loops):
+            f = batch[i]
+            gen = f.generation
+            assert gen is not None  # only loops are resident
+            if gen.fast > 0 and not gen.cancelled:
+                try:
+                    token = results[i][0].token  # a loop's pass samples its one output
+                except IndexError:  # a backend bug: `_step` ends this loop with an error
+                    token = None
+                if token is not None and token not in gen.stop_tokens:
+                    gen.fast -= 1
+                    gen.tokens.append(token)
+                    req = gen.request
+                    req.tokens[0] = token
+                    req.positions[0] += 1
+                    req.last_page_len += 1
+                    f.submitted = end
+                    keep.append(f)
+                    continue
+            if self._step(f, gen, results[i], end):
+                ended.append(f.owner)
 
     def _step(self, fut: ForwardFuture, gen: Generation, outputs: list[OutputResult], end: float) -> bool:
         """One step of a host-side loop is done: it stays for the next batch (False) or ends (True)."""
