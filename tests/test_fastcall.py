@@ -105,3 +105,31 @@ def test_record_from_c_reads_every_scalar_kind() -> None:
     mixed = _record_type([("n", T.U32()), ("name", T.String())])  # a string field: the general path
     assert fastcall._FlatRecord.plan(mixed.fields) is None
     assert fastcall._record_from_c(mixed, _to_c(mixed, {"n": 3, "name": "x"})).__dict__ == {"n": 3, "name": "x"}
+
+
+@pytest.mark.parametrize("text", ["", "a", "finish", "héllo wörld ✓ 你好", "nul\x00inside", "long " * 2000])
+def test_byte_vectors_match_wasmtime_py(text: str) -> None:
+    """Strings, enum cases and field names cross as C byte vectors: the replacements make the same
+    vectors as wasmtime-py's `str_to_capi` / `bytes_to_capi` and read them back as its `to_str` does."""
+    fastcall._patch_types()
+    ref_bytes, ref_str, ref_to_bytes, ref_to_str = fastcall._BYTE_VECS
+    assert ffi.str_to_capi is not ref_str  # patched
+    data = text.encode()
+    for fast, ref in [(ffi.str_to_capi(text), ref_str(text)), (ffi.bytes_to_capi(data), ref_bytes(data)),
+                      (ffi.bytes_to_capi(bytearray(data)), ref_bytes(bytearray(data)))]:
+        try:
+            assert fast.size == ref.size == len(data)
+            assert ctypes.string_at(fast.data, fast.size) == ctypes.string_at(ref.data, ref.size) == data
+            assert ffi.to_str(fast) == text and ffi.to_bytes(fast) == bytearray(data)
+            assert ref_to_str(fast) == text and ref_to_bytes(fast) == bytearray(data)
+        finally:
+            ffi.wasm_byte_vec_delete(ctypes.byref(fast))
+            ffi.wasm_byte_vec_delete(ctypes.byref(ref))
+
+
+def test_byte_vectors_refuse_what_wasmtime_py_refuses() -> None:
+    fastcall._patch_types()
+    with pytest.raises(TypeError, match="expected a string"):
+        ffi.str_to_capi(b"bytes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expected bytes or bytearray"):
+        ffi.bytes_to_capi("text")  # type: ignore[arg-type]
