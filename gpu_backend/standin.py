@@ -9,7 +9,7 @@ host to measure the host alone. Tests use it through tests/fakes.py.
 
 The sleeping thread asks Linux for a timer slack of 1 us (`prctl(PR_SET_TIMERSLACK)`): with the
 default 50 us, `time.sleep(0.01)` returned ~96 us late (median, measured on the 2-core dev VM;
-~42 us with 1 us slack), so a "10 ms" step took 10.1 ms and a "2 ms" one 2.1 ms, which counted
+~45 us with 1 us slack), so a "10 ms" step took 10.1 ms and a "2 ms" one 2.1 ms, which counted
 against the host. A GPU step waited for with `cudaStreamSynchronize` (a spin by default) has
 no such slack.
 """

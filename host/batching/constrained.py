@@ -48,6 +48,7 @@ class ConstrainedGeneration(Generation):
         self.error: str | None = None
         stops = self.rules.stop_tokens | matcher.grammar.stop_tokens
         self.rules = StopRules(self.rules.max_tokens, stops, self.rules.stop_strings, self.rules.max_position)
+        self.stop_tokens = stops
         self._mask(first_mask)
 
     def advance(self, token: int) -> bool:

@@ -7,7 +7,7 @@ thread between two backend calls, so it is kept to a few attribute updates per t
 
 Most steps are the same few updates: no stop rule can apply but the stop tokens, no page fills,
 nothing streams. `Generation.fast` counts how many steps in a row are of that kind from here;
-the scheduler does those inline (`Scheduler._run`), without a call per loop, and `advance`
+the scheduler does those inline (`Scheduler._step_loops`), without a call per loop, and `advance`
 does the others and counts again.
 """
 
@@ -47,7 +47,7 @@ class Generation:
 
     `fast`: how many of the next steps, in a row, need only this when their token is not a stop
     token: append it to `tokens`, write it and the next position into the request, one more slot
-    in the last page (`Scheduler._run` does that inline, and counts `fast` down; `advance` sets it).
+    in the last page (`Scheduler._step_loops` does that inline, and counts `fast` down; `advance` sets it).
     0 while streaming, with stop strings or a seed, and for subclasses that do more per step."""
 
     FAST_STEPS = True  # False: every step goes through `advance` (a subclass with its own per-step work)
@@ -75,6 +75,8 @@ class Generation:
         self._base = request.context_len(page_size) + len(request.tokens)
         self._pos_off = request.positions[-1] + 1 - self._base
         self._noted = self._base
+        # `rules.stop_tokens` again, read by every fast step: one object fewer to reach per loop
+        # (through `rules`: the scheduler's work after a batch of 256 read 0.40 ms vs 0.26)
         self.stop_tokens = rules.stop_tokens
         self.fast = 0  # the first step (all the pending tokens) goes through `advance`
 

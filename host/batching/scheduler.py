@@ -389,8 +389,8 @@ class Scheduler:
         """The steps of the first `loops` forwards of `batch`, resident loops': a fast step inline
         (`Generation.fast`: its token is no stop token, so the loop goes on with the token written
         into its request), any other through `_step`. With 256 loops this runs 256 times between two
-        backend calls: a call per loop and the rules checked one by one cost ~1.3 us a loop (0.33 ms
-        a step, measured at 256), this ~0.4 us."""
+        backend calls: a call per loop and the rules checked one by one cost 0.33 ms a step at 256
+        (measured in a live burst), this 0.19 ms (mostly cache misses over the loops' objects)."""
         keep = self._resident  # (empty: _take took the loops; _step appends the others in order)
         for i in range(loops):
             f = batch[i]
