@@ -66,3 +66,20 @@ def test_a_run_that_fails_is_not_counted_and_the_host_comes_back(host: FakeHost)
     assert warm_up(raises, ["a"], rounds=3) == 0
     assert {name: getattr(_host, name) for name in INTERFACES} == bound
     assert host.store.data == {}
+
+
+def test_openai_chat_warms_up_with_the_servers_request_shape(host: FakeHost) -> None:
+    import json
+    from dataclasses import fields
+
+    from host.server.openai_request import OpenAIRequest
+
+    spec = importlib.util.spec_from_file_location("oc_warm", ROOT / "inferlets" / "openai_chat" / "app.py")
+    assert spec and spec.loader
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    _untouched(host)
+    for arg in app.WARM_UP_REQUESTS:  # what the server would send: every field of its request
+        assert set(json.loads(arg)) == {f.name for f in fields(OpenAIRequest)}
+    assert warm_up(app.main, *([r] for r in app.WARM_UP_REQUESTS)) == 2 * len(app.WARM_UP_REQUESTS)
+    _untouched(host)

@@ -16,7 +16,7 @@ medians of 9 bursts): the last instance's first forward came 25.1 ms after the l
 Only for a `main` whose runs change nothing but the SDK's own state: a module-level cache or
 counter that `main` fills would be in the snapshot, and every instance would start with it.
 A run that raises is ignored (the warm-up is best effort); the stand-in answers the calls of the
-plain paths (chat, encode / decode, pages, `forward.generate`, `decode-step`, `send`, `log`) and
+plain paths (chat, encode / decode, pages, `forward.generate`, `run`, `decode-step`, `send`, `log`) and
 any other host call raises inside the run: every interface is replaced, so none reaches the host.
 """
 
@@ -39,6 +39,13 @@ class _Generation:
 
     def __init__(self, tokens: list[int], trim: int, finish: str) -> None:
         self.tokens, self.new_pages, self.trim, self.finish = tokens, [], trim, finish
+
+
+class _Output:
+    """The shape of WIT `forward.output`."""
+
+    def __init__(self, token: int) -> None:
+        self.token, self.ids, self.probs = token, [token], [1.0]
 
 
 class _Interface:
@@ -67,6 +74,10 @@ def _stand_in(saved: dict[str, Any]) -> dict[str, Any]:
         drawn = [(tokens[-1] + 1 + i) % 200 + 3 for i in range(min(budget, 3))]
         return _Generation(drawn + [0], 1, "stop-token") if budget > 3 else _Generation(drawn, 0, "length")
 
+    def run(pages: list[int], last_len: int, tokens: list[int], positions: list[int], mask: Any,
+            outputs: list[Any]) -> list[_Output]:
+        return [_Output((tokens[o.index] + 1) % 200 + 3) for o in outputs]
+
     return {
         "model": _Interface(
             saved["model"], ("Message",),
@@ -82,7 +93,7 @@ def _stand_in(saved: dict[str, Any]) -> dict[str, Any]:
         ),
         "forward": _Interface(
             saved["forward"], ("Sampler", "OutputSpec"),
-            generate=generate, decode_step=lambda pages, last_len, token, position, sampler: (token + 1) % 200 + 3,
+            generate=generate, run=run, decode_step=lambda pages, last_len, token, position, sampler: (token + 1) % 200 + 3,
         ),
         "runtime": _Interface(saved["runtime"], (), log=lambda message: None, elapsed_ms=lambda: 0),
         "messaging": _Interface(saved["messaging"], (), send=lambda message: None),

@@ -48,6 +48,7 @@ from inferlet import (
     json_schema,
     send,
 )
+from inferlet.warmup import warm_up
 
 LOOKUP_K = 20  # probabilities returned per step: the drawn token's logprob is exact when among them
 VERY_UNLIKELY = -9999.0  # OpenAI's logprob for a token outside the top 20
@@ -233,3 +234,14 @@ def main(args: list[str]) -> None:
             if c is not ctx:
                 c.release()
     send(json.dumps({"usage": {"prompt_tokens": prompt_tokens, "completion_tokens": total}}))
+
+
+# Requests as the server sends them (host/server/openai_request.py `OpenAIRequest`, every field),
+# run while pie-build snapshots the component against the SDK's in-guest stand-in host, so that
+# each instance starts with this path already specialized by CPython (inferlet/warmup.py).
+_WARM_REQUEST = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "prompt": None, "max_tokens": 8,
+                 "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": [], "n": 1,
+                 "stream": False, "include_usage": False, "logprobs": False, "top_logprobs": 0,
+                 "response_format": None}
+WARM_UP_REQUESTS = [json.dumps(_WARM_REQUEST), json.dumps({**_WARM_REQUEST, "stream": True, "include_usage": True})]
+warm_up(main, *([r] for r in WARM_UP_REQUESTS))
