@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import queue
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import wasmtime
 
@@ -17,6 +19,15 @@ from host.events import InstanceEvent
 TESTS = Path(__file__).parent
 FIXTURES = TESTS / "fixtures"
 TERMINAL = ("completed", "exception", "aborted", "out_of_resources")
+
+
+def load_app(name: str, module_name: str) -> ModuleType:
+    """A standard inferlet's app.py imported as a fresh module (against whatever host is bound)."""
+    spec = importlib.util.spec_from_file_location(module_name, TESTS.parent / "inferlets" / name / "app.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @functools.cache

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from helpers import load_app
 from inferlet.testing import FakeHost
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -20,11 +17,7 @@ def host() -> FakeHost:
 
 
 def _app() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("oc_app", ROOT / "inferlets" / "openai_chat" / "app.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_app("openai_chat", "oc_app")
 
 
 def _bytes(text: str) -> list[int]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
+from types import ModuleType
 
 import inferlet
 import pytest
+from helpers import load_app
 from inferlet import (
     AnyOf,
     Context,
@@ -21,8 +21,6 @@ from inferlet import (
 from inferlet.entry import make_world
 from inferlet.mask import brle, masked_full_pages, pass_rows
 from inferlet.testing import FakeHost
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -190,12 +188,8 @@ def test_run_turns_exceptions_into_err_with_traceback(host: FakeHost) -> None:
         _world("x = 1")
 
 
-def _text_completion() -> object:
-    spec = importlib.util.spec_from_file_location("tc_app", ROOT / "inferlets" / "text_completion" / "app.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _text_completion() -> ModuleType:
+    return load_app("text_completion", "tc_app")
 
 
 def test_text_completion_uses_chat_template_and_stops(host: FakeHost) -> None:

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from types import ModuleType
 
 import inferlet
 import pytest
+from helpers import load_app
 from inferlet import _host
 from inferlet.model import _MODEL
 from inferlet.pages import PAGES
 from inferlet.testing import FakeHost
 from inferlet.warmup import warm_up
 
-ROOT = Path(__file__).resolve().parents[1]
-INTERFACES = ("model", "kv", "forward", "runtime", "messaging", "store", "grammar")
+INTERFACES = ("model", "kv", "forward", "runtime", "messaging", "store", "grammar")  # listed here, not taken from _host
 
 
 @pytest.fixture
@@ -22,12 +21,8 @@ def host() -> FakeHost:
     return FakeHost(page_size=4, num_pages=64).install()
 
 
-def _text_completion() -> object:
-    spec = importlib.util.spec_from_file_location("tc_warm", ROOT / "inferlets" / "text_completion" / "app.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # the module warms itself up at import
-    return mod
+def _text_completion() -> ModuleType:
+    return load_app("text_completion", "tc_warm")  # the module warms itself up at import
 
 
 def _untouched(host: FakeHost) -> None:
@@ -74,10 +69,7 @@ def test_openai_chat_warms_up_with_the_servers_request_shape(host: FakeHost) -> 
 
     from host.server.openai_request import OpenAIRequest
 
-    spec = importlib.util.spec_from_file_location("oc_warm", ROOT / "inferlets" / "openai_chat" / "app.py")
-    assert spec and spec.loader
-    app = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(app)
+    app = load_app("openai_chat", "oc_warm")
     _untouched(host)
     for arg in app.WARM_UP_REQUESTS:  # what the server would send: every field of its request
         assert set(json.loads(arg)) == {f.name for f in fields(OpenAIRequest)}

@@ -45,10 +45,13 @@ except ImportError:  # plain CPython (tests, docs): bind a fake host with inferl
     IN_GUEST = False
 
 
+INTERFACES = ("forward", "grammar", "kv", "messaging", "model", "runtime", "store")
+
+
 def bind(**interfaces: Any) -> None:
     """Replace host interfaces (forward=..., kv=..., ...) with objects of the same shape."""
     g = globals()
     for name, impl in interfaces.items():
-        if name not in ("forward", "grammar", "kv", "messaging", "model", "runtime", "store"):
+        if name not in INTERFACES:
             raise ValueError(f"unknown host interface {name!r}")
         g[name] = impl

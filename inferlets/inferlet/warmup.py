@@ -34,6 +34,11 @@ __all__ = ["warm_up"]
 _PAGE_SIZE = 16
 
 
+def _next(token: int) -> int:
+    """The stand-in model's token after `token` (any valid id will do)."""
+    return (token + 1) % 200 + 3
+
+
 class _Generation:
     """The shape of WIT `forward.generation`."""
 
@@ -71,12 +76,12 @@ def _stand_in(saved: dict[str, Any]) -> dict[str, Any]:
 
     def generate(pages: list[int], last_len: int, tokens: list[int], positions: list[int], sampler: Any,
                  budget: int, stops: list[int], texts: list[str], stream: bool) -> _Generation:
-        drawn = [(tokens[-1] + 1 + i) % 200 + 3 for i in range(min(budget, 3))]
+        drawn = [_next(tokens[-1] + i) for i in range(min(budget, 3))]
         return _Generation(drawn + [0], 1, "stop-token") if budget > 3 else _Generation(drawn, 0, "length")
 
     def run(pages: list[int], last_len: int, tokens: list[int], positions: list[int], mask: Any,
             outputs: list[Any]) -> list[_Output]:
-        return [_Output((tokens[o.index] + 1) % 200 + 3) for o in outputs]
+        return [_Output(_next(tokens[o.index])) for o in outputs]
 
     return {
         "model": _Interface(
@@ -93,7 +98,7 @@ def _stand_in(saved: dict[str, Any]) -> dict[str, Any]:
         ),
         "forward": _Interface(
             saved["forward"], ("Sampler", "OutputSpec"),
-            generate=generate, run=run, decode_step=lambda pages, last_len, token, position, sampler: (token + 1) % 200 + 3,
+            generate=generate, run=run, decode_step=lambda pages, last_len, token, position, sampler: _next(token),
         ),
         "runtime": _Interface(saved["runtime"], (), log=lambda message: None, elapsed_ms=lambda: 0),
         "messaging": _Interface(saved["messaging"], (), send=lambda message: None),
@@ -105,8 +110,7 @@ def _stand_in(saved: dict[str, Any]) -> dict[str, Any]:
 def warm_up(main: Callable[[list[str]], str | None], *arg_lists: list[str], rounds: int = 2) -> int:
     """Run `main(args)` `rounds` times for each of `arg_lists` against the in-guest stand-in host,
     then restore the host and the SDK's state. Returns how many runs returned without raising."""
-    names = ("model", "kv", "forward", "runtime", "messaging", "store", "grammar")  # all of them: no real call
-    saved = {name: getattr(_host, name) for name in names}
+    saved = {name: getattr(_host, name) for name in _host.INTERFACES}  # all of them: no call reaches the host
     done = 0
     try:
         _host.bind(**_stand_in(saved))
