@@ -33,25 +33,45 @@ class Run:
 
 
 class BatchLog:
-    """Every call of `backend.forward` from now on, as (start, end, batch size): the forward is
-    wrapped to time it (a stand-in backend, whose calls are the GPU steps of the benches)."""
+    """Every backend call from now on, as (start, end, batch size): the backend's `forward` (and
+    `start_forward`, the overlapping way the host prefers: from the call to its `wait()`'s
+    return) is wrapped to time it (a stand-in backend, whose calls are the GPU steps of the benches)."""
 
     def __init__(self, backend: Any) -> None:
         self.calls: list[tuple[float, float, int]] = []
         forward = backend.forward
+        calls = self.calls
 
         def timed(reqs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return forward(reqs)
             finally:
-                self.calls.append((start, time.perf_counter(), len(reqs)))
+                calls.append((start, time.perf_counter(), len(reqs)))
 
         backend.forward = timed
+        start_forward = getattr(backend, "start_forward", None)
+        if start_forward is not None:
+            def timed_start(reqs: Any) -> Any:
+                start = time.perf_counter()
+                return _TimedStep(start_forward(reqs), start, len(reqs), calls)
+
+            backend.start_forward = timed_start
 
     def gaps_ms(self, t0: float = float("-inf"), t1: float = float("inf")) -> list[float]:
         """From each call's end to the next call's start, for the calls that start in [t0, t1]."""
         return [1000 * (b[0] - a[1]) for a, b in zip(self.calls, self.calls[1:], strict=False) if t0 <= a[0] <= t1]
+
+
+class _TimedStep:
+    def __init__(self, step: Any, start: float, size: int, calls: list[tuple[float, float, int]]) -> None:
+        self._step, self._start, self._size, self._calls = step, start, size, calls
+
+    def wait(self) -> Any:
+        try:
+            return self._step.wait()
+        finally:
+            self._calls.append((self._start, time.perf_counter(), self._size))
 
 
 def compile_inferlet(host: Host, name_or_path: str | Path) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from .types import ForwardRequest, OutputResult
 from .validate import check_batch
 
-__all__ = ["StandInBackend", "StandInInfo", "StandInTokenizer"]
+__all__ = ["StandInBackend", "StandInInfo", "StandInStep", "StandInTokenizer"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,23 @@ def _fine_timer_slack() -> None:
             pass
 
 
+class StandInStep:
+    """A started stand-in batch (`StandInBackend.start_forward`)."""
+
+    __slots__ = ("outputs", "_until")
+
+    def __init__(self, outputs: list[list[OutputResult]], until: float) -> None:
+        self.outputs = outputs  # computed when the batch started (a subclass may change them there)
+        self._until = until
+
+    def wait(self) -> list[list[OutputResult]]:
+        """The batch's outputs, once its time (from `start_forward`'s call) has passed."""
+        if self._until:
+            _fine_timer_slack()
+            time.sleep(max(self._until - time.perf_counter(), 0.0))
+        return self.outputs
+
+
 class StandInBackend:
     """Deterministic tokens, optional sleep per batch; records batch sizes and slot contents."""
 
@@ -84,6 +101,12 @@ class StandInBackend:
         self.slots: dict[tuple[int, int], int] = {}
 
     def forward(self, reqs: Sequence[ForwardRequest]) -> list[list[OutputResult]]:
+        return self.start_forward(reqs).wait()
+
+    def start_forward(self, reqs: Sequence[ForwardRequest]) -> StandInStep:
+        """Start a batch as a GPU does: read the requests and "enqueue" it (its outputs are computed
+        now, deterministically), return at once; `wait()` returns when `delay_s` has passed since
+        the call. Invalid requests raise ForwardError here, as `forward` does."""
         start = time.perf_counter()
         reqs = check_batch(reqs, self.info)  # the real validator: same errors as the model
         ps = self.info.page_size
@@ -101,10 +124,7 @@ class StandInBackend:
                     res.append(OutputResult(token=nxt if o.sample else None,
                                             ids=[nxt][: o.dist], probs=[1.0][: o.dist]))
                 out.append(res)
-        if self.delay_s:
-            _fine_timer_slack()
-            time.sleep(max(self.delay_s - (time.perf_counter() - start), 0.0))
-        return out
+        return StandInStep(out, start + self.delay_s if self.delay_s else 0.0)
 
     def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:
         for i in range(count):

@@ -150,3 +150,17 @@ class Backend(Protocol):
     def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:
         """Copy the K/V of `count` tokens from `src_page[src_offset:]` to `dst_page[dst_offset:]`."""
         ...
+
+
+class StartedForward(Protocol):
+    """A batch a backend has started (`start_forward`, optional): `wait()` returns its outputs."""
+
+    def wait(self) -> list[list[OutputResult]]: ...
+
+
+# An overlapping backend also has `start_forward(reqs) -> StartedForward`, as a GPU runs a batch:
+# it validates (raising ForwardError as `forward` does) and reads every request before it
+# returns, runs its calls in the order they are made, and the batch's time passes while the host
+# goes on. The scheduler then prepares the next batch while this one runs (host/batching/
+# scheduler.py, "ahead"). `gpu_backend.standin.StandInBackend` has it; a backend whose
+# `forward` computes synchronously gains nothing from it and leaves it out.

@@ -19,7 +19,7 @@ import wasmtime
 from wasmtime.component import Record, ResourceHost
 
 import host.wasm.instance as instance_mod
-from gpu_backend.standin import StandInBackend
+from gpu_backend.standin import StandInBackend, StandInStep
 from gpu_backend.types import ForwardError, ForwardRequest, OutputResult
 from host import Host, HostConfig
 from host.api import import_tables
@@ -30,9 +30,10 @@ from host.wasm.instance import Instance
 class MaskedStandIn(StandInBackend):
     seen: list[ForwardRequest]
 
-    def forward(self, reqs: Any) -> list[list[OutputResult]]:
+    def start_forward(self, reqs: Any) -> StandInStep:
         self.__dict__.setdefault("seen", []).extend(reqs)
-        out = super().forward(reqs)
+        step = super().start_forward(reqs)
+        out = step.outputs
         vocab = self.info.vocab_size
         for i, (req, res) in enumerate(zip(reqs, out, strict=True)):
             for j, spec in enumerate(req.outputs):
@@ -44,7 +45,7 @@ class MaskedStandIn(StandInBackend):
                 t = res[j].token
                 later = np.flatnonzero(ok[t:])
                 res[j] = OutputResult(int(t + later[0]) if later.size else int(np.flatnonzero(ok)[0]), [], [])
-        return out
+        return step
 
 
 def rec(**fields: Any) -> Record:

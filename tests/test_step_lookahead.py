@@ -15,6 +15,7 @@ import pytest
 from fakes import FakeBackend
 from helpers import Run, wasm_bytes
 
+from gpu_backend.standin import StandInStep
 from gpu_backend.types import ForwardRequest, OutputResult
 from host import Host, HostConfig
 
@@ -25,15 +26,16 @@ pytestmark = pytest.mark.build
 class ContextBackend(FakeBackend):
     """The stand-in, but the sampled token is sum(tokens in the slots up to the output) % vocab."""
 
-    def forward(self, reqs: Sequence[ForwardRequest]) -> list[list[OutputResult]]:
-        out = super().forward(reqs)  # writes every request's slots (the batch's pages do not overlap)
+    def start_forward(self, reqs: Sequence[ForwardRequest]) -> StandInStep:
+        step = super().start_forward(reqs)  # writes every request's slots (the batch's pages do not overlap)
+        out = step.outputs
         ps = self.info.page_size
         for r, res in zip(reqs, out, strict=True):
             ctx = r.context_len(ps)
             for i, o in enumerate(r.outputs):
                 total = sum(self.slots[(r.pages[s // ps], s % ps)] for s in range(ctx + o.index + 1))
                 res[i] = OutputResult(token=total % VOCAB if o.sample else None)
-        return out
+        return step
 
 
 def reference(slots: list[int], steps: int) -> list[int]:

@@ -40,6 +40,7 @@ class ConstrainedGeneration(Generation):
     """A host-side loop whose draws `matcher` constrains; `accepted` counts the tokens it fed the matcher."""
 
     FAST_STEPS = False  # each token goes through the matcher
+    AHEAD = False  # the next step's mask needs the token
 
     def __init__(self, *args: Any, matcher: Matcher, first_mask: bytes, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams
-from host.state.pages import InstancePages, PageManager
+from host.state.pages import InstancePages, PageError, PageManager
 
 __all__ = ["Generation", "GenerationResult", "StopRules"]
 
@@ -51,6 +51,7 @@ class Generation:
     0 while streaming, with stop strings or a seed, and for subclasses that do more per step."""
 
     FAST_STEPS = True  # False: every step goes through `advance` (a subclass with its own per-step work)
+    AHEAD = True  # False: the next step needs the token first (a subclass whose step depends on it)
 
     def __init__(self, request: ForwardRequest, sampler: SamplerParams, rules: StopRules, page_size: int,
                  pages: PageManager, table: InstancePages, decode: Callable[[list[int]], str],
@@ -79,6 +80,9 @@ class Generation:
         # (through `rules`: the scheduler's work after a batch of 256 read 0.40 ms vs 0.26)
         self.stop_tokens = rules.stop_tokens
         self.fast = 0  # the first step (all the pending tokens) goes through `advance`
+        # may the scheduler prepare the next step before this one's token is known? Not with stop
+        # strings: whether one ends the loop is known only from the decoded text
+        self.ahead = self.AHEAD and not rules.stop_strings
 
     def advance(self, token: int) -> bool:
         """Take the token drawn by the last step; True when the generation has ended (see `result`).
@@ -119,15 +123,31 @@ class Generation:
 
     def _next_step(self, token: int) -> bool:
         """Turn the request into the step that writes `token`; False if it can, else end the loop."""
+        why = self._extend(token, len(self.tokens))
+        if why is not None:
+            return self._end(why)
+        req, ps = self.request, self.page_size
+        if req.last_page_len == ps:  # this step fills its page: the page's writes are noted now
+            self.note_writes()
+        if self.FAST_STEPS and self._send is None and not self._seeded and not self.rules.stop_strings:
+            # the next fast steps: each appends a token (the `length` rule), moves the position
+            # (`max-position`) and fills one more slot, without filling the page (its writes are noted then)
+            self.fast = min(self.rules.max_tokens - 1 - len(self.tokens), self.rules.max_position - 1 - req.positions[0],
+                            ps - 1 - req.last_page_len)
+        return False
+
+    def _extend(self, token: int, drawn: int) -> str | None:
+        """Turn the request into the step after it, which writes `token` one slot on and draws token
+        number `drawn` (its seed); returns why it cannot (`max-position`, `out-of-pages`), untouched."""
         req = self.request
         position = req.positions[-1] + 1
         if position >= self.rules.max_position:
-            return self._end("max-position")
+            return "max-position"
         ps = self.page_size
         if req.last_page_len == ps:
             got = self._pm.allocate(self._table, 1)
             if isinstance(got, str):
-                return self._end("out-of-pages")
+                return "out-of-pages"
             self._pm.pin(got)  # like the pages it started with: not freed while the loop may write it
             req.pages.append(got[0])
             self.new_pages.append(got[0])
@@ -141,16 +161,71 @@ class Generation:
             req.tokens, req.positions = [token], [position]
             req.outputs = [OutputSpec(index=0, sample=self.sampler)]
         if self._seeded:
-            seed = (self.sampler.seed + len(self.tokens)) % U64  # type: ignore[operator]
+            seed = (self.sampler.seed + drawn) % U64  # type: ignore[operator]
             req.outputs = [OutputSpec(index=0, sample=replace(self.sampler, seed=seed))]
-        if req.last_page_len == ps:  # this step fills its page: the page's writes are noted now
+        return None
+
+    # ---- ahead: the next step prepared while the last one runs ----
+    # With a backend that overlaps (`start_forward`), the scheduler launches a loop's next step as
+    # soon as the token it writes is drawn: the step was prepared (position, page) while the batch
+    # drawing that token ran, and the scheduler writes the token in, or leaves the loop out when
+    # the token is a stop token or the loop was cancelled (host/batching/scheduler.py). After each
+    # launch the loop takes the token its launched step writes (`took`, or the scheduler inline
+    # while `fast`) and prepares the step after (`prepare`); a left-out loop ends (`finish`).
+    # `fast` counts, in this mode, the coming took+prepare rounds that are a token appended, one
+    # position and one slot on: no page filled or started, no stream, no seed, not the last step.
+
+    def prepare(self) -> bool:
+        """Turn the request (the step just launched) into the next one, its token left for the
+        scheduler to write in; False when there is no next step: the token this one draws is the
+        last, or no position or page is left for it (`finish` then ends the loop, or it goes on)."""
+        if len(self.tokens) + 2 > self.rules.max_tokens:
+            return False
+        if self._extend(0, len(self.tokens) + 1) is not None:
+            return False
+        if self.FAST_STEPS and self._send is None and not self._seeded:
+            req = self.request
+            self.fast = max(0, min(self.page_size - req.last_page_len, self.rules.max_position - 1 - req.positions[0],
+                                   self.rules.max_tokens - 2 - len(self.tokens)))
+        return True
+
+    def took(self, token: int) -> bool:
+        """The launched step writes `token` (no stop token: the scheduler checked): take it, note the
+        page it fills, and `prepare` the next step (its result)."""
+        self.tokens.append(token)
+        if self._send is not None:
+            self._stream(self.tokens, 0)
+        if self.request.last_page_len == self.page_size:
             self.note_writes()
-        if self.FAST_STEPS and self._send is None and not self._seeded and not self.rules.stop_strings:
-            # the next fast steps: each appends a token (the `length` rule), moves the position
-            # (`max-position`) and fills one more slot, without filling the page (its writes are noted then)
-            self.fast = min(self.rules.max_tokens - 1 - len(self.tokens), self.rules.max_position - 1 - position,
-                            ps - 1 - req.last_page_len)
-        return False
+        return self.prepare()
+
+    def unprepare(self) -> None:
+        """Take back a prepared step that was not launched: the request is the last launched step again
+        (a page it started is given back)."""
+        req = self.request
+        if req.last_page_len == 1:  # the prepared step started this page (a launched step writes >= 1 slot)
+            page = req.pages.pop()
+            self.new_pages.pop()
+            try:
+                self._pm.release(self._table, [page])
+            except PageError:  # the instance has ended and dropped its pages already
+                pass
+            self._pm.unpin([page])
+            req.last_page_len = self.page_size
+        else:
+            req.last_page_len -= 1
+        req.positions[0] -= 1
+
+    def finish(self, token: int | None, prepared: bool) -> bool:
+        """The loop was left out of the next batch (`token`, drawn by its last launched step, is a
+        stop token, or it was cancelled), or that step was its last: `advance` decides, from the
+        last launched step. True when it has ended; else it goes on, one step at a time (a page
+        refused to `prepare` may be free now)."""
+        if prepared:
+            self.unprepare()
+        if token is None and not self.cancelled:
+            raise RuntimeError("the backend drew no token for a generation step")
+        return self.advance(token)  # type: ignore[arg-type]  # (None only when cancelled: not read)
 
     def note_writes(self) -> None:
         """Note the writes of the steps made so far that are not noted yet (`PageManager.note_run`):

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gpu_backend.types import ForwardError, ForwardRequest, OutputResult
+from gpu_backend.types import ForwardError, ForwardRequest, OutputResult, StartedForward
 from host.batching.future import CopyRequest, ForwardFuture, Job
 from host.batching.generation import Generation
 from host.batching.policy import AdaptivePolicy, BatchPolicy
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # upper bounds of the batch-size histogram
 
 ForwardFn = Callable[[Sequence[ForwardRequest]], list[list[OutputResult]]]
+StartFn = Callable[[Sequence[ForwardRequest]], StartedForward]
 CopyFn = Callable[[int, int, int, int, int], None]
 
 
@@ -103,6 +104,19 @@ class Scheduler:
         self._page_size = 1
         self._queue: list[ForwardFuture] = []
         self._resident: list[ForwardFuture] = []  # generation loops: in every batch until they end
+        # Ahead (a backend with `start_forward`): loops whose next step is ready, its token written in
+        # (they go first in the next batch), and the work left from the last batch for after the next
+        # launch: its loops' steps to prepare (`_fill`, with their rows), the loops whose row was
+        # their last (`_lasts`), those left out to end (`_finals`: future, token, prepared)
+        self._start: StartFn | None = None
+        self._ahead: list[ForwardFuture] = []
+        self._ahead_reqs: list[ForwardRequest] = []  # their requests, in order (the next launch's first)
+        self._ahead_in_batch: list[ForwardRequest] = []  # the batch being taken starts with these (_take -> _run_ahead)
+        self._fill: list[tuple[ForwardFuture, frozenset[int], ForwardRequest, int]] = []
+        self._lasts: list[tuple[ForwardFuture, int]] = []
+        self._broken: list[ForwardFuture] = []
+        self._finals: list[tuple[ForwardFuture, int | None, bool]] = []
+        self._last_batch = (0.0, 0.0)  # the last batch's start and end
         self._copies_queued = 0
         self._batch_running = False  # a batch is in the backend (set and cleared by the scheduler thread)
         self._loops_in_batch = 0  # the batch being taken starts with this many resident loops (_take -> _run)
@@ -112,9 +126,12 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="pie-scheduler", daemon=True)
         self._thread.start()
 
-    def bind(self, forward: ForwardFn, copy: CopyFn | None, page_size: int, pins: PagePins | None = None) -> None:
-        """Attach the backend (its forward and copy_tokens, and its page size) and the page pins."""
+    def bind(self, forward: ForwardFn, copy: CopyFn | None, page_size: int, pins: PagePins | None = None,
+             start: StartFn | None = None) -> None:
+        """Attach the backend (its forward and copy_tokens, and its page size) and the page pins;
+        `start`: its `start_forward` if it overlaps (batches then run ahead: see `_run_ahead`)."""
         self._forward, self._copy, self._page_size, self._pins = forward, copy, page_size, pins
+        self._start = start
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the scheduler thread between batches; returns its result or raises its error."""
@@ -156,7 +173,7 @@ class Scheduler:
 
     def busy(self) -> bool:
         """Whether forwards are queued or generation loops are running (read without the lock)."""
-        return bool(self._queue or self._resident)
+        return bool(self._queue or self._resident or self._ahead)
 
     def expect(self, owner: str) -> None:
         """A new instance will submit soon. The policy may hold a batch for it only while nothing
@@ -165,7 +182,7 @@ class Scheduler:
         running ones until it submits (measured: 32 loops running, a launch every 25 ms: batch
         gaps of up to 3-11 ms, 0.4-0.9 ms on average, vs ~0.3 ms without the hold)."""
         with self._cv:
-            if not (self._queue or self._resident or self._batch_running):
+            if not (self._queue or self._resident or self._ahead or self._batch_running):
                 self.policy.launched(owner, time.perf_counter())
 
     def forget(self, owner: str) -> None:
@@ -181,10 +198,13 @@ class Scheduler:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=5)
-        for fut in self._queue + self._resident:
+        for fut in self._queue + self._ahead + self._resident + [f for f, _t, _p in self._finals]:
             self._complete(fut, None, RuntimeError("host is shutting down"))
         self._queue.clear()
+        self._ahead.clear()
+        self._ahead_reqs.clear()
         self._resident.clear()
+        self._finals.clear()
         for _fn, cfut in self._calls:
             cfut.set_exception(RuntimeError("host is shutting down"))
         self._calls.clear()
@@ -193,13 +213,23 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                settle = False
                 while not self._stopped and not self._calls and not self._has_work():
+                    if self._finals:  # no batch to launch now: the loops left out of the last one end first
+                        settle = True
+                        break
                     self._cv.wait(self._wait_s())
-                if self._stopped:
+                if settle:
+                    job, copies, batch = None, list[ForwardFuture](), list[ForwardFuture]()
+                elif self._stopped:
                     return
-                job = self._calls.popleft() if self._calls else None
-                copies, batch = ([], []) if job else self._take()
-                self._batch_running = bool(batch)
+                else:
+                    job = self._calls.popleft() if self._calls else None
+                    copies, batch = ([], []) if job else self._take()
+                    self._batch_running = bool(batch)
+            if settle:
+                self._end_finals(hold=True)
+                continue
             if job is not None:
                 fn, cfut = job
                 try:
@@ -210,15 +240,20 @@ class Scheduler:
             for c in copies:
                 self._run_copy(c)
             if batch:
-                self._run(batch)
+                if self._start is not None:
+                    self._run_ahead(batch)
+                else:
+                    self._run(batch)
                 self._batch_running = False
 
     def _no_forwards(self) -> bool:
         """Nothing to put in a batch: no queued forward (copies aside) and no loop (lock held)."""
-        return len(self._queue) <= self._copies_queued and not self._resident
+        return len(self._queue) <= self._copies_queued and not self._resident and not self._ahead
 
     def _pending(self) -> list[ForwardFuture]:
         """What the policy looks at: the resident loops (always ready) and the queue."""
+        if self._ahead:
+            return self._ahead + self._resident + self._queue
         return self._resident + self._queue if self._resident else self._queue
 
     def _forwards_ready(self) -> bool:
@@ -244,10 +279,12 @@ class Scheduler:
         writes: set[int] = set()
         behind: set[str] = set()  # owners with a job ahead that stays queued
         tokens = 0
-        if fire and self._resident:
+        if fire and (self._resident or self._ahead):
+            batch.extend(self._ahead)
             batch.extend(self._resident)
             if not dry:
-                self._resident = []
+                self._ahead_in_batch = self._ahead_reqs
+                self._ahead, self._ahead_reqs, self._resident = [], [], []
                 self._loops_in_batch = len(batch)
             if self._queue:  # the loops' pages count as ahead of every queued job
                 for fut in batch:
@@ -359,6 +396,188 @@ class Scheduler:
             self._record(len(batch), tokens, waited, start, end)
             return
 
+    def _run_ahead(self, batch: list[ForwardFuture]) -> None:
+        """`_run` on a backend that overlaps (`start_forward`): launch the batch, then do what the
+        last one left while this one runs (its loops' steps: take the token each launched step
+        writes and prepare the step after; end the loops left out of this batch), then wait for
+        it. When it returns, every loop whose next step is prepared goes into the next batch as
+        soon as its token is written in (`_fill_ahead`): between two backend calls the host does
+        that, the plain forwards' turns and the steps of loops that cannot run ahead (a grammar's
+        mask needs the token), not every loop's bookkeeping. A request the backend rejects at the
+        launch fails alone; a batch that fails after it fails whole."""
+        assert self._start is not None
+        reqs, loops = self._ahead_in_batch, self._loops_in_batch  # batch[:ahead]: loops run ahead, reqs theirs
+        ahead = len(reqs)
+        self._ahead_in_batch, self._loops_in_batch = [], 0
+        reqs.extend(f.request for f in batch[ahead:] if isinstance(f.request, ForwardRequest))
+        while True:
+            start = time.perf_counter()
+            try:
+                handle = self._start(reqs)
+            except ForwardError as e:
+                i = e.request_index
+                if not 0 <= i < len(batch):
+                    self._fail(batch, e)
+                    self._end_finals(hold=True)
+                    return
+                self.stats.errors += 1
+                loops -= int(i < loops)
+                ahead -= int(i < ahead)
+                self._complete(batch.pop(i), None, e)
+                reqs = [f.request for f in batch if isinstance(f.request, ForwardRequest)]
+                if batch:
+                    continue
+                self._end_finals(hold=True)
+                return
+            except Exception as e:  # the backend failed: every forward in this batch fails, host carries on
+                self._fail(batch, e)
+                self._end_finals(hold=True)
+                return
+            break
+        rest = batch[loops:]
+        tokens = loops + sum(len(f.request.tokens) for f in rest if isinstance(f.request, ForwardRequest))
+        # (counted before the steps change the requests)
+        waited = loops * (start - self._last_batch[1]) + sum(start - f.submitted for f in rest)
+        self._after_launch(batch, ahead, loops)
+        try:
+            results = handle.wait()
+        except Exception as e:
+            self._fill.clear()
+            self._lasts.clear()
+            self._broken.clear()
+            self._fail(batch, e)
+            return
+        end = time.perf_counter()
+        rest_results = results[loops:]
+        come_back: list[str] = []
+        follow_ups: list[ForwardFuture] = []
+        unpin: list[int] = []
+        for f, r in zip(rest, rest_results, strict=True):
+            if f.generation is None:
+                nxt = self._follow_up(f, r) if f.follow is not None else None
+                if nxt is None:
+                    unpin.extend(_pages(f.request))
+                    come_back.append(f.owner)
+                else:
+                    follow_ups.append(nxt)
+        if follow_ups:
+            with self._cv:
+                self._queue.extend(follow_ups)
+                self.stats.lookaheads += len(follow_ups)
+        if self._pins is not None and unpin:
+            self._pins.unpin(unpin)
+        self._expect(come_back, start, end)
+        ended: list[str] = []
+        self._fill_ahead(results)
+        if ahead < loops:
+            self._step_loops(batch, results, loops, end, ended, first=ahead)
+        for f in self._broken:  # a host bug in a loop's step: it ends now that its last step has run
+            self._complete(f, None, RuntimeError("host error in generate: a step could not be prepared"))
+            ended.append(f.owner)
+        self._broken.clear()
+        for f, r in zip(rest, rest_results, strict=True):
+            gen = f.generation
+            if gen is None:
+                f.finish(r, None)
+            elif not gen.ahead and self._step(f, gen, r, end):  # (a first step run ahead: in _fill)
+                ended.append(f.owner)
+        if ended and not self._resident and not self._ahead:
+            self._expect(ended, start, end)
+        self._last_batch = (start, end)
+        self._record(len(batch), tokens, waited, start, end)
+
+    def _after_launch(self, batch: list[ForwardFuture], ahead: int, loops: int) -> None:
+        """While `batch` runs: end the loops left out of it, and for each loop in it that runs ahead,
+        take the token its step writes and prepare its next step (`_fill`, with its row), or note
+        that this step is its last (`_lasts`). A common step is done inline (`Generation.fast`)."""
+        self._end_finals(hold=loops == 0)
+        fill = self._fill
+        for i in range(ahead):
+            f = batch[i]
+            gen = f.generation
+            assert gen is not None  # batch[:ahead] are loops
+            req = gen.request
+            if gen.fast > 0 and not gen.cancelled:
+                gen.fast -= 1
+                gen.tokens.append(req.tokens[0])
+                req.positions[0] += 1
+                req.last_page_len += 1
+                fill.append((f, gen.stop_tokens, req, i))
+                continue
+            self._prepare(f, gen, i, req.tokens[0])
+        for i in range(loops, len(batch)):  # first steps of loops that run ahead
+            f = batch[i]
+            gen = f.generation
+            if gen is not None and gen.ahead:
+                self._prepare(f, gen, i, None)
+
+    def _prepare(self, fut: ForwardFuture, gen: Generation, row: int, token: int | None) -> None:
+        if gen.cancelled:  # the step just launched is its last
+            self._lasts.append((fut, row))
+            return
+        try:
+            prepared = gen.prepare() if token is None else gen.took(token)
+        except Exception:  # a host bug: the loop ends with an error once its step has run
+            log.exception("generation loop of %s failed", fut.owner)
+            self._broken.append(fut)
+            return
+        if prepared:
+            self._fill.append((fut, gen.stop_tokens, gen.request, row))
+        else:
+            self._lasts.append((fut, row))
+
+    def _fill_ahead(self, results: list[list[OutputResult]]) -> None:
+        """The batch's drawn tokens into the prepared steps: those loops go first into the next batch;
+        a loop whose token is a stop token or whose step was its last (or that was cancelled before
+        the launch) ends after the next launch (`_finals`)."""
+        ahead, reqs, finals = self._ahead, self._ahead_reqs, self._finals
+        for f, stop_tokens, req, i in self._fill:
+            try:
+                token = results[i][0].token
+            except IndexError:  # a backend bug: the loop ends with an error
+                token = None
+            if token is None or token in stop_tokens:
+                finals.append((f, token, True))
+                continue
+            req.tokens[0] = token
+            ahead.append(f)
+            reqs.append(req)
+        for f, i in self._lasts:
+            try:
+                token = results[i][0].token
+            except IndexError:
+                token = None
+            finals.append((f, token, False))
+        self._fill.clear()
+        self._lasts.clear()
+
+    def _end_finals(self, hold: bool) -> None:
+        """End the loops left out of the next batch (`Generation.finish`; one may go on, a step at a
+        time). `hold`: no loop goes on, so the policy may wait for their owners (see `_run`)."""
+        finals, self._finals = self._finals, []
+        if not finals:
+            return
+        ended: list[str] = []
+        now = time.perf_counter()
+        for f, token, prepared in finals:
+            gen = f.generation
+            assert gen is not None
+            try:
+                done = gen.finish(token, prepared)
+            except Exception as e:  # a host bug (or the backend drew no token) ends this loop only
+                log.exception("generation loop of %s failed", f.owner)
+                self._complete(f, None, RuntimeError(f"host error in generate: {type(e).__name__}: {e}"))
+                ended.append(f.owner)
+                continue
+            if done:
+                self._complete(f, gen.result, None)
+                ended.append(f.owner)
+            else:
+                f.submitted = now
+                self._resident.append(f)
+        if hold and ended and not self._resident and not self._ahead:
+            self._expect(ended, *self._last_batch)
+
     def _follow_up(self, fut: ForwardFuture, outputs: list[OutputResult]) -> ForwardFuture | None:
         """The owner's next forward, if `fut.follow` makes one (on `fut`'s pages: it takes over their pins)."""
         follow, fut.follow = fut.follow, None
@@ -385,14 +604,14 @@ class Scheduler:
         return True
 
     def _step_loops(self, batch: list[ForwardFuture], results: list[list[OutputResult]], loops: int, end: float,
-                    ended: list[str]) -> None:
+                    ended: list[str], first: int = 0) -> None:
         """The steps of the first `loops` forwards of `batch`, resident loops': a fast step inline
         (`Generation.fast`: its token is no stop token, so the loop goes on with the token written
         into its request), any other through `_step`. With 256 loops this runs 256 times between two
         backend calls: a call per loop and the rules checked one by one cost 0.33 ms a step at 256
         (measured in a live burst), this 0.19 ms (mostly cache misses over the loops' objects)."""
         keep = self._resident  # (empty: _take took the loops; _step appends the others in order)
-        for i in range(loops):
+        for i in range(first, loops):
             f = batch[i]
             gen = f.generation
             assert gen is not None  # only loops are resident
