@@ -74,14 +74,19 @@ def _fine_timer_slack() -> None:
 class StandInStep:
     """A started stand-in batch (`StandInBackend.start_forward`)."""
 
-    __slots__ = ("outputs", "_until")
+    __slots__ = ("outputs", "tokens", "_until")
 
     def __init__(self, outputs: list[list[OutputResult]], until: float) -> None:
         self.outputs = outputs  # computed when the batch started (a subclass may change them there)
+        # each request's first output's token (None if it samples none or has none), as a GPU
+        # backend has them in one tensor: the scheduler reads these instead of two objects per row.
+        # Made in `wait()` before it sleeps: within the batch's time, as a GPU makes them.
+        self.tokens: list[int | None] = []
         self._until = until
 
     def wait(self) -> list[list[OutputResult]]:
         """The batch's outputs, once its time (from `start_forward`'s call) has passed."""
+        self.tokens = [r[0].token if r else None for r in self.outputs]
         if self._until:
             _fine_timer_slack()
             time.sleep(max(self._until - time.perf_counter(), 0.0))

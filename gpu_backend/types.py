@@ -157,6 +157,9 @@ class StartedForward(Protocol):
 
     def wait(self) -> list[list[OutputResult]]: ...
 
+    # optional: `tokens`, each request's first output's token (None where none is sampled), read
+    # after `wait()`: the scheduler takes the loops' next tokens from it (one list, not two objects per row)
+
 
 # An overlapping backend also has `start_forward(reqs) -> StartedForward`, as a GPU runs a batch:
 # it validates (raising ForwardError as `forward` does) and reads every request before it

@@ -112,7 +112,7 @@ class Scheduler:
         self._ahead: list[ForwardFuture] = []
         self._ahead_reqs: list[ForwardRequest] = []  # their requests, in order (the next launch's first)
         self._ahead_in_batch: list[ForwardRequest] = []  # the batch being taken starts with these (_take -> _run_ahead)
-        self._fill: list[tuple[ForwardFuture, frozenset[int], ForwardRequest, int]] = []
+        self._fill: list[tuple[ForwardFuture, frozenset[int], ForwardRequest, list[int], int]] = []
         self._lasts: list[tuple[ForwardFuture, int]] = []
         self._broken: list[ForwardFuture] = []
         self._finals: list[tuple[ForwardFuture, int | None, bool]] = []
@@ -468,7 +468,7 @@ class Scheduler:
             self._pins.unpin(unpin)
         self._expect(come_back, start, end)
         ended: list[str] = []
-        self._fill_ahead(results)
+        self._fill_ahead(results, getattr(handle, "tokens", None))
         if ahead < loops:
             self._step_loops(batch, results, loops, end, ended, first=ahead)
         for f in self._broken:  # a host bug in a loop's step: it ends now that its last step has run
@@ -502,7 +502,7 @@ class Scheduler:
                 gen.tokens.append(req.tokens[0])
                 req.positions[0] += 1
                 req.last_page_len += 1
-                fill.append((f, gen.stop_tokens, req, i))
+                fill.append((f, gen.stop_tokens, req, req.tokens, i))
                 continue
             self._prepare(f, gen, i, req.tokens[0])
         for i in range(loops, len(batch)):  # first steps of loops that run ahead
@@ -522,32 +522,29 @@ class Scheduler:
             self._broken.append(fut)
             return
         if prepared:
-            self._fill.append((fut, gen.stop_tokens, gen.request, row))
+            self._fill.append((fut, gen.stop_tokens, gen.request, gen.request.tokens, row))
         else:
             self._lasts.append((fut, row))
 
-    def _fill_ahead(self, results: list[list[OutputResult]]) -> None:
-        """The batch's drawn tokens into the prepared steps: those loops go first into the next batch;
+    def _fill_ahead(self, results: list[list[OutputResult]], drawn: list[int | None] | None) -> None:
+        """The batch's drawn tokens (`drawn`: the backend's flat list of each request's first output's
+        token, if it gives one: a few cache lines instead of two objects per row; else read from
+        `results`) into the prepared steps: those loops go first into the next batch;
         a loop whose token is a stop token or whose step was its last (or that was cancelled before
         the launch) ends after the next launch (`_finals`)."""
         ahead, reqs, finals = self._ahead, self._ahead_reqs, self._finals
-        for f, stop_tokens, req, i in self._fill:
-            try:
-                token = results[i][0].token
-            except IndexError:  # a backend bug: the loop ends with an error
-                token = None
+        if drawn is None or len(drawn) != len(results):
+            drawn = [r[0].token if r else None for r in results]
+        for f, stop_tokens, req, tokens, i in self._fill:
+            token = drawn[i]
             if token is None or token in stop_tokens:
                 finals.append((f, token, True))
                 continue
-            req.tokens[0] = token
+            tokens[0] = token
             ahead.append(f)
             reqs.append(req)
         for f, i in self._lasts:
-            try:
-                token = results[i][0].token
-            except IndexError:
-                token = None
-            finals.append((f, token, False))
+            finals.append((f, drawn[i], False))
         self._fill.clear()
         self._lasts.clear()
 
