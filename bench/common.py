@@ -41,18 +41,23 @@ class BatchLog:
         self.calls: list[tuple[float, float, int]] = []
         forward = backend.forward
         calls = self.calls
+        inside = [0]  # the stand-in's forward is start_forward + wait: one call, logged once
 
         def timed(reqs: Any) -> Any:
             start = time.perf_counter()
+            inside[0] += 1
             try:
                 return forward(reqs)
             finally:
+                inside[0] -= 1
                 calls.append((start, time.perf_counter(), len(reqs)))
 
         backend.forward = timed
         start_forward = getattr(backend, "start_forward", None)
         if start_forward is not None:
             def timed_start(reqs: Any) -> Any:
+                if inside[0]:
+                    return start_forward(reqs)
                 start = time.perf_counter()
                 return _TimedStep(start_forward(reqs), start, len(reqs), calls)
 

@@ -15,7 +15,8 @@ per step once the instances run). `minflt` / `nvcsw`: the process's minor page f
 context switches during the burst (getrusage), e.g. pool slots faulting in or threads waking to poll.
 `gc_ms`: the median over bursts of the time Python's cyclic GC stopped the process during a burst
 (gc.callbacks), `gc_max_ms` the longest single collection in any burst; `python_gc` is the
-default host with `tune_gc` off (HostConfig: Python's own GC settings, nothing frozen).
+default host with `tune_gc` off (HostConfig: Python's own GC settings, nothing frozen), and
+`no_ahead` the default host with `run_ahead` off (every loop's step made between two backend calls).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
 
 ARGS = ["--prompt", "Write a story about a lighthouse.", "--max-tokens", "64"]
-SETTINGS = {"slots1": {"run_slots": 1}, "slots2": {"run_slots": 2}, "slots4": {"run_slots": 4},
-            "no_gate": {"run_gate": False}, "python_gc": {"tune_gc": False}}
+SETTINGS = {"default": {}, "slots1": {"run_slots": 1}, "slots2": {"run_slots": 2}, "slots4": {"run_slots": 4},
+            "no_gate": {"run_gate": False}, "python_gc": {"tune_gc": False}, "no_ahead": {"run_ahead": False}}
 
 
 def measure(setting: dict[str, Any], n: int, bursts: int, step_s: float) -> dict[str, Any]:

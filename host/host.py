@@ -106,7 +106,8 @@ class Host:
                                 PrefixCache(info.page_size, config.prefix_cache) if config.prefix_cache != "off"
                                 else None) for _ in backends]
         for sched, b, pm in zip(schedulers, backends, managers, strict=True):
-            sched.bind(b.forward, b.copy_tokens, info.page_size, pins=pm, start=getattr(b, "start_forward", None))
+            start = getattr(b, "start_forward", None) if config.run_ahead else None
+            sched.bind(b.forward, b.copy_tokens, info.page_size, pins=pm, start=start)
         self._managers = managers
         self._router: ReplicaSchedulers | None = None
         if len(backends) == 1:
