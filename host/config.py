@@ -62,7 +62,9 @@ class HostConfig:
         objects) out of reach of Python's cyclic GC (`gc.freeze`), so a full collection, which
         otherwise stops every thread for ~100-150 ms while the host serves, scans only what came
         after, and collect the young generation every 10,000 net allocations instead of 700 (a
-        burst of 256 instances: ~70 young collections -> 1-2). Shutdown undoes both. See `Host`.
+        burst of 256 instances: ~70 young collections -> 1-2), and collect fully whenever the warm
+        pool has refilled (the host is idle then), so that no middle or full collection comes due
+        inside a burst. Shutdown undoes the first two. See `Host`.
     """
 
     model: str | None = None

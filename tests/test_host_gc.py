@@ -9,9 +9,12 @@ stopped every instance and the scheduler for ~100 ms (bench/host_ramp.py, gc_max
 from __future__ import annotations
 
 import gc
+import time
+import weakref
 from pathlib import Path
 
 from fakes import FakeBackend
+from helpers import wait_for, wasm_bytes
 
 from host import Host, HostConfig
 
@@ -62,3 +65,50 @@ def test_overlapping_hosts_restore_the_collector_when_the_last_one_ends(tmp_path
     b.shutdown()
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() == 0
+
+
+class _Cycle:
+    """A reference cycle: only the cyclic collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _garbage_in_the_middle_generation() -> weakref.ref[_Cycle]:
+    """A cycle aged into generation 1 and then dropped: a young collection does not free it, the
+    next middle or full one does (with a young one every 10,000 allocations, ~100,000 from now)."""
+    cycle = _Cycle()
+    gc.collect(0)  # it survives (referenced here) and moves to generation 1
+    ref = weakref.ref(cycle)
+    del cycle
+    return ref
+
+
+def test_a_refilled_warm_pool_collects_while_the_host_is_idle(tmp_path: Path) -> None:
+    """Left to the collector, middle and full collections came due inside bursts of launches (a
+    13-36 ms pause with every thread stopped, in 2 of 7 bursts of 256); the host collects fully
+    when the pool has refilled, i.e. while it is idle."""
+    gc.unfreeze()
+    h = Host(HostConfig(data_dir=tmp_path), backend=FakeBackend(page_size=4, num_pages=64))
+    try:
+        program = h.compile(wasm_bytes("misbehave"))
+        ref = _garbage_in_the_middle_generation()
+        assert h.prewarm(program, 2) == 2
+        wait_for(lambda: ref() is None, what="the idle collection after the refill")
+    finally:
+        h.shutdown()
+
+
+def test_without_tune_gc_the_host_does_not_collect_on_refill(tmp_path: Path) -> None:
+    gc.unfreeze()
+    h = Host(HostConfig(data_dir=tmp_path, tune_gc=False), backend=FakeBackend(page_size=4, num_pages=64))
+    gc.disable()  # no automatic collection either: only one by the host would free the cycle
+    try:
+        program = h.compile(wasm_bytes("misbehave"))
+        ref = _garbage_in_the_middle_generation()
+        assert h.prewarm(program, 2) == 2
+        time.sleep(0.3)  # the warm pool's thread has long finished its refill
+        assert ref() is not None
+    finally:
+        gc.enable()
+        h.shutdown()

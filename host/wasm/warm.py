@@ -48,7 +48,8 @@ class WarmPool:
     kept for demand (0 = only `per_program`)."""
 
     def __init__(self, make: Callable[[str], Instance], per_program: int, max_programs: int = 4,
-                 auto: int = 0, busy: Callable[[], bool] | None = None) -> None:
+                 auto: int = 0, busy: Callable[[], bool] | None = None,
+                 on_full: Callable[[], None] | None = None) -> None:
         if per_program < 0 or max_programs < 1 or auto < 0:
             raise ValueError(f"warm pool sizes must be >= 0 / >= 1 / >= 0, got {per_program}, {max_programs}, {auto}")
         self._make = make
@@ -56,6 +57,7 @@ class WarmPool:
         self.max_programs = max_programs
         self.auto = auto
         self._busy = busy or (lambda: False)
+        self._on_full = on_full  # called on the warmer thread when a refill has just completed
         self._ready: OrderedDict[str, deque[Instance]] = OrderedDict()  # least recently launched first
         self._target: dict[str, int] = {}
         self._pinned: set[str] = set()  # targets set by prewarm(): demand does not change them
@@ -168,7 +170,16 @@ class WarmPool:
         return None
 
     def _run(self) -> None:
+        made = False  # warm instances made since the pool was last full
         while True:
+            with self._cond:
+                full = not self._closed and self._next_program() is None
+            if full and made and self._on_full is not None:
+                made = False
+                try:
+                    self._on_full()
+                except Exception:  # a broken hook must not stop the warming
+                    log.exception("the warm pool's on_full hook failed")
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or self._next_program() is not None)
                 if self._closed:
@@ -180,6 +191,7 @@ class WarmPool:
                 continue
             assert program is not None
             self._warm_one(program)
+            made = True
 
     def _warm_one(self, program: str) -> None:
         try:
