@@ -390,9 +390,10 @@ def _collect_when_idle() -> None:
     Frozen, the start-up objects are out of every collection; what a full collection still scans
     is what came after, chiefly the parked instances' objects (~50k for 256 of them). Left to the
     collector, the middle generation, every 10th young collection, came due inside a burst now and
-    then (one in ~5 bursts of 256: a 13 ms pause, every thread stopped) and a full one after 10 of
-    those. Collected here, each burst starts with the counts at zero and the pool's objects in the
-    oldest generation, and a burst of 256 makes only 1-2 young collections (~1-2 ms each)."""
+    then (2 of 7 bursts of 256 paused 16 and 36 ms, every thread stopped) and a full one after 10
+    of those. Collected here (17-36 ms, idle), each burst starts with the counts at zero and the
+    pool's objects in the oldest generation: a burst of 256 then makes only 1-2 young collections
+    (2-4 ms in all)."""
     gc.collect()
 
 

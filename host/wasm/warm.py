@@ -172,14 +172,14 @@ class WarmPool:
     def _run(self) -> None:
         made = False  # warm instances made since the pool was last full
         while True:
-            with self._cond:
-                full = not self._closed and self._next_program() is None
-            if full and made and self._on_full is not None:
-                made = False
-                try:
-                    self._on_full()
-                except Exception:  # a broken hook must not stop the warming
-                    log.exception("the warm pool's on_full hook failed")
+            if made and self._on_full is not None:
+                with self._cond:
+                    made = self._closed or self._next_program() is not None  # not full yet: keep going
+                if not made:  # outside the lock: a launch's `take` never waits for the hook
+                    try:
+                        self._on_full()
+                    except Exception:  # a broken hook must not stop the warming
+                        log.exception("the warm pool's on_full hook failed")
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or self._next_program() is not None)
                 if self._closed:
