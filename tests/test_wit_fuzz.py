@@ -67,6 +67,8 @@ FORWARD_PASS = (SMALL_LIST, U32, SMALL_LIST, SMALL_LIST, st.lists(SMALL_LIST, ma
                 st.lists(OUTPUT_SPEC, max_size=3))
 GEN_ARGS = (SMALL_LIST, U32, SMALL_LIST, SMALL_LIST, SAMPLER, st.integers(0, 12) | U32, SMALL_LIST,
             st.lists(TEXT, max_size=2), st.booleans())
+FRESH_ARGS = (SMALL_LIST, SAMPLER, st.integers(0, 12) | U32, SMALL_LIST, st.lists(TEXT, max_size=2), st.booleans(),
+              st.booleans())
 
 # One strategy of argument tuples per import; the keys must cover every import (checked below).
 ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
@@ -93,6 +95,7 @@ ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
                              st.lists(OUTPUT_SPEC, max_size=3)),
     "forward.decode-step": st.tuples(SMALL_LIST, U32, U32, U32, SAMPLER),
     "forward.generate": st.tuples(*GEN_ARGS),
+    "forward.generate-fresh": st.tuples(*FRESH_ARGS),
     "grammar.[static]grammar.from-json-schema": st.tuples(GRAMMAR_SRC),
     "grammar.[static]grammar.from-regex": st.tuples(GRAMMAR_SRC),
     "grammar.[static]grammar.from-ebnf": st.tuples(GRAMMAR_SRC),

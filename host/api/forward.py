@@ -8,6 +8,7 @@ request). `decode-step` checks its fixed shape inline instead: it is the call ma
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -325,9 +326,7 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
         out: int = stepper.step(pages, last_len, token, position, sampler)
         return out
 
-    @guest_import("forward.generate")
-    def generate(inst: Instance, *args: Any) -> Record:
-        gen = _generation(passes, tok, inst, *args)
+    def run_generation(inst: Instance, gen: Generation, first_pages: list[int]) -> Record:
         fut = scheduler.submit(gen.request, inst.id, generation=gen)
         fut.add_done_callback(inst.wake)
         try:
@@ -336,7 +335,48 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
             gen.cancelled = True  # terminated or out of budget: the loop ends at its next step
             raise
         result: GenerationResult = fut.wait()
+        if first_pages:
+            result = dataclasses.replace(result, new_pages=first_pages + result.new_pages)
         return _generation_record(result)
 
+    @guest_import("forward.generate")
+    def generate(inst: Instance, *args: Any) -> Record:
+        return run_generation(inst, _generation(passes, tok, inst, *args), [])
+
+    @guest_import("forward.generate-fresh")
+    def generate_fresh(inst: Instance, tokens: list[int], sampler: Any, max_tokens: int, stop_tokens: list[int],
+                       stop_strings: list[str], stream: bool, prefix_cache: bool) -> Record:
+        first = _fresh_pages(passes, inst, tokens, prefix_cache)
+        if first is None:
+            return _generation_record(GenerationResult([], [], 0, "out-of-pages"))
+        pages, cached = first
+        try:
+            gen = _generation(passes, tok, inst, pages, len(tokens) - (len(pages) - 1) * passes.page_size,
+                              tokens[cached:], list(range(cached, len(tokens))), sampler, max_tokens, stop_tokens,
+                              stop_strings, stream)
+        except BaseException:
+            passes.pm.release(inst.pages, pages)  # a bad argument: the caller traps holding nothing new
+            raise
+        return run_generation(inst, gen, pages)
+
     return {"submit": submit, "wait": wait, "wait-any": wait_any, "run": run, "decode-step": decode_step,
-            "generate": generate}
+            "generate": generate, "generate-fresh": generate_fresh}
+
+
+def _fresh_pages(passes: _Passes, inst: Instance, tokens: list[int], prefix_cache: bool) \
+        -> tuple[list[int], int] | None:
+    """`forward.generate-fresh`'s pages for `tokens` at positions 0..: the prefix cache's pages for
+    the longest full-page prefix of all but the last token, then fresh ones from the instance's
+    quota; with how many tokens the cached pages hold. None (nothing held) if the quota or the
+    pool refuses."""
+    inst.check_alive()
+    if not tokens:
+        raise GuestError("no pending tokens to start from")
+    ps, pm = passes.page_size, passes.pm
+    cached = pm.attach_prefix(inst.pages, tokens[:-1]) if prefix_cache and len(tokens) > ps else []
+    fresh = pm.allocate(inst.pages, -(-len(tokens) // ps) - len(cached))
+    if isinstance(fresh, str):
+        if cached:
+            pm.release(inst.pages, cached)
+        return None
+    return cached + fresh, len(cached) * ps

@@ -80,6 +80,21 @@ def _generate_on_host(ctx: Context, sampler: Sampler, rules: tuple[int | None, l
     """forward.generate, called again only when the host ran out of pages (we wait for one here)."""
     limit, stops, texts = rules
     ids: list[int] = []
+    if matcher is None and _fresh(ctx):
+        # One call takes the pages too (the prefix cache's, then fresh ones): no attach-prefix and
+        # allocate calls before the first forward. Refused pages: the loop below waits for them.
+        budget = U32_MAX if limit is None else limit
+        g = _host.forward.generate_fresh(ctx.tokens, sampler.to_wit(), budget, stops, texts, stream,
+                                         ctx.prefix_cache)
+        if g.tokens:
+            ctx._attach_tried = True
+            PAGES.adopt(list(g.new_pages))
+            ctx.pages.extend(g.new_pages)
+            ctx.kv_len = len(ctx.tokens) + len(g.tokens) - 1
+            ctx._append_pending(list(g.tokens))
+            ids.extend(g.tokens)
+            if _finish_name(g.finish) != "out-of-pages":
+                return ids, g.trim
     while True:
         kv_len, n_pages = ctx.kv_len, len(ctx.pages)
         pages, last_len, tokens, positions, _mask = ctx._prepare(len(ctx.tokens) - ctx.kv_len)
@@ -97,6 +112,11 @@ def _generate_on_host(ctx: Context, sampler: Sampler, rules: tuple[int | None, l
         ids.extend(g.tokens)
         if _finish_name(g.finish) != "out-of-pages":
             return ids, g.trim
+
+
+def _fresh(ctx: Context) -> bool:
+    """Nothing of `ctx` in the KV cache yet, its tokens at positions 0, 1, ... (forward.generate-fresh)."""
+    return not ctx.pages and ctx.kv_len == 0 and not ctx._attach_tried and ctx.positions == list(range(len(ctx.tokens)))
 
 
 def _finish_name(finish: object) -> str:

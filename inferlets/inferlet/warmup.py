@@ -79,6 +79,13 @@ def _stand_in(saved: dict[str, Any]) -> dict[str, Any]:
         drawn = [_next(tokens[-1] + i) for i in range(min(budget, 3))]
         return _Generation(drawn + [0], 1, "stop-token") if budget > 3 else _Generation(drawn, 0, "length")
 
+    def generate_fresh(tokens: list[int], sampler: Any, budget: int, stops: list[int], texts: list[str],
+                       stream: bool, prefix_cache: bool) -> _Generation:
+        pages = allocate(-(-len(tokens) // _PAGE_SIZE))
+        g = generate(pages, 0, tokens, [], sampler, budget, stops, texts, stream)
+        g.new_pages = pages
+        return g
+
     def run(pages: list[int], last_len: int, tokens: list[int], positions: list[int], mask: Any,
             outputs: list[Any]) -> list[_Output]:
         return [_Output(_next(tokens[o.index])) for o in outputs]
@@ -98,7 +105,7 @@ def _stand_in(saved: dict[str, Any]) -> dict[str, Any]:
         ),
         "forward": _Interface(
             saved["forward"], ("Sampler", "OutputSpec"),
-            generate=generate, run=run, decode_step=lambda pages, last_len, token, position, sampler: _next(token),
+            generate=generate, generate_fresh=generate_fresh, run=run, decode_step=lambda pages, last_len, token, position, sampler: _next(token),
         ),
         "runtime": _Interface(saved["runtime"], (), log=lambda message: None, elapsed_ms=lambda: 0),
         "messaging": _Interface(saved["messaging"], (), send=lambda message: None),

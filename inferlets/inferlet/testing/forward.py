@@ -43,6 +43,7 @@ class FakeForward:
         self.next_handle = 1
         self.decode_step_calls = 0  # passes that came through decode_step (also in `requests`)
         self.generate_calls = 0  # host-side generation loops (their passes are in `requests`)
+        self.generate_fresh_calls = 0  # of which started by generate_fresh (pages taken by the host)
         self._matcher: FakeMatcher | None = None  # the matcher of the generate-constrained running
 
     @property
@@ -155,6 +156,25 @@ class FakeForward:
             else:
                 last += 1
             toks, poss = [drawn[-1]], [poss[-1] + 1]
+
+    def generate_fresh(self, tokens, sampler, max_tokens, stop_tokens, stop_strings, stream,  # noqa: ANN001
+                       prefix_cache) -> WitGeneration:  # noqa: ANN001
+        """`generate` over pages it takes itself: the (fake, empty) prefix cache's, then fresh ones."""
+        self.generate_fresh_calls += 1
+        if not tokens or max_tokens < 1 or any(not s for s in stop_strings):
+            raise trap("forward.generate-fresh", f"no tokens, bad max-tokens {max_tokens} or an empty stop string")
+        ps = self.kv.ps
+        cached = self.kv.attach_prefix(list(tokens[:-1])) if prefix_cache and len(tokens) > ps else []
+        try:
+            fresh = self.kv.allocate(-(-len(tokens) // ps) - len(cached))
+        except _host.Err:
+            if cached:
+                self.kv.release(cached)
+            return WitGeneration([], [], 0, "out-of-pages")
+        pages, done = cached + fresh, len(cached) * ps
+        g = self.generate(pages, len(tokens) - (len(pages) - 1) * ps, tokens[done:], list(range(done, len(tokens))),
+                          sampler, max_tokens, stop_tokens, stop_strings, stream)
+        return WitGeneration(g.tokens, pages + g.new_pages, g.trim, g.finish)
 
     def run_constrained(self, pages, last_page_len, tokens, positions, mask, outputs, constrained,  # noqa: ANN001
                         matcher: FakeMatcher) -> list[WitOutput]:
