@@ -92,3 +92,51 @@ def test_loops_of_many_instances_share_batches(rig) -> None:  # noqa: ANN001
     for r in runs:
         assert r.finish(60).message.split()[0] == "40"
     assert max(fb.batches) == 8 and sum(fb.batches) / len(fb.batches) > 4
+
+
+# forward.generate-fresh: the same loop over pages the host takes itself (the prefix cache's, then
+# fresh ones from the quota). The stand-in draws last + 1, so every expected output is known.
+
+def test_generate_fresh_takes_its_pages_and_draws_what_generate_draws(rig) -> None:  # noqa: ANN001
+    h, _fb, prog = rig
+    free0, tokens0 = h.free_pages(), h.scheduler.stats.tokens
+    end = Run(h, prog, ["gen_fresh", "10", "0", "5", "6", "7", "8", "9", "10"]).finish(60)
+    # 6 pending + 9 drawn tokens written: 15 slots, 4 pages of 4; drawn: 11..20
+    assert (end.event, end.message) == ("completed", "LENGTH 4 : " + " ".join(str(t) for t in range(11, 21)))
+    assert h.scheduler.stats.tokens - tokens0 == 6 + 9
+    assert h.free_pages() == free0
+
+
+def test_generate_fresh_attaches_the_cached_prefix_and_prefills_only_the_rest(rig) -> None:  # noqa: ANN001
+    h, _fb, prog = rig
+    assert Run(h, prog, ["prefill_release"]).finish(30).message == "released"  # caches 20..28 at 0..8
+    prompt = [str(t) for t in range(20, 30)]
+    for prefix, prefilled, hits in (("1", 2, 1), ("0", 10, 0)):
+        hits0, tokens0, free0 = h.stats()["prefix_cache"]["hits"], h.scheduler.stats.tokens, h.free_pages()
+        end = Run(h, prog, ["gen_fresh", "3", prefix, *prompt]).finish(60)
+        # 10 prompt tokens + 2 drawn written: 12 slots in 3 pages, the first two cached with the prefix
+        assert end.message == "LENGTH 3 : 30 31 32"
+        assert h.scheduler.stats.tokens - tokens0 == prefilled + 2  # a hit prefills only tokens 28, 29
+        assert h.stats()["prefix_cache"]["hits"] - hits0 == hits
+        assert h.free_pages() == free0
+
+
+def test_generate_fresh_refused_pages_return_out_of_pages_holding_nothing(rig) -> None:  # noqa: ANN001
+    h, _fb, prog = rig
+    free0 = h.free_pages()
+    # 300 tokens need 75 pages: over the instance's limit of 64
+    end = Run(h, prog, ["gen_fresh", "5", "1", *["7"] * 300]).finish(60)
+    assert (end.event, end.message) == ("completed", "OUT_OF_PAGES 0 : ")
+    assert h.free_pages() == free0
+
+
+@pytest.mark.parametrize(("args", "why"), [(["0", "1", "5", "6"], "max-tokens must be >= 1"),
+                                           (["4", "1"], "no pending tokens")])
+def test_generate_fresh_bad_arguments_trap_the_caller_only(rig, args: list[str], why: str) -> None:  # noqa: ANN001
+    h, _fb, prog = rig
+    free0 = h.free_pages()
+    good = Run(h, prog, ["generate", "20", "10", "11"])
+    end = Run(h, prog, ["gen_fresh", *args]).finish(60)
+    assert end.event == "exception" and end.message.startswith(f"forward.generate-fresh: {why}")
+    assert good.finish(60).message == " ".join(str(12 + i) for i in range(20))
+    assert h.free_pages() == free0

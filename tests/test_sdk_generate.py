@@ -95,3 +95,33 @@ def test_conditions_the_host_cannot_check_stay_in_the_guest() -> None:
     assert host_rules(AnyOf(UntilText("x"), UntilTokens([1]))) is None  # other order: other trims
     assert host_rules(UntilSequence([1, 2])) is None
     assert host_rules(GuestOnly(MaxTokens(3))) is None
+
+
+def test_a_fresh_context_starts_with_generate_fresh_and_a_flushed_one_with_generate() -> None:
+    host = FakeHost(page_size=4).install()
+    with Context() as ctx:
+        ctx.fill("longer than one page")
+        prompt = list(ctx.tokens)
+        ctx.generate(max_tokens=5)
+        assert (host.forward.generate_fresh_calls, host.forward.generate_calls) == (1, 1)
+        # the host looked the prompt up in the prefix cache once, all but its last token
+        assert host.kv.prefix_lookups == [prompt[:-1]]
+        assert ctx.kv_len == len(ctx.tokens) - 1 and len(ctx.pages) == -(-ctx.kv_len // 4)
+    with Context() as ctx:
+        ctx.fill("flushed")
+        ctx.flush()
+        ctx.generate(max_tokens=5)
+        assert (host.forward.generate_fresh_calls, host.forward.generate_calls) == (1, 2)
+
+
+def test_generate_fresh_refused_falls_back_to_waiting_for_pages() -> None:
+    want = run(fill("xy"), guest=False, max_tokens=6)["text"]
+    host = FakeHost(page_size=4, num_pages=3).install()
+    blocker = Context()
+    blocker.fill("abcdefghij")
+    blocker.flush()  # holds all 3 pages
+    ctx = Context()
+    ctx.fill("xy")
+    host.kv.on_refused = blocker.release  # generate-fresh is refused; then the blocker's pages come free
+    assert ctx.generate(max_tokens=6) == want
+    assert (host.forward.generate_fresh_calls, host.forward.generate_calls) == (1, 1)
