@@ -86,6 +86,7 @@ class StubHost:
             ("forward", "run"): self._run,
             ("forward", "decode-step"): lambda pages, last_len, token, pos, sampler: self.script.pop(0),
             ("forward", "generate"): self._generate,
+            ("forward", "generate-fresh"): self._generate_fresh,
             ("kv", "attach-prefix"): lambda tokens: [],  # no prefix cache in the stub
         }
 
@@ -96,6 +97,12 @@ class StubHost:
             if drawn[-1] in stops:
                 return _record(tokens=drawn, **{"new-pages": []}, trim=1, finish="stop-token")
         return _record(tokens=drawn, **{"new-pages": []}, trim=0, finish="length")
+
+    def _generate_fresh(self, tokens, sampler, max_tokens, stops, texts, stream, prefix_cache):  # noqa: ANN001
+        pages = self._allocate(-(-len(tokens) // 16))
+        g = self._generate(pages, 0, tokens, [], sampler, max_tokens, stops, texts, stream)
+        g.__dict__["new-pages"] = pages
+        return g
 
     def _set_return(self, value: str) -> None:
         self.returned = value
@@ -152,8 +159,10 @@ def test_component_runs_on_stub_imports(component: tuple[Engine, Component]) -> 
     host = StubHost(["--prompt", "hi", "--max-tokens", "8"], [ord(c) for c in "Paris."] + [0])
     assert run_component(engine, comp, host) is None  # result<_, string>: ok is None
     assert host.returned == "Paris."
-    # the whole generation (prefill included) is one host-side loop: one call, no pass per token
-    assert host.calls.count("forward.generate") == 1 and "forward.decode-step" not in host.calls
+    # the whole generation (prefill included) is one host-side loop: one call, no pass per token,
+    # and a new context's pages come with it (generate-fresh): no allocate or attach-prefix call
+    assert host.calls.count("forward.generate-fresh") == 1 and "forward.decode-step" not in host.calls
+    assert not {"forward.generate", "kv.allocate", "kv.attach-prefix"} & set(host.calls)
     assert host.calls[-2:] == ["kv.release", "runtime.set-return"]
 
 
