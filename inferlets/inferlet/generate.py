@@ -10,7 +10,7 @@ With a grammar, the same two paths use the constrained host calls (inferlet/cons
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from inferlet import _host, constrained
 from inferlet.grammar import Grammar, Matcher
@@ -88,12 +88,8 @@ def _generate_on_host(ctx: Context, sampler: Sampler, rules: tuple[int | None, l
                                          ctx.prefix_cache)
         if g.tokens:
             ctx._attach_tried = True
-            PAGES.adopt(list(g.new_pages))
-            ctx.pages.extend(g.new_pages)
-            ctx.kv_len = len(ctx.tokens) + len(g.tokens) - 1
-            ctx._append_pending(list(g.tokens))
-            ids.extend(g.tokens)
-            if _finish_name(g.finish) != "out-of-pages":
+            ctx.kv_len = len(ctx.tokens)  # all pending tokens went in, as after ctx._prepare
+            if _took(ctx, g, ids):
                 return ids, g.trim
     while True:
         kv_len, n_pages = ctx.kv_len, len(ctx.pages)
@@ -105,13 +101,19 @@ def _generate_on_host(ctx: Context, sampler: Sampler, rules: tuple[int | None, l
             g = _host.forward.generate(pages, *args)
         else:
             g = constrained.generate_on_host(ctx, pages, args, matcher, kv_len, n_pages)
-        PAGES.adopt(list(g.new_pages))
-        pages.extend(g.new_pages)
-        ctx.kv_len += len(g.tokens) - 1  # the pending tokens and all drawn tokens but the last
-        ctx._append_pending(list(g.tokens))
-        ids.extend(g.tokens)
-        if _finish_name(g.finish) != "out-of-pages":
+        if _took(ctx, g, ids):
             return ids, g.trim
+
+
+def _took(ctx: Context, g: Any, ids: list[int]) -> bool:
+    """Take a host generation's pages and tokens into `ctx` (and `ids`); whether it finished
+    (False: it ran out of pages, and the caller goes on once it has one)."""
+    PAGES.adopt(list(g.new_pages))
+    ctx.pages.extend(g.new_pages)
+    ctx.kv_len += len(g.tokens) - 1  # the pending tokens and all drawn tokens but the last
+    ctx._append_pending(list(g.tokens))
+    ids.extend(g.tokens)
+    return _finish_name(g.finish) != "out-of-pages"
 
 
 def _fresh(ctx: Context) -> bool:
