@@ -97,6 +97,14 @@ class Attention(ABC):
         return batch, tokens
 
 
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device`. On CUDA the copy is queued without a host sync (from
+    pageable memory CUDA stages the bytes before the call returns, so `a` may be freed at once): a
+    batch's plan is built while the batch before it still runs."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
 def brle_row(runs: list[int]) -> np.ndarray:
     """Expand BRLE run lengths (attend, masked, attend, ...) into a boolean row."""
     flags = np.zeros(len(runs), dtype=bool)
@@ -154,8 +162,8 @@ def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device,
         cols = np.arange(t_max)[None, :]
         rows = np.zeros((b, t_max), dtype=np.int64)  # padding requests read token row 0
         rows[: len(reqs)] = starts[:, None] + np.minimum(cols, n_tok[:, None] - 1)
-        q_index = torch.from_numpy(rows.ravel()).to(device)
-        o_index = torch.from_numpy(np.concatenate([i * t_max + np.arange(n) for i, n in enumerate(n_tok)])).to(device)
+        q_index = to_device(rows.ravel(), device)
+        o_index = to_device(np.concatenate([i * t_max + np.arange(n) for i, n in enumerate(n_tok)]), device)
 
     if all_rows:
         out_rows = np.arange(int(n_tok.sum()))
@@ -165,7 +173,7 @@ def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device,
                               dtype=np.int64)
 
     def as_long(x: list[int] | np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(x, dtype=np.int64)).to(device)
+        return to_device(np.asarray(x, dtype=np.int64), device)
 
     return BatchPlan(
         tokens=as_long([tok for r in reqs for tok in r.tokens]),
@@ -210,8 +218,8 @@ class SdpaAttention(Attention):
             # rows ordered (query head in group, token), as attend folds them
             m = allowed_mask(reqs, lay, l_max)
             m = np.repeat(m[:, None], lay.group, axis=1).reshape(lay.batch, 1, lay.group * lay.max_tokens, l_max)
-            mask_t = torch.from_numpy(m).to(lay.device)
-        return SdpaMeta(gather=torch.from_numpy(gather).to(lay.device), mask=mask_t)
+            mask_t = to_device(m, lay.device)
+        return SdpaMeta(gather=to_device(gather, lay.device), mask=mask_t)
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
         meta = cast(SdpaMeta, plan.meta)

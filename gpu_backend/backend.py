@@ -7,20 +7,22 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 
-from .attention import Attention, BatchPlan, SdpaAttention, build_plan
-from .config import ModelInfo
+from .attention import Attention, BatchPlan, SdpaAttention, build_plan, to_device
+from .config import ModelConfig, ModelInfo
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache
-from .loader import load_model_files
+from .loader import TokenizerSpec, load_model_files
 from .model import LlamaModel
-from .sampling import SampleError, Sampler
+from .sampling import Drawn, SampleError, Sampler
 from .tokenizer import Tokenizer
 from .types import ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
 from .validate import as_sampler, check_batch, check_request
@@ -33,6 +35,32 @@ log = logging.getLogger(__name__)
 DEFAULT_NUM_PAGES = 1024
 ATTENTION_NAMES = ("sdpa", "flex")
 GREEDY = SamplerParams()  # frozen, safe as a default
+_T = TypeVar("_T")
+
+
+class TorchStep:
+    """A batch started by `TorchBackend.start_forward` (a `gpu_backend.types.StartedForward`)."""
+
+    __slots__ = ("tokens", "_backend", "_reqs", "_drawn", "_future", "_out")
+
+    def __init__(self, backend: TorchBackend, reqs: list[ForwardRequest], drawn: Drawn | None,
+                 future: Future[list[list[OutputResult]]] | None) -> None:
+        self._backend, self._reqs, self._drawn, self._future = backend, reqs, drawn, future
+        self._out: list[list[OutputResult]] | None = None
+        # each request's first output's token (None where it samples none), set by `wait()`
+        self.tokens: list[int | None] = []
+
+    def wait(self) -> list[list[OutputResult]]:
+        """The batch's outputs, once it has run (ForwardError if a row could not be drawn)."""
+        if self._out is None:
+            if self._future is not None:
+                out = self._future.result()
+            else:
+                out = self._backend._results(self._reqs, self._drawn)
+            self._out = out
+            self.tokens = [r[0].token if r else None for r in out]
+        return self._out
+
 
 
 class TorchBackend:
@@ -54,6 +82,7 @@ class TorchBackend:
         # forward / copy_tokens / logits may come from different host threads; the cache and the
         # sampler's generator are shared state, so they run one at a time
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # CPU: where start_forward's batches run
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -74,21 +103,68 @@ class TorchBackend:
             return []
         checked = check_batch(reqs, self.info)
         self._check_write_conflicts(checked)
+        return self._in_order(lambda: self._results(checked, self._launch(checked)))
+
+    def start_forward(self, reqs: Sequence[ForwardRequest]) -> TorchStep:
+        """`forward`, overlapping the caller: validate (raising ForwardError as `forward` does) and read
+        the requests, start the batch, return at once; `wait()` on the result returns the outputs.
+
+        On CUDA the batch's kernels (and its draws) are queued on the device's current stream with no
+        host sync, the sampled tokens copied back behind them into pinned memory: the host prepares
+        the next batch while this one runs. On CPU the batch runs on the backend's worker thread
+        (one for the backend: every later call, `copy_tokens` included, runs after it). Calls run
+        in the order they are made. A batch whose draw fails (non-finite logits) fails at `wait()`.
+        """
+        checked = check_batch(reqs, self.info) if reqs else []
+        self._check_write_conflicts(checked)
+        if not checked:
+            return TorchStep(self, [], None, None)
+        if self.model.device.type == "cuda":
+            return TorchStep(self, checked, self._launch(checked), None)
+        # the worker reads the requests later: give it copies (the caller may change them at once)
+        snap = [replace(r, pages=list(r.pages), tokens=list(r.tokens), positions=list(r.positions),
+                        outputs=list(r.outputs)) for r in checked]
+        return TorchStep(self, snap, None, self._worker().submit(self._results_launched, snap))
+
+    def _launch(self, checked: list[ForwardRequest]) -> Drawn | None:
+        """Queue one pass and its draws (on CUDA without a host sync); None if nothing is drawn."""
         with self._lock, torch.inference_mode():
             specs = [o for r in checked for o in r.outputs]
             logits = self._logits(checked)
-            try:
-                flat = self.sampler(logits, specs) if specs else []
-            except SampleError as e:  # one request's row: fail it alone (its K/V writes are idempotent)
-                ends = list(accumulate(len(r.outputs) for r in checked))
-                i = bisect.bisect_right(ends, e.row)
-                j = e.row - (ends[i] - len(checked[i].outputs))
-                raise ForwardError(i, f"forward request {checked[i].name!r}: output {j}: {e.reason}") from None
+            return self.sampler.launch(logits, specs) if specs else None
+
+    def _results_launched(self, checked: list[ForwardRequest]) -> list[list[OutputResult]]:
+        return self._results(checked, self._launch(checked))
+
+    def _results(self, checked: list[ForwardRequest], drawn: Drawn | None) -> list[list[OutputResult]]:
+        """Per request, its OutputResults from a launched draw; a row that cannot be drawn fails its
+        request alone (ForwardError; its K/V writes are idempotent)."""
+        try:
+            flat = self.sampler.finish(drawn) if drawn is not None else []
+        except SampleError as e:
+            ends = list(accumulate(len(r.outputs) for r in checked))
+            i = bisect.bisect_right(ends, e.row)
+            j = e.row - (ends[i] - len(checked[i].outputs))
+            raise ForwardError(i, f"forward request {checked[i].name!r}: output {j}: {e.reason}") from None
         out, k = [], 0
         for r in checked:
             out.append(flat[k : k + len(r.outputs)])
             k += len(r.outputs)
         return out
+
+    def _worker(self) -> ThreadPoolExecutor:
+        """The thread CPU batches started with `start_forward` run on (made on first use)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="pie-backend")
+            return self._pool
+
+    def _in_order(self, fn: Callable[[], _T]) -> _T:
+        """Run `fn` after every batch started before it: on the worker thread once there is one."""
+        pool = self._pool
+        if pool is None or threading.current_thread().name.startswith("pie-backend"):
+            return fn()
+        return pool.submit(fn).result()
 
     def _check_write_conflicts(self, reqs: list[ForwardRequest]) -> None:
         # Two requests writing the same slot in one pass would race; reject the later one.
@@ -115,9 +191,13 @@ class TorchBackend:
         For tests and debugging: writes K/V like `forward` but samples nothing.
         """
         checked = [check_request(r, self.info) for r in reqs]
-        with self._lock, torch.inference_mode():
-            logits = self._logits(checked)
-        return list(logits.split([len(r.outputs) for r in checked]))
+
+        def run() -> list[torch.Tensor]:
+            with self._lock, torch.inference_mode():
+                logits = self._logits(checked)
+            return list(logits.split([len(r.outputs) for r in checked]))
+
+        return self._in_order(run)
 
     def _logits(self, reqs: list[ForwardRequest]) -> torch.Tensor:
         """One pass over validated requests (graph replay when one serves it): logits [outputs, vocab]."""
@@ -146,10 +226,14 @@ class TorchBackend:
         if count == 0:
             return
         dev = self.model.device
-        src = torch.arange(count, device=dev) + src_page * ps + src_offset
-        dst = torch.arange(count, device=dev) + dst_page * ps + dst_offset
-        with self._lock, torch.inference_mode():
-            self.cache.copy_slots(src, dst)
+        src = to_device(np.arange(count) + src_page * ps + src_offset, dev)
+        dst = to_device(np.arange(count) + dst_page * ps + dst_offset, dev)
+
+        def run() -> None:
+            with self._lock, torch.inference_mode():
+                self.cache.copy_slots(src, dst)
+
+        self._in_order(run)
 
     # -- plain generation loop (baseline and demo) --------------------------------------------
 
@@ -271,7 +355,24 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
                 raise ValueError(f"kv_memory_bytes={kv_memory_bytes} holds no page of {page_size} tokens")
         else:
             num_pages = DEFAULT_NUM_PAGES
-    weights = files.weights
+    backend = backend_from_weights(cfg, files.weights, files.tokenizer, files.name, device=dev, dtype=dtype,
+                                   page_size=page_size, num_pages=num_pages, attention=attn,
+                                   cuda_graphs=cuda_graphs, tp=tp)
+    del files.weights
+    log.info("loaded %s on %s (%s) in %.1f s, %d KV pages of %d, %s attention%s", backend.info.name, dev,
+             backend.info.dtype, time.perf_counter() - t0, num_pages, page_size, attn.name,
+             ", CUDA graphs" if cuda_graphs else "")
+    return backend
+
+
+def backend_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: TokenizerSpec, name: str,
+                         *, device: torch.device, dtype: torch.dtype, page_size: int, num_pages: int,
+                         attention: Attention | None = None, cuda_graphs: bool = False,
+                         tp: TPContext | None = None) -> TorchBackend:
+    """A backend over weights already in memory (HF names, as `load_model_files` gives them; tensors
+    already on `device` in `dtype` are used as they are): what `load_backend` does once the files are
+    read. The GPU kit (bench/gpu_suite.py) builds its models this way from `transformers` configs."""
+    attn = attention if attention is not None else SdpaAttention()
     sharded = tp is not None and tp.world > 1
     if sharded:
         from .tp import shard_config, shard_weights
@@ -281,24 +382,21 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
         assert tp is not None
         weights = shard_weights(cfg, weights, tp.rank, tp.world)
         cfg = shard_config(cfg, tp.rank, tp.world)
-    lm = LlamaModel(cfg, weights, dev, dtype)
-    del files.weights, weights
+    lm = LlamaModel(cfg, weights, device, dtype)
+    del weights
     if sharded:
         assert tp is not None
         lm.reduce = tp.all_reduce
-    tok = Tokenizer(files.tokenizer, files.name)
+    tok = Tokenizer(tokenizer, name)
     # the scratch page (index num_pages) is where graph padding rows write; the caller never sees it
-    cache = KVCache(cfg, page_size, num_pages + (1 if cuda_graphs else 0), dev, dtype)
+    cache = KVCache(cfg, page_size, num_pages + (1 if cuda_graphs else 0), device, dtype)
     graphs = DecodeGraphs(lm, cache, attn, page_size, scratch_page=num_pages) if cuda_graphs else None
-    spec = files.tokenizer
     info = ModelInfo(
-        name=files.name, page_size=page_size, num_pages=num_pages, vocab_size=cfg.vocab_size,
-        stop_tokens=list(spec.stop_tokens), chat_template=spec.chat_template, bos_token_id=spec.bos_token_id,
-        eos_token_id=spec.eos_token_id, device=str(dev), dtype=str(dtype).removeprefix("torch."),
-        max_position=cfg.max_position,
+        name=name, page_size=page_size, num_pages=num_pages, vocab_size=cfg.vocab_size,
+        stop_tokens=list(tokenizer.stop_tokens), chat_template=tokenizer.chat_template,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, device=str(device),
+        dtype=str(dtype).removeprefix("torch."), max_position=cfg.max_position,
     )
-    log.info("loaded %s on %s (%s) in %.1f s, %d KV pages of %d, %s attention%s", info.name, dev, info.dtype,
-             time.perf_counter() - t0, num_pages, page_size, attn.name, ", CUDA graphs" if graphs else "")
     if sharded:
         from .tp import TPBackend
 

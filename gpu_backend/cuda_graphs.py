@@ -127,7 +127,8 @@ class DecodeGraphs:
             out = g.logits
         # one token per request: request i's outputs are all row i
         rows = [i for i, r in enumerate(reqs) for _ in r.outputs]
-        return out[torch.tensor(rows, dtype=torch.long, device=out.device)]
+        index = torch.tensor(rows, dtype=torch.long)
+        return out[index if out.device.type == "cpu" else index.to(out.device, non_blocking=True)]
 
     def _plan(self, reqs: list[ForwardRequest], kv_slots: int) -> BatchPlan:
         return build_plan(reqs, self.page_size, self.model.device, self.model.group, self.attention,

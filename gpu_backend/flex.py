@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .attention import Attention, BatchPlan, Layout, allowed_mask
+from .attention import Attention, BatchPlan, Layout, allowed_mask, to_device
 from .types import ForwardRequest
 
 Q_BLOCK = 128  # query rows per block-mask row tile
@@ -120,10 +120,10 @@ def _page_lists(sel: np.ndarray, pages: np.ndarray, rows: int, width: int,
     order = np.argsort(~sel, axis=-1, kind="stable")  # selected pages first, in page order
     ids = np.take_along_axis(np.broadcast_to(pages[:, None, :], sel.shape), order, axis=-1)
     idx = torch.zeros(rows, 1, nq, width, dtype=torch.int32, device=device)
-    idx[:b, 0, :, :maxpg] = torch.from_numpy(ids.astype(np.int32)).to(device)
+    idx[:b, 0, :, :maxpg] = to_device(ids.astype(np.int32), device)
     count = np.zeros((rows, 1, nq), dtype=np.int32)
     count[:b, 0] = sel.sum(-1)
-    return torch.from_numpy(count).to(device), idx
+    return to_device(count, device), idx
 
 
 def _bucket(n: int, least: int = 1) -> int:
@@ -182,15 +182,14 @@ class FlexAttention(Attention):
         valid = np.arange(maxpg)[None, :] < npg[:, None]
         p2l = torch.full((rows, npages), -1, dtype=torch.int32, device=dev)
         ri, ci = np.nonzero(valid)
-        p2l[torch.from_numpy(ri).to(dev), torch.from_numpy(pages[valid]).to(dev)] = (
-            torch.from_numpy(ci.astype(np.int32)).to(dev))
+        p2l[to_device(ri, dev), to_device(pages[valid], dev)] = to_device(ci.astype(np.int32), dev)
 
         ctx_t = last_t = allowed_t = None
         if any(r.mask is not None for r in reqs):
             allowed = np.zeros((rows, t, maxpg * ps), dtype=bool)
             allowed[:b] = allowed_mask(reqs, lay, maxpg * ps)
             need, full = _brle_blocks(allowed[:b], nq, maxpg, ps)
-            allowed_t = torch.from_numpy(allowed).to(dev)
+            allowed_t = to_device(allowed, dev)
             mask_mod = _brle_mod(p2l, allowed_t, ps)
         else:
             need, full = _causal_blocks(lay, npg, nq, maxpg)
@@ -198,7 +197,7 @@ class FlexAttention(Attention):
             ctx[:b] = lay.ctx
             last = np.zeros(rows, dtype=np.int32)
             last[:b] = lay.n_tok - 1
-            ctx_t, last_t = torch.from_numpy(ctx).to(dev), torch.from_numpy(last).to(dev)
+            ctx_t, last_t = to_device(ctx, dev), to_device(last, dev)
             mask_mod = _causal_mod(p2l, ctx_t, last_t, ps)
         # row tiles made only of padding rows read nothing (their output is dropped)
         live = (np.arange(nq) * Q_BLOCK)[None, :, None] < lay.n_tok[:, None, None]

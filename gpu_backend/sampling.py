@@ -17,12 +17,14 @@ allows no token is reported as a SampleError for that row. A batch without masks
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .types import OutputResult, OutputSpec, SamplerParams
 from .validate import mask_bytes
 
-__all__ = ["SampleError", "Sampler", "draw", "filtered_probs", "seed_uniform", "unpack_masks"]
+__all__ = ["Drawn", "SampleError", "Sampler", "draw", "filtered_probs", "seed_uniform", "unpack_masks"]
 
 _F32 = torch.finfo(torch.float32)
 _U64 = (1 << 64) - 1
@@ -106,7 +108,7 @@ class Sampler:
         seeded = [i for i, s in enumerate(seeds) if s is not None]
         if seeded:
             fixed = [seed_uniform(s) for s in seeds if s is not None]
-            u[torch.tensor(seeded, device=self.device)] = torch.tensor(fixed, device=self.device)
+            u[_on(self.device, seeded, torch.long)] = _on(self.device, fixed, torch.float32)
         return u
 
     def _sample(self, logits: torch.Tensor, params: list[SamplerParams]) -> torch.Tensor:
@@ -114,7 +116,7 @@ class Sampler:
         vocab = logits.shape[1]
 
         def vec(vals: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(vals, dtype=dtype, device=self.device)
+            return _on(self.device, vals, dtype)
 
         sp, ids = filtered_probs(
             logits,
@@ -131,22 +133,31 @@ class Sampler:
         Raises SampleError naming the first row whose logits are not finite or whose `allowed` mask allows
         no token; the other rows were fine.
         """
+        return self.finish(self.launch(logits, specs))
+
+    def launch(self, logits: torch.Tensor, specs: list[OutputSpec]) -> Drawn:
+        """Queue the draws of `__call__` on the device and return at once: the tokens and checks are
+        copied to host memory behind the batch (on CUDA, pinned memory and an event; no host sync).
+        `finish` reads them."""
         m, vocab = logits.shape
+        dev = self.device
         allowed = None
         if any(s.allowed is not None for s in specs):  # a batch without masks skips this
             everything = b"\xff" * mask_bytes(vocab)  # rows without a mask keep their logits exactly
-            allowed = unpack_masks([everything if s.allowed is None else s.allowed for s in specs], vocab,
-                                   self.device)
+            allowed = unpack_masks([everything if s.allowed is None else s.allowed for s in specs], vocab, dev)
             logits = torch.where(allowed, logits, -torch.inf)
-        tokens = torch.zeros(m, dtype=torch.long, device=self.device)
         greedy = [i for i, s in enumerate(specs) if s.sample is not None and s.sample.temperature == 0]
         sampled = [(i, s.sample) for i, s in enumerate(specs) if s.sample is not None and s.sample.temperature > 0]
-        if greedy:
-            rows = torch.tensor(greedy, device=self.device)
-            tokens[rows] = logits[rows].argmax(-1)
-        if sampled:
-            rows = torch.tensor([i for i, _ in sampled], device=self.device)
-            tokens[rows] = self._sample(logits[rows], [p for _, p in sampled])
+        if len(greedy) == m:  # the common batch: every row greedy, no index work
+            tokens = logits.argmax(-1)
+        else:
+            tokens = torch.zeros(m, dtype=torch.long, device=dev)
+            if greedy:
+                rows = _on(dev, greedy, torch.long)
+                tokens[rows] = logits[rows].argmax(-1)
+            if sampled:
+                rows = _on(dev, [i for i, _ in sampled], torch.long)
+                tokens[rows] = self._sample(logits[rows], [p for _, p in sampled])
         k_max = min(max((s.dist for s in specs), default=0), vocab)
         dist_ids = dist_p = None
         bad = (~torch.isfinite(logits.amax(-1))).long()  # 1: NaN, +inf, or every token at -inf
@@ -158,20 +169,28 @@ class Sampler:
             dist_p, dist_ids = probs.topk(k_max, dim=-1)
             masked = [i for i, s in enumerate(specs) if s.allowed is not None and s.dist]
             if allowed is not None and masked:  # rank by logit: allowed (finite) before disallowed (-inf)
-                rows = torch.tensor(masked, device=self.device)
+                rows = _on(dev, masked, torch.long)
                 ids = logits[rows].topk(k_max, dim=-1).indices
                 dist_ids[rows], dist_p[rows] = ids, probs[rows].gather(1, ids)
                 checks.append(allowed.sum(-1))  # each row's dist stops at its allowed tokens
-        # one device -> host transfer for the tokens and the checks
-        host = torch.stack(checks).tolist()
+        # one device -> host transfer for the tokens and the checks (and one for a distribution)
+        return Drawn(specs, _to_host(torch.stack(checks)), None if dist_ids is None else _to_host(dist_ids),
+                     None if dist_p is None else _to_host(dist_p), _event(dev))
+
+    def finish(self, drawn: Drawn) -> list[OutputResult]:
+        """The OutputResults of a launched draw (waits for its copies; see `__call__` for errors)."""
+        if drawn.event is not None:
+            drawn.event.synchronize()
+        specs = drawn.specs
+        host = drawn.checks.tolist()
         tok_list, bad_list = host[0], host[1]
         if any(bad_list):
             row = next(i for i, b in enumerate(bad_list) if b)
             if bad_list[row] == 2:
                 raise SampleError(row, "its allowed-token mask allows no token (the grammar admits none here)")
             raise SampleError(row, "logits are not finite (NaN, +inf, or -inf for every token)")
-        di = dist_ids.tolist() if dist_ids is not None else None
-        dp = dist_p.tolist() if dist_p is not None else None
+        di = drawn.dist_ids.tolist() if drawn.dist_ids is not None else None
+        dp = drawn.dist_p.tolist() if drawn.dist_p is not None else None
         out = []
         for i, s in enumerate(specs):
             res = OutputResult(token=tok_list[i] if s.sample is not None else None)
@@ -180,3 +199,37 @@ class Sampler:
                 res.ids, res.probs = di[i][:k], dp[i][:k]
             out.append(res)
         return out
+
+
+@dataclass
+class Drawn:
+    """A launched draw (`Sampler.launch`): host copies of its results, valid once `event` has passed."""
+
+    specs: list[OutputSpec]
+    checks: torch.Tensor  # [2 or 3, M] int64: tokens, bad-row codes, allowed counts
+    dist_ids: torch.Tensor | None
+    dist_p: torch.Tensor | None
+    event: torch.cuda.Event | None  # None on CPU: the copies are done
+
+
+def _on(device: torch.device, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
+    """A small host list on `device` without a host sync (a CPU tensor copied asynchronously)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host: on CUDA, a pinned buffer filled asynchronously (read it after the event)."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def _event(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev

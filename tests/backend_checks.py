@@ -94,3 +94,36 @@ def check_tree_mask_equals_separate_branches(backend, texts, first_page=200):
     tree = backend.logits([req(pt, n, b1 + b2, ps, positions=positions, mask=mask)])[0]
     assert_close(tree[: len(b1)], sep1, "branch 1")
     assert_close(tree[len(b1):], sep2, "branch 2")
+
+
+def tiny_backend(seed: int = 0, vocab: int = 256, page_size: int = 4, num_pages: int = 256) -> TorchBackend:
+    """A 2-layer Llama with random weights and a byte-level tokenizer (token i = byte i): no model
+    file needed, for fast tests of the backend's machinery (not of its numbers)."""
+    from gpu_backend.backend import backend_from_weights
+    from gpu_backend.config import ModelConfig
+    from gpu_backend.model_files import GPT2_PATTERN, TokenizerSpec
+    from gpu_backend.tokenizer import _unicode_to_byte
+
+    cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
+                      num_kv_heads=2, head_dim=16, vocab_size=vocab, rms_eps=1e-6, rope_theta=10000.0,
+                      max_position=4096, tie_embeddings=True)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.5
+
+    h, d, kv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.intermediate_size
+    w = {"model.embed_tokens.weight": rnd(vocab, h), "model.norm.weight": torch.ones(h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+              p + "self_attn.q_proj.weight": rnd(cfg.num_heads * d, h), p + "self_attn.k_proj.weight": rnd(kv * d, h),
+              p + "self_attn.v_proj.weight": rnd(kv * d, h), p + "self_attn.o_proj.weight": rnd(h, cfg.num_heads * d),
+              p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+              p + "mlp.down_proj.weight": rnd(h, inter)}
+    chars = {b: c for c, b in _unicode_to_byte().items()}
+    spec = TokenizerSpec(tokens=[chars[i % 256] * (1 + i // 256) for i in range(vocab)], special={},
+                         pattern=GPT2_PATTERN, chat_template="", bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None, stop_tokens=[])
+    return backend_from_weights(cfg, w, spec, "tiny", device=torch.device("cpu"), dtype=torch.float32,
+                                page_size=page_size, num_pages=num_pages)

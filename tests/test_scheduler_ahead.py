@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gpu_backend.standin import StandInBackend, StandInStep
+from gpu_backend.standin import StandInBackend
 from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams
 from host.batching.generation import Generation, StopRules
 from host.batching.scheduler import Scheduler
@@ -76,8 +76,9 @@ def _record(rows: dict[str, list[tuple[Any, ...]]], reqs: Any) -> None:
         rows.setdefault(r.name, []).append((tuple(r.tokens), tuple(r.positions), len(r.pages), r.last_page_len, seed))
 
 
-def _run(ahead: bool, specs: list[Spec], cancel: str | None = None) -> Outcome:
-    be = StandInBackend(page_size=PS, num_pages=256, delay_s=0.001)
+def _run(ahead: bool, specs: list[Spec], cancel: str | None = None, backend: Any = None) -> Outcome:
+    """`specs` as loops through a scheduler (`backend`: the stand-in unless given; page size PS, 256 pages)."""
+    be = backend if backend is not None else StandInBackend(page_size=PS, num_pages=256, delay_s=0.001)
     pm = PageManager(256, CAP, PrefixCache(PS))
     sched = Scheduler()
     out = Outcome()
@@ -88,7 +89,7 @@ def _run(ahead: bool, specs: list[Spec], cancel: str | None = None) -> Outcome:
             _record(out.rows, reqs)
         return be.forward(reqs)
 
-    def start(reqs: Any) -> StandInStep:
+    def start(reqs: Any) -> Any:
         with lock:
             _record(out.rows, reqs)
         return be.start_forward(reqs)
@@ -122,7 +123,8 @@ def _run(ahead: bool, specs: list[Spec], cancel: str | None = None) -> Outcome:
             out.results[name] = (tuple(res.tokens), len(res.new_pages), res.trim, res.finish)
             table = tables[name]
             mine = [p for p in gens[name].request.pages if p in table.held]
-            out.slots[name] = [be.slots.get((p, s), -1) for p in mine for s in range(pm.filled(table, p))]
+            if isinstance(be, StandInBackend):
+                out.slots[name] = [be.slots.get((p, s), -1) for p in mine for s in range(pm.filled(table, p))]
             out.filled[name] = [pm.filled(table, p) for p in mine]
             spec = specs[int(name[4:])]
             written = spec.prompt + list(res.tokens[:-1])
