@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import torch
 
-from .attention import Attention, BatchPlan, SdpaAttention, build_plan, to_device
+from .attention import Attention, BatchPlan, SdpaAttention, build_plan, to_device, write_slots
 from .config import ModelConfig, ModelInfo
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import KVCache
@@ -170,20 +170,22 @@ class TorchBackend:
         # Two requests writing the same slot in one pass would race; reject the later one.
         if len(reqs) < 2:
             return
-        ps, seen = self.info.page_size, np.zeros(0, dtype=np.int64)
-        for i, r in enumerate(reqs):
-            end = r.total_len(ps)
-            slots = np.arange(end - len(r.tokens), end)
-            pages = np.asarray(r.pages, dtype=np.int64)[slots // ps]
-            w = pages * ps + slots % ps
-            clash = np.intersect1d(seen, w)
-            if clash.size:
-                p, off = divmod(int(clash[0]), ps)
-                raise ForwardError(
-                    i, f"forward request {r.name!r}: writes slot {off} of page {p}, also written by an "
-                    "earlier request of the same batch"
-                )
-            seen = np.concatenate([seen, w])
+        ps = self.info.page_size
+        n_tok = np.fromiter((len(r.tokens) for r in reqs), dtype=np.int64, count=len(reqs))
+        ctx = np.fromiter((r.context_len(ps) for r in reqs), dtype=np.int64, count=len(reqs))
+        w = write_slots(reqs, ps, ctx, n_tok)
+        _, first = np.unique(w, return_index=True)
+        if len(first) == len(w):
+            return
+        later = np.ones(len(w), dtype=bool)
+        later[first] = False  # a slot's first writer is fine (one request never writes a slot twice)
+        k = int(np.argmax(later))
+        i = int(np.searchsorted(np.cumsum(n_tok), k, side="right"))
+        p, off = divmod(int(w[k]), ps)
+        raise ForwardError(
+            i, f"forward request {reqs[i].name!r}: writes slot {off} of page {p}, also written by an "
+            "earlier request of the same batch"
+        )
 
     def logits(self, reqs: list[ForwardRequest]) -> list[torch.Tensor]:
         """Float32 logits [len(outputs), vocab] of each request's output rows, from one batched pass.
@@ -264,6 +266,9 @@ class TorchBackend:
         for i, (p, nd) in enumerate(zip(pages, need, strict=True)):
             if len(p) < nd:
                 raise ValueError(f"generate: sequence {i} needs {nd} pages, got {len(p)}")
+        longest = max((len(p) for p in prompts), default=0) + max_tokens
+        if self.info.max_position and longest > self.info.max_position:
+            raise ValueError(f"generate: {longest} positions, the model has {self.info.max_position}")
         outs: list[list[int]] = [[] for _ in prompts]
         if max_tokens <= 0:
             return outs
@@ -271,17 +276,20 @@ class TorchBackend:
         nxt = [list(p) for p in prompts]
         live = list(range(len(prompts)))
         spec = [OutputSpec(index=0, sample=sampler)]
+        checked = False  # the first pass validates; the steps after it are built from what it accepted
         while live:
             reqs = []
             for i in live:
                 n = len(nxt[i])
-                used = math.ceil(lens[i] / ps)
+                used = (lens[i] + ps - 1) // ps
                 reqs.append(ForwardRequest(
                     pages=pages[i][:used], last_page_len=lens[i] - (used - 1) * ps, tokens=nxt[i],
                     positions=list(range(lens[i] - n, lens[i])),
                     outputs=[OutputSpec(index=n - 1, sample=sampler)] if n > 1 else spec, name=f"generate[{i}]",
+                    checked=checked,
                 ))
             res = self.forward(reqs)
+            checked = True
             still = []
             for i, r in zip(live, res, strict=True):
                 tok = r[0].token

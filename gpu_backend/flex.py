@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .attention import Attention, BatchPlan, Layout, allowed_mask, to_device
+from .attention import Attention, BatchPlan, Layout, allowed_mask, page_table, to_device
 from .types import ForwardRequest
 
 Q_BLOCK = 128  # query rows per block-mask row tile
@@ -176,9 +176,7 @@ class FlexAttention(Attention):
         maxpg = int(npg.max())
         if self._static(dev):  # the BRLE grid's width is part of the kernel's shapes
             maxpg = min(_bucket(maxpg, max(1, MIN_BRLE_SLOTS // ps)), npages)
-        pages = np.zeros((b, maxpg), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            pages[i, : npg[i]] = r.pages
+        pages = page_table(reqs, maxpg)[:, :maxpg]
         valid = np.arange(maxpg)[None, :] < npg[:, None]
         p2l = torch.full((rows, npages), -1, dtype=torch.int32, device=dev)
         ri, ci = np.nonzero(valid)

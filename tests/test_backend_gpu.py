@@ -59,12 +59,12 @@ def test_cuda_logits_match_transformers(cuda_pair):
     print(f"{be.model.dtype}: max |logit diff| {worst:.3g}")
 
 
-@pytest.fixture(scope="module")
-def cuda_backend():
+@pytest.fixture(scope="module", params=["sdpa", "flex"])
+def cuda_backend(request):
     from gpu_backend import load_backend
 
     return load_backend(model_arg(), device="cuda", dtype=torch.float32, page_size=16, num_pages=512,
-                        progress=False)
+                        progress=False, attention=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +98,39 @@ def test_cuda_seeded_sampling_matches_itself(cuda_backend):
     a = cuda_backend.forward([req(0)])[0][0]
     b = cuda_backend.forward([req(1), req(2)])[1][0]
     assert a.token == b.token and a.ids == b.ids
+
+
+def test_cuda_start_forward_equals_forward(cuda_backend):
+    """The overlapping path (queued with no host sync, tokens copied back behind an event) gives what
+    `forward` gives, step for step, with the next steps prepared while each batch runs."""
+    from dataclasses import replace as dc_replace
+
+    from backend_checks import Pages, req
+
+    from gpu_backend import OutputSpec, SamplerParams, TorchBackend
+    from gpu_backend.kv_cache import KVCache
+
+    be = cuda_backend
+    m = be.model
+    other = TorchBackend(m, be.tokenizer, be.info, KVCache(m.cfg, 16, 512, m.device, m.dtype), be.attention)
+    ps = be.info.page_size
+    seqs = [be.tokenizer.encode(t) for t in ("Hello there, how are", "1, 2, 3, 4,", "def f(x):")]
+    sp = [SamplerParams(), SamplerParams(temperature=0.7, top_p=0.9, seed=5), SamplerParams()]
+    runs = []
+    for b, overlap in ((be, False), (other, True)):
+        pg = Pages(b, 300)
+        pages = [pg.for_tokens(64) for _ in seqs]
+        toks = [list(s) for s in seqs]
+        got = []
+        for step in range(12):
+            reqs = []
+            for i, s in enumerate(toks):
+                new = s if step == 0 else s[-1:]
+                r = req(pages[i], len(s) - len(new), new, ps)
+                reqs.append(dc_replace(r, outputs=[OutputSpec(index=len(new) - 1, sample=sp[i], dist=3)]))
+            res = b.start_forward(reqs).wait() if overlap else b.forward(reqs)
+            for i, r in enumerate(res):
+                toks[i].append(r[0].token)
+            got.append([(r[0].token, r[0].ids) for r in res])
+        runs.append(got)
+    assert runs[0] == runs[1]

@@ -116,8 +116,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_equal_eager_token_for_token(attention):
     # fp32: a padded bucket runs other GEMM shapes than the eager batch, and bf16 rounding could
     # flip a near-tie between the two; fp32 keeps "token for token" a fair demand
-    on = load_backend(device="cuda", dtype=torch.float32, page_size=16, num_pages=512, attention=attention,
-                      cuda_graphs=True, progress=False)
+    import os
+
+    on = load_backend(os.environ.get("PIE_TEST_MODEL"), device="cuda", dtype=torch.float32, page_size=16,
+                      num_pages=512, attention=attention, cuda_graphs=True, progress=False)
     off = TorchBackend(on.model, on.tokenizer, on.info, KVCache(on.model.cfg, 16, 512, on.model.device,
                                                                  on.model.dtype), on.attention)
     for n in (1, 3, 8, 20):  # buckets 1, 4, 8, 32: every padded case

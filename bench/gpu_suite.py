@@ -1,0 +1,695 @@
+"""The GPU kit: everything issue 38 measures on a GPU machine, in one invocation.
+
+    python bench/gpu_suite.py --prepare .gpukit         # here (CPU, with a registry): what the GPU box lacks
+    python bench/gpu_suite.py --kit .gpukit --out DIR    # on the GPU machine (no registry): one run
+    python bench/gpu_suite.py --dry-run --out DIR        # on CPU: every section, tiny shapes (CI runs it)
+
+`--prepare` writes the kit folder: SmolLM2's tokenizer (saved by transformers from the default GGUF),
+the built `text_completion` component, and the wheels the GPU machine lacks (wasmtime, llguidance;
+it has torch, transformers, tiktoken and jinja2). The run installs the wheels into a temporary
+folder, builds its models on the device from `transformers` configs with random weights (weight
+values do not change speed): the Llama-3.2-1B and Llama-3.1-8B shapes, with SmolLM2's BPE padded by
+placeholder tokens up to Llama 3's 128,256-token vocabulary (the host needs a tokenizer that can
+decode every id the model draws). Qwen3 is not a supported family yet (issue 36): listed as skipped.
+
+Sections, in this order, each within what is left of `--budget-s` (results are written after each,
+so a run cut short keeps what it measured): env (GPU, copy bandwidth), parity (logits vs
+transformers, tree mask and hidden token vs separate runs, graphs on == off, overlap on == off),
+decode (tokens/s at batch 1 / 8 / 64 / 256 for each attention path with graphs off and on, vs
+transformers with a static cache, vs the HBM bound at batch 1), run256 (256 requests x 256 tokens),
+host (text_completion through the host vs the backend's own greedy loop at 1 / 64 / 256), decode8b,
+pytest (`pytest -m gpu` on a small model saved to disk). Writes DIR/gpu_suite.json and
+DIR/gpu_suite.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo (no install needed there) and the test checks
+
+# transformers configs (random weights): the shapes the issue names
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                     rope_theta=500000.0, max_position_embeddings=8192,
+                     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                     rope_theta=500000.0, max_position_embeddings=8192,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # parity and the pytest model: SmolLM2-135M's shape (the real tokenizer's vocabulary)
+    "small": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                  rope_theta=100000.0, max_position_embeddings=8192),
+}
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+
+
+@dataclass
+class Plan:
+    """What a run measures (the dry run shrinks all of it)."""
+
+    dry: bool
+    batches: tuple[int, ...] = (1, 8, 64, 256)
+    prompt_len: int = 64
+    new_tokens: int = 64
+    run_reqs: int = 256  # the 256 x 256 run
+    run_tokens: int = 256
+    host_conc: tuple[int, ...] = (1, 64, 256)
+    host_tokens: int = 64
+    hf_tokens: int = 32
+    attentions: tuple[str, ...] = ("sdpa", "flex")
+    b8_batches: tuple[int, ...] = (1, 8)
+
+    @classmethod
+    def make(cls, dry: bool) -> Plan:
+        if not dry:
+            return cls(dry=False)
+        return cls(dry=True, batches=(1, 4), prompt_len=8, new_tokens=8, run_reqs=4, run_tokens=4,
+                   host_conc=(1, 4), host_tokens=4, hf_tokens=3, b8_batches=(1,))
+
+
+@dataclass
+class Suite:
+    out: Path
+    kit: Path
+    plan: Plan
+    budget_s: float
+    device: str
+    t0: float = field(default_factory=time.perf_counter)
+    results: dict[str, Any] = field(default_factory=dict)
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu_suite.json").write_text(json.dumps(self.results, indent=2, default=str))
+        (self.out / "gpu_suite.md").write_text(markdown(self.results))
+
+
+# ---- the kit ------------------------------------------------------------------------------------
+
+KIT_WHEELS = ("wasmtime==50.0.1", "llguidance==1.9.1")
+
+
+def prepare(kit: Path) -> None:
+    """Write the kit folder (run here, where the default model and a package registry are)."""
+    import transformers
+
+    from gpu_backend.loader import default_model_path
+    from host.cli.build import resolve_inferlet
+
+    kit.mkdir(parents=True, exist_ok=True)
+    path = default_model_path()
+    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(kit / "tokenizer")
+    (kit / "text_completion.wasm").write_bytes(resolve_inferlet("text_completion", quiet=True).read_bytes())
+    wheels = kit / "wheels"
+    wheels.mkdir(exist_ok=True)
+    for spec in KIT_WHEELS:
+        for tag in ("manylinux1_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64"):
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                                "--python-version", "3.12", "--implementation", "cp", "--platform", tag,
+                                "-d", str(wheels), spec], capture_output=True, text=True)
+            if r.returncode == 0:
+                break
+        else:
+            raise SystemExit(f"could not download {spec}: {r.stderr.strip()[-300:]}")
+    print(f"kit ready in {kit}: {sorted(p.name for p in kit.rglob('*') if p.is_file())}")
+
+
+def install_wheels(kit: Path) -> None:
+    """Make the kit's wheels importable (the GPU machine has no registry) unless they already are."""
+    wheels = sorted((kit / "wheels").glob("*.whl")) if (kit / "wheels").is_dir() else []
+    missing = []
+    for mod in ("wasmtime", "llguidance"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod)
+    if not missing:
+        return
+    if not wheels:
+        raise SystemExit(f"{missing} not importable and no wheels in {kit}/wheels: run --prepare first")
+    target = Path(tempfile.gettempdir()) / "pie-gpu-kit-site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--target", str(target), *map(str, wheels)], check=True)
+    sys.path.insert(0, str(target))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(target), str(ROOT), os.environ.get("PYTHONPATH", "")])
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+def tokenizer_spec(kit: Path, vocab: int) -> Any:
+    """SmolLM2's BPE from the kit, padded with placeholder tokens up to `vocab` ids (bytes FF FE FD +
+    the id: never valid UTF-8, so no real token collides; they decode to replacement characters)."""
+    from gpu_backend.hf_dir import _hf_tokenizer
+    from gpu_backend.tokenizer import _unicode_to_byte
+
+    spec = _hf_tokenizer(kit / "tokenizer", {})
+    chars = {b: c for c, b in _unicode_to_byte().items()}
+    extra = [chars[0xFF] + chars[0xFE] + chars[0xFD] + chars[(i >> 16) & 255] + chars[(i >> 8) & 255] + chars[i & 255]
+             for i in range(len(spec.tokens), vocab)]
+    return replace(spec, tokens=spec.tokens[:vocab] + extra, stop_tokens=[])
+
+
+def hf_model(shape: str, suite: Suite, dtype: Any) -> Any:
+    import torch
+    import transformers
+
+    kw = dict(SHAPES[shape])
+    if suite.plan.dry:
+        kw |= TINY
+        kw["vocab_size"] = 49152
+    cfg = transformers.LlamaConfig(**kw, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(suite.device):
+        try:
+            m = transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype)
+        except TypeError:  # transformers before 4.56 calls it torch_dtype
+            m = transformers.LlamaForCausalLM._from_config(cfg, torch_dtype=dtype)
+    if not suite.plan.dry:  # the default init (std 0.02) gives near-flat logits: spread them a little
+        with torch.no_grad():
+            m.model.embed_tokens.weight.normal_(0, 1.0)
+    return m.eval()
+
+
+def ours(hf: Any, suite: Suite, num_pages: int, attention: str = "sdpa", graphs: bool = False,
+         dtype: Any = None) -> Any:
+    """Our backend over the transformers model's own tensors (fused copies where we fuse)."""
+    import torch
+
+    from gpu_backend.backend import backend_from_weights, make_attention
+    from gpu_backend.hf_dir import _hf_config
+
+    cfg = _hf_config(hf.config.to_dict())
+    dev = torch.device(suite.device)
+    dt = dtype or next(hf.parameters()).dtype
+    return backend_from_weights(cfg, dict(hf.state_dict()), tokenizer_spec(suite.kit, cfg.vocab_size), "kit",
+                                device=dev, dtype=dt, page_size=16, num_pages=num_pages,
+                                attention=make_attention(attention), cuda_graphs=graphs and dev.type == "cuda")
+
+
+def variant(be: Any, attention: str, graphs: bool) -> Any:
+    """The same model and cache with another attention path / graphs setting."""
+    from gpu_backend import TorchBackend
+    from gpu_backend.backend import make_attention
+    from gpu_backend.cuda_graphs import DecodeGraphs
+
+    attn = make_attention(attention)
+    g = None
+    if graphs and be.model.device.type == "cuda":
+        if be.cache.num_pages <= be.info.num_pages:
+            raise ValueError("the cache has no scratch page for graphs")
+        g = DecodeGraphs(be.model, be.cache, attn, be.info.page_size, scratch_page=be.info.num_pages)
+    return TorchBackend(be.model, be.tokenizer, be.info, be.cache, attn, g)
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def prompts(n: int, length: int, seed: int = 1) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+
+
+def own_loop(be: Any, seqs: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds for the backend's own greedy loop (prefill + new_tokens), and its tokens."""
+    sync()
+    t = time.perf_counter()
+    out = be.generate_batch(seqs, new_tokens, stop_tokens=[])
+    sync()
+    return time.perf_counter() - t, out
+
+
+def decode_tps(be: Any, batch: int, plan: Plan, reps: int = 2) -> float:
+    """Decode tokens/s of the backend's own loop: (full run - prefill-and-first-token run) over the
+    decode steps, best of `reps` (a warm-up run first: graph capture, kernel compiles)."""
+    seqs = prompts(batch, plan.prompt_len)
+    own_loop(be, seqs, plan.new_tokens)
+    best = math.inf
+    for _ in range(reps):
+        full, _ = own_loop(be, seqs, plan.new_tokens)
+        first, _ = own_loop(be, seqs, 1)
+        best = min(best, max(full - first, 1e-9))
+    return batch * (plan.new_tokens - 1) / best
+
+
+def hf_decode_tps(hf: Any, batch: int, plan: Plan) -> float:
+    """transformers' generate with a static cache, greedy, decode tokens/s (same subtraction)."""
+    import torch
+
+    ids = torch.tensor(prompts(batch, plan.prompt_len), device=hf.device)
+
+    def gen(n: int) -> float:
+        sync()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=0, cache_implementation="static")
+        sync()
+        return time.perf_counter() - t
+
+    gen(2)
+    return batch * (plan.hf_tokens - 1) / max(gen(plan.hf_tokens) - gen(1), 1e-9)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read and written (the HBM roofline)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0
+    a = torch.ones(256 * 2**20, dtype=torch.float32, device="cuda")  # 1 GiB
+    b = torch.empty_like(a)
+    best = math.inf
+    for _ in range(5):
+        sync()
+        t = time.perf_counter()
+        b.copy_(a)
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.numel() * 4 / best
+
+
+# ---- sections ----------------------------------------------------------------------------------
+
+def sec_env(s: Suite) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(), "device": s.device,
+                            "dry_run": s.plan.dry}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info |= {"gpu": p.name, "gpu_memory_gib": round(p.total_memory / 2**30, 1), "cuda": torch.version.cuda,
+                 "sms": p.multi_processor_count}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    info["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
+    return info
+
+
+def sec_parity(s: Suite) -> dict[str, Any]:
+    """Logits vs transformers (small shape fp32, 1B shape bf16); a tree mask and a hidden token vs
+    separate runs; graphs on == off and overlap on == off, token for token (fp32)."""
+    import torch
+    from backend_checks import check_ragged_batch_equals_each_alone, check_tree_mask_equals_separate_branches
+    from parity import PROMPTS, run_parity
+
+    out: dict[str, Any] = {}
+    hf = hf_model("small", s, torch.float32)
+    be = ours(hf, s, 1024, graphs=True)
+    out["small_fp32_max_logit_diff"] = run_parity(be, hf, PROMPTS, 8, 1e-2)
+    enc = be.tokenizer.encode
+    texts = {"a": enc("The quick brown fox jumps over the lazy dog."),
+             "b": enc("In 1492, Columbus sailed the ocean blue; in 1969, humans walked on the Moon. Later,"),
+             "c": enc("def add(a, b):\n    return a + b\n\nprint(add(2, 3))")}
+    for attn in s.plan.attentions:
+        v = variant(be, attn, False)
+        check_ragged_batch_equals_each_alone(v, texts)
+        check_tree_mask_equals_separate_branches(v, texts)
+        out[f"{attn}_ragged_and_tree_mask"] = "equal"
+        out[f"{attn}_hidden_token"] = hidden_token(v, texts["a"])
+        seqs = [enc(t)[:12 + 3 * i] for i, t in enumerate(PROMPTS[:5])]
+        off = variant(be, attn, False).generate_batch(seqs, 24, stop_tokens=[])
+        on = variant(be, attn, True).generate_batch(seqs, 24, stop_tokens=[])
+        out[f"{attn}_graphs_on_equals_off"] = on == off
+        out[f"{attn}_overlap_on_equals_off"] = overlap_equals(variant(be, attn, False), seqs, off)
+    del be, hf
+    free()
+    hf = hf_model("llama-1b", s, torch.bfloat16)
+    be = ours(hf, s, 256)
+    with torch.inference_mode():
+        ids = torch.tensor([prompts(1, 40)[0]], device=hf.device)
+        ref = hf(ids).logits[0].float()
+    from gpu_backend import ForwardRequest, OutputSpec
+
+    n = ids.shape[1]
+    got = be.logits([ForwardRequest(pages=list(range(math.ceil(n / 16))), last_page_len=n - 16 * (math.ceil(n / 16) - 1),
+                                    tokens=ids[0].tolist(), positions=list(range(n)),
+                                    outputs=[OutputSpec(index=i) for i in range(n)])])[0]
+    out["llama1b_bf16_max_logit_diff"] = float((got - ref).abs().max())
+    out["llama1b_bf16_logit_scale"] = float(ref.abs().max())
+    out["llama1b_bf16_top1_agreement"] = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+    return out
+
+
+def hidden_token(be: Any, toks: list[int]) -> str:
+    """A token masked out of every later row (BRLE) == the same sequence without it, positions kept."""
+    from backend_checks import Pages, assert_close, req
+
+    ps = be.info.page_size
+    pg = Pages(be, 400)
+    k = 3  # hide token k
+    n = len(toks)
+    mask = [[i + 1] if i <= k else [k, 1, i - k] for i in range(n)]
+    full = be.logits([req(pg.for_tokens(64), 0, toks, ps, mask=mask)])[0]
+    rest = toks[:k] + toks[k + 1:]
+    pos = list(range(k)) + list(range(k + 1, n))
+    sep = be.logits([req(pg.for_tokens(64), 0, rest, ps, positions=pos)])[0]
+    assert_close(full[k + 1:], sep[k:], "rows after the hidden token")
+    return "equal"
+
+
+def overlap_equals(be: Any, seqs: list[list[int]], want: list[list[int]]) -> bool:
+    """The greedy loop with each step started (`start_forward`) while the last one's tokens are read."""
+    from gpu_backend import ForwardRequest, OutputSpec, SamplerParams
+
+    ps = be.info.page_size
+    pages = [list(range(200 + 8 * i, 208 + 8 * i)) for i in range(len(seqs))]
+    toks = [list(q) for q in seqs]
+    outs: list[list[int]] = [[] for _ in seqs]
+    for step in range(len(want[0])):
+        reqs = []
+        for i, q in enumerate(toks):
+            new = q if step == 0 else q[-1:]
+            total = len(q)
+            used = math.ceil(total / ps)
+            reqs.append(ForwardRequest(pages=pages[i][:used], last_page_len=total - (used - 1) * ps, tokens=new,
+                                       positions=list(range(total - len(new), total)),
+                                       outputs=[OutputSpec(index=len(new) - 1, sample=SamplerParams())]))
+        handle = be.start_forward(reqs)
+        for i, t in enumerate(handle.wait()):
+            toks[i].append(t[0].token)
+            outs[i].append(t[0].token)
+    return outs == want
+
+
+def sec_decode(s: Suite, shape: str = "llama-1b", batches: tuple[int, ...] | None = None) -> dict[str, Any]:
+    import torch
+
+    plan = s.plan
+    batches = batches or plan.batches
+    hf = hf_model(shape, s, torch.bfloat16 if s.device == "cuda" else torch.float32)
+    pages = max(batches) * math.ceil((plan.prompt_len + plan.new_tokens) / 16) + 8
+    base = ours(hf, s, pages, graphs=True)
+    bw = s.results.get("env", {}).get("copy_bandwidth_bytes_per_s", 0.0)
+    wb = base.model.weight_bytes()
+    out: dict[str, Any] = {"shape": shape, "weight_bytes": wb, "prompt_len": plan.prompt_len,
+                           "new_tokens": plan.new_tokens, "tokens_per_s": {}}
+    if bw:
+        out["batch1_bound_tokens_per_s"] = bw / wb
+    attns = plan.attentions if shape == "llama-1b" else ("sdpa",)
+    configs = [(a, g) for a in attns for g in (False, True)]
+    # the transformers baseline right after the default path (flex compiles first: it goes last)
+    configs.insert(2, ("transformers", False))
+    for attn, graphs in configs:
+        key = f"{attn}{'+graphs' if graphs else ''}"
+        row = out["tokens_per_s"].setdefault(key, {})
+        for b in batches:
+            if s.left() < 30:
+                row[str(b)] = "skipped: budget"
+                continue
+            try:
+                if attn == "transformers":
+                    row[str(b)] = round(hf_decode_tps(hf, b, plan), 1)
+                else:
+                    row[str(b)] = round(decode_tps(variant(base, attn, graphs), b, plan), 1)
+            except Exception as e:  # one failing configuration must not lose the others
+                row[str(b)] = f"error: {type(e).__name__}: {str(e)[:300]}"
+            s.write()
+    if bw:
+        best1 = max((v.get("1", 0) for k, v in out["tokens_per_s"].items() if k != "transformers"
+                     and isinstance(v.get("1"), float)), default=0.0)
+        out["batch1_best_fraction_of_bound"] = best1 / out["batch1_bound_tokens_per_s"]
+    del base, hf
+    free()
+    return out
+
+
+def sec_run256(s: Suite) -> dict[str, Any]:
+    """256 requests x 256 new tokens (prompts of `prompt_len`), prefill included, greedy."""
+    import torch
+
+    plan = s.plan
+    hf = hf_model("llama-1b", s, torch.bfloat16 if s.device == "cuda" else torch.float32)
+    pages = plan.run_reqs * math.ceil((plan.prompt_len + plan.run_tokens) / 16) + 8
+    base = ours(hf, s, pages, graphs=True)
+    seqs = prompts(plan.run_reqs, plan.prompt_len, seed=7)
+    out: dict[str, Any] = {"requests": plan.run_reqs, "new_tokens": plan.run_tokens, "prompt_len": plan.prompt_len}
+    for attn, graphs in [(a, g) for a in plan.attentions for g in (True, False)]:
+        if True:
+            key = f"{attn}{'+graphs' if graphs else ''}"
+            if s.left() < 40:
+                out[key] = "skipped: budget"
+                continue
+            try:
+                v = variant(base, attn, graphs)
+                own_loop(v, seqs[:8], 4)  # warm-up
+                secs, toks = own_loop(v, seqs, plan.run_tokens)
+                out[key] = {"seconds": round(secs, 3), "tokens_per_s": round(sum(map(len, toks)) / secs, 1)}
+            except Exception as e:
+                out[key] = f"error: {type(e).__name__}: {str(e)[:300]}"
+            s.write()
+    del base, hf
+    free()
+    return out
+
+
+def sec_host(s: Suite) -> dict[str, Any]:
+    """text_completion through the host (the real backend) vs the backend's own greedy loop, same
+    prompts (the chat-templated prompt's tokens), same token counts; run_ahead on and off."""
+    import torch
+
+    from host import Host, HostConfig
+
+    plan = s.plan
+    wasm = s.kit / "text_completion.wasm"
+    hf = hf_model("llama-1b", s, torch.bfloat16 if s.device == "cuda" else torch.float32)
+    n_max = max(plan.host_conc)
+    pages = n_max * math.ceil((64 + plan.host_tokens) / 16) + 64
+    be = ours(hf, s, pages, graphs=True)
+    assert be.info.stop_tokens == []  # (tokenizer_spec): every loop runs to its max tokens
+    del hf
+    out: dict[str, Any] = {"new_tokens": plan.host_tokens, "concurrency": {}}
+    prompt = "Write a short story about a robot learning to paint."
+    seq = be.tokenizer.encode(be.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+    args = ["--prompt", prompt, "--max-tokens", str(plan.host_tokens)]
+    for ahead in (True, False):
+        with tempfile.TemporaryDirectory() as data:
+            host = Host(HostConfig(data_dir=Path(data), run_ahead=ahead, prefix_cache="off"), backend=be)
+            try:
+                program = host.compile(wasm.read_bytes())
+                for n in plan.host_conc:
+                    if s.left() < 30:
+                        break
+                    row = out["concurrency"].setdefault(str(n), {})
+                    key = "host_ahead" if ahead else "host_no_ahead"
+                    own_loop(be, [seq] * n, plan.host_tokens)  # warm-up (graphs for this bucket)
+                    host_run(host, program, args, n, plan.host_tokens)  # warm-up (the warm pool learns n)
+                    # alternating, best of 2 each: the two sides see the same machine
+                    own_s = host_s = math.inf
+                    for _ in range(2):
+                        own_s = min(own_s, own_loop(be, [seq] * n, plan.host_tokens)[0])
+                        host_s = min(host_s, host_run(host, program, args, n, plan.host_tokens)[0])
+                    own_tps = n * plan.host_tokens / own_s
+                    row[key + "_own_tokens_per_s"] = round(own_tps, 1)
+                    row[key + "_tokens_per_s"] = round(n * plan.host_tokens / host_s, 1)
+                    row[key + "_tax"] = round(1 - own_s / host_s, 4)
+                    s.write()
+            finally:
+                host.shutdown()
+    del be
+    free()
+    return out
+
+
+def host_run(host: Any, program: str, args: list[str], n: int, tokens: int) -> tuple[float, int]:
+    """n instances at once; seconds from the first launch to the last end, and tokens generated (no
+    stop tokens: each instance generates its `tokens`; the own loop's `generate_batch` the same)."""
+    from common import Run
+
+    t = time.perf_counter()
+    runs = [Run(host, program, args) for _ in range(n)]
+    ends = [r.finish(600) for r in runs]
+    secs = time.perf_counter() - t
+    bad = [e for e in ends if e.event != "completed"]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {n} instances did not complete: {bad[0].event} {bad[0].message[:300]}")
+    if not all(e.message for e in ends):
+        raise RuntimeError("an instance returned no text")
+    return secs, n * tokens
+
+
+def sec_decode8b(s: Suite) -> dict[str, Any]:
+    return sec_decode(s, "llama-8b", s.plan.b8_batches)
+
+
+def sec_pytest(s: Suite) -> dict[str, Any]:
+    """`pytest -m gpu` with PIE_TEST_MODEL = the small shape saved (random weights, the real tokenizer)."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as d:
+        hf = hf_model("small", s, torch.float32)
+        hf.save_pretrained(d)
+        del hf
+        free()
+        import transformers
+
+        transformers.AutoTokenizer.from_pretrained(s.kit / "tokenizer").save_pretrained(d)
+        env = dict(os.environ, PIE_TEST_MODEL=d)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+        files = ["tests/test_backend_gpu.py", "tests/test_backend_graphs.py"]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
+        try:
+            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=max(30.0, s.left() - 10))
+            tail = (r.stdout + r.stderr)[-3000:]
+            return {"returncode": r.returncode, "summary": tail.strip().splitlines()[-1] if tail.strip() else "",
+                    "output_tail": tail}
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            return {"returncode": "timeout", "output_tail": out[-3000:]}
+
+
+SECTIONS: dict[str, Callable[[Suite], dict[str, Any]]] = {
+    "env": sec_env, "parity": sec_parity, "decode": sec_decode, "run256": sec_run256, "host": sec_host,
+    "decode8b": sec_decode8b, "pytest": sec_pytest,
+}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = ["# GPU suite", ""]
+    env = res.get("env", {})
+    lines.append(f"{env.get('gpu', env.get('device', '?'))}, torch {env.get('torch', '?')}, "
+                 f"copy bandwidth {env.get('copy_bandwidth_bytes_per_s', 0) / 1e12:.2f} TB/s"
+                 f"{' (dry run)' if env.get('dry_run') else ''}")
+    for key in ("decode", "decode8b"):
+        d = res.get(key)
+        if not isinstance(d, dict) or "tokens_per_s" not in d:
+            continue
+        lines += ["", f"## {key}: {d['shape']} decode tokens/s (prompt {d['prompt_len']}, {d['new_tokens']} new)", ""]
+        cols = sorted({b for row in d["tokens_per_s"].values() for b in row}, key=int)
+        lines += ["| path | " + " | ".join(f"batch {c}" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for name, row in d["tokens_per_s"].items():
+            lines.append(f"| {name} | " + " | ".join(str(row.get(c, "")) for c in cols) + " |")
+        if "batch1_bound_tokens_per_s" in d:
+            lines.append(f"\nHBM bound at batch 1: {d['batch1_bound_tokens_per_s']:.0f} tokens/s; best of ours "
+                         f"{d.get('batch1_best_fraction_of_bound', 0):.0%} of it")
+    r = res.get("run256")
+    if isinstance(r, dict):
+        lines += ["", f"## {r.get('requests')} requests x {r.get('new_tokens')} tokens (1B shape)", ""]
+        for k, v in r.items():
+            if isinstance(v, dict):
+                lines.append(f"- {k}: {v['tokens_per_s']} tokens/s ({v['seconds']} s)")
+            elif k not in ("requests", "new_tokens", "prompt_len"):
+                lines.append(f"- {k}: {v}")
+    h = res.get("host")
+    if isinstance(h, dict) and h.get("concurrency"):
+        lines += ["", "## host tax (text_completion through the host vs the backend's own loop, 1B shape)", "",
+                  "| concurrent | own tok/s | host, ahead | tax | own tok/s | host, no ahead | tax |",
+                  "|---|---|---|---|---|---|---|"]
+        for n, row in h["concurrency"].items():
+            lines.append(" | ".join([f"| {n}"] + [str(row.get(f"host_{k}_{c}")) for k in ("ahead", "no_ahead")
+                                                  for c in ("own_tokens_per_s", "tokens_per_s", "tax")]) + " |")
+    for key in ("parity", "pytest"):
+        if key in res:
+            lines += ["", f"## {key}", "", "```", json.dumps(res[key], indent=1, default=str)[:4000], "```"]
+    errs = {k: v for k, v in res.items() if isinstance(v, dict) and "error" in v}
+    if errs:
+        lines += ["", "## errors", ""] + [f"- {k}: {v['error']}" for k, v in errs.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, help="write gpu_suite.json and gpu_suite.md here")
+    ap.add_argument("--kit", type=Path, default=ROOT / ".gpukit", help="the kit folder (--prepare writes it)")
+    ap.add_argument("--prepare", type=Path, metavar="KIT", help="write the kit folder and exit")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: every section end to end")
+    ap.add_argument("--budget-s", type=float, default=1140.0, help="stop starting measurements after this")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)}")
+    a = ap.parse_args(argv)
+    if a.prepare:
+        prepare(a.prepare)
+        return 0
+    if a.out is None:
+        ap.error("--out is required (or --prepare KIT)")
+    names = [n for n in a.sections.split(",") if n]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown sections {unknown}: use {','.join(SECTIONS)}")
+    kit = a.kit
+    if a.dry_run and not (kit / "tokenizer").is_dir():
+        kit = Path(tempfile.mkdtemp(prefix="pie-gpu-kit-"))
+        prepare_local(kit)
+    install_wheels(kit)
+    import torch
+
+    device = "cpu" if a.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device: run on the GPU machine, or use --dry-run on CPU")
+    suite = Suite(out=a.out, kit=kit, plan=Plan.make(a.dry_run), budget_s=a.budget_s, device=device)
+    if a.dry_run:
+        suite.plan = replace(suite.plan, attentions=("sdpa",) if "PIE_KIT_NO_FLEX" in os.environ else ("sdpa", "flex"))
+    failed = 0
+    for name in names:
+        if name != "env" and suite.left() < 20:
+            suite.results[name] = {"error": "skipped: out of budget"}
+            continue
+        t = time.perf_counter()
+        try:
+            res = SECTIONS[name](suite)
+            res["seconds"] = round(time.perf_counter() - t, 1)
+            suite.results[name] = res
+        except Exception as e:
+            failed += 1
+            suite.results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:],
+                                   "seconds": round(time.perf_counter() - t, 1)}
+        print(f"[gpu_suite] {name}: {time.perf_counter() - t:.1f} s, {suite.left():.0f} s left", flush=True)
+        suite.write()
+    print(markdown(suite.results))
+    return 1 if failed else 0
+
+
+def prepare_local(kit: Path) -> None:
+    """The dry run's kit without a registry: the tokenizer and the component (its wheels are installed)."""
+    import transformers
+
+    from gpu_backend.loader import default_model_path
+    from host.cli.build import resolve_inferlet
+
+    path = default_model_path()
+    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(kit / "tokenizer")
+    (kit / "text_completion.wasm").write_bytes(resolve_inferlet("text_completion", quiet=True).read_bytes())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
