@@ -30,6 +30,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,7 @@ class Plan:
     hf_tokens: int = 32
     attentions: tuple[str, ...] = ("sdpa", "flex")
     b8_batches: tuple[int, ...] = (1, 8)
+    pytest_timeout_s: float = 600.0  # the run gives pytest at most this
 
     @classmethod
     def make(cls, dry: bool) -> Plan:
@@ -283,7 +285,10 @@ def hf_decode_tps(hf: Any, batch: int, plan: Plan) -> float:
         sync()
         return time.perf_counter() - t
 
-    gen(2)
+    # a static cache makes transformers compile its forward (generation_config.compile_config): the
+    # warm-up runs the same lengths, so the measured runs replay what it compiled
+    gen(plan.hf_tokens)
+    gen(1)
     return batch * (plan.hf_tokens - 1) / max(gen(plan.hf_tokens) - gen(1), 1e-9)
 
 
@@ -465,19 +470,18 @@ def sec_run256(s: Suite) -> dict[str, Any]:
     seqs = prompts(plan.run_reqs, plan.prompt_len, seed=7)
     out: dict[str, Any] = {"requests": plan.run_reqs, "new_tokens": plan.run_tokens, "prompt_len": plan.prompt_len}
     for attn, graphs in [(a, g) for a in plan.attentions for g in (True, False)]:
-        if True:
-            key = f"{attn}{'+graphs' if graphs else ''}"
-            if s.left() < 40:
-                out[key] = "skipped: budget"
-                continue
-            try:
-                v = variant(base, attn, graphs)
-                own_loop(v, seqs[:8], 4)  # warm-up
-                secs, toks = own_loop(v, seqs, plan.run_tokens)
-                out[key] = {"seconds": round(secs, 3), "tokens_per_s": round(sum(map(len, toks)) / secs, 1)}
-            except Exception as e:
-                out[key] = f"error: {type(e).__name__}: {str(e)[:300]}"
-            s.write()
+        key = f"{attn}{'+graphs' if graphs else ''}"
+        if s.left() < 40:
+            out[key] = "skipped: budget"
+            continue
+        try:
+            v = variant(base, attn, graphs)
+            own_loop(v, seqs[:8], 4)  # warm-up
+            secs, toks = own_loop(v, seqs, plan.run_tokens)
+            out[key] = {"seconds": round(secs, 3), "tokens_per_s": round(sum(map(len, toks)) / secs, 1)}
+        except Exception as e:
+            out[key] = f"error: {type(e).__name__}: {str(e)[:300]}"
+        s.write()
     del base, hf
     free()
     return out
@@ -502,6 +506,7 @@ def sec_host(s: Suite) -> dict[str, Any]:
     prompt = "Write a short story about a robot learning to paint."
     seq = be.tokenizer.encode(be.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
     args = ["--prompt", prompt, "--max-tokens", str(plan.host_tokens)]
+    log = BatchLog(be)  # before the host binds the backend's methods: every backend call is timed
     for ahead in (True, False):
         with tempfile.TemporaryDirectory() as data:
             host = Host(HostConfig(data_dir=Path(data), run_ahead=ahead, prefix_cache="off"), backend=be)
@@ -516,19 +521,73 @@ def sec_host(s: Suite) -> dict[str, Any]:
                     host_run(host, program, args, n, plan.host_tokens)  # warm-up (the warm pool learns n)
                     # alternating, best of 2 each: the two sides see the same machine
                     own_s = host_s = math.inf
+                    own_p: list[float] = []
+                    host_p: list[float] = []
                     for _ in range(2):
+                        log.calls.clear()
                         own_s = min(own_s, own_loop(be, [seq] * n, plan.host_tokens)[0])
+                        own_p += log.periods_ms(n)
+                        log.calls.clear()
                         host_s = min(host_s, host_run(host, program, args, n, plan.host_tokens)[0])
+                        host_p += log.periods_ms(n)
                     own_tps = n * plan.host_tokens / own_s
                     row[key + "_own_tokens_per_s"] = round(own_tps, 1)
                     row[key + "_tokens_per_s"] = round(n * plan.host_tokens / host_s, 1)
                     row[key + "_tax"] = round(1 - own_s / host_s, 4)
+                    # the steady state: start-to-start period of the backend calls holding all n loops
+                    if own_p and host_p:
+                        o, h = statistics.median(own_p), statistics.median(host_p)
+                        row[key + "_step_ms"] = {"own": round(o, 3), "host": round(h, 3)}
+                        row[key + "_step_tax"] = round(1 - o / h, 4)
                     s.write()
             finally:
                 host.shutdown()
     del be
     free()
     return out
+
+
+class BatchLog:
+    """Every backend call (forward, or start_forward to its wait's return): (start, end, batch size)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.calls: list[tuple[float, float, int]] = []
+        start_forward, calls = backend.start_forward, self.calls
+
+        class Timed:
+            def __init__(self, step: Any, t: float, n: int) -> None:
+                self.step, self.t, self.n = step, t, n
+
+            @property
+            def tokens(self) -> Any:
+                return self.step.tokens
+
+            @property
+            def _device_tokens(self) -> Any:
+                return self.step._device_tokens
+
+            @property
+            def _reqs(self) -> Any:
+                return self.step._reqs
+
+            def wait(self) -> Any:
+                try:
+                    return self.step.wait()
+                finally:
+                    calls.append((self.t, time.perf_counter(), self.n))
+
+        def timed_start(reqs: Any, feed: Any = None) -> Any:
+            if feed is not None and isinstance(feed.source, Timed):
+                feed.source = feed.source.step
+            return Timed(start_forward(reqs, feed), time.perf_counter(), len(reqs))
+
+        backend.start_forward = timed_start
+
+    def periods_ms(self, n: int) -> list[float]:
+        """Start-to-start periods between consecutive calls that both hold `n` requests (decode steps
+        of all n loops: the steady state)."""
+        c = sorted(self.calls)
+        return [1000 * (b[0] - a[0]) for a, b in zip(c, c[1:], strict=False) if a[2] == n and b[2] == n]
 
 
 def host_run(host: Any, program: str, args: list[str], n: int, tokens: int) -> tuple[float, int]:
@@ -570,7 +629,7 @@ def sec_pytest(s: Suite) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
         try:
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                               timeout=max(30.0, s.left() - 10))
+                               timeout=max(30.0, min(s.left() - 10, s.plan.pytest_timeout_s)))
             tail = (r.stdout + r.stderr)[-3000:]
             return {"returncode": r.returncode, "summary": tail.strip().splitlines()[-1] if tail.strip() else "",
                     "output_tail": tail}
@@ -582,7 +641,7 @@ def sec_pytest(s: Suite) -> dict[str, Any]:
 SECTIONS: dict[str, Callable[[Suite], dict[str, Any]]] = {
     "env": sec_env, "parity": sec_parity, "decode": sec_decode, "run256": sec_run256, "host": sec_host,
     "decode8b": sec_decode8b, "pytest": sec_pytest,
-}
+}  # the default order; --sections picks and orders
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -636,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: every section end to end")
     ap.add_argument("--budget-s", type=float, default=1140.0, help="stop starting measurements after this")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)}")
+    ap.add_argument("--pytest-timeout-s", type=float, default=600.0, help="the most the pytest section may take")
     a = ap.parse_args(argv)
     if a.prepare:
         prepare(a.prepare)
@@ -656,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if a.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: run on the GPU machine, or use --dry-run on CPU")
-    suite = Suite(out=a.out, kit=kit, plan=Plan.make(a.dry_run), budget_s=a.budget_s, device=device)
+    suite = Suite(out=a.out, kit=kit, plan=replace(Plan.make(a.dry_run), pytest_timeout_s=a.pytest_timeout_s),
+                  budget_s=a.budget_s, device=device)
     if a.dry_run:
         suite.plan = replace(suite.plan, attentions=("sdpa",) if "PIE_KIT_NO_FLEX" in os.environ else ("sdpa", "flex"))
     failed = 0

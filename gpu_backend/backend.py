@@ -38,10 +38,45 @@ GREEDY = SamplerParams()  # frozen, safe as a default
 _T = TypeVar("_T")
 
 
+class Feed:
+    """Requests of a batch whose one new token is drawn by an earlier started batch (`TorchStep`), read
+    on the device: `requests[k]` takes the token of `source`'s request `rows[k]` (its first output)."""
+
+    __slots__ = ("source", "requests", "rows", "_dst")
+
+    def __init__(self, source: TorchStep, requests: Sequence[int], rows: Sequence[int]) -> None:
+        if len(requests) != len(rows):
+            raise ValueError("Feed: requests and rows differ in length")
+        self.source, self.requests, self.rows = source, list(requests), list(rows)
+        self._dst: list[int] = []
+
+    def check(self, reqs: list[ForwardRequest]) -> None:
+        """Raise ValueError unless every fed request has one new token and every row draws one; note
+        where the fed tokens go in the batch's token list."""
+        src = self.source._reqs
+        offsets = list(accumulate((len(r.tokens) for r in reqs), initial=0))
+        for i, j in zip(self.requests, self.rows, strict=True):
+            if not 0 <= i < len(reqs) or len(reqs[i].tokens) != 1:
+                raise ValueError(f"Feed: request {i} is not a one-token request of the batch")
+            if not 0 <= j < len(src) or not src[j].outputs or src[j].outputs[0].sample is None:
+                raise ValueError(f"Feed: row {j} of the source batch draws no token")
+        self._dst = [offsets[i] for i in self.requests]
+
+    def patch(self, plan: BatchPlan) -> None:
+        """Write the fed tokens into `plan.tokens` on the device (queued behind the source batch)."""
+        drawn = self.source._device_tokens
+        if drawn is None:
+            raise RuntimeError("Feed: the source batch has not drawn its tokens (started on another backend?)")
+        out_rows = list(accumulate((len(r.outputs) for r in self.source._reqs), initial=0))
+        dst = to_device(np.asarray(self._dst, dtype=np.int64), plan.tokens.device)
+        sel = to_device(np.asarray([out_rows[j] for j in self.rows], dtype=np.int64), drawn.device)
+        plan.tokens.index_copy_(0, dst, drawn.index_select(0, sel))
+
+
 class TorchStep:
     """A batch started by `TorchBackend.start_forward` (a `gpu_backend.types.StartedForward`)."""
 
-    __slots__ = ("tokens", "_backend", "_reqs", "_drawn", "_future", "_out")
+    __slots__ = ("tokens", "_backend", "_reqs", "_drawn", "_future", "_out", "_device_tokens")
 
     def __init__(self, backend: TorchBackend, reqs: list[ForwardRequest], drawn: Drawn | None,
                  future: Future[list[list[OutputResult]]] | None) -> None:
@@ -49,6 +84,12 @@ class TorchStep:
         self._out: list[list[OutputResult]] | None = None
         # each request's first output's token (None where it samples none), set by `wait()`
         self.tokens: list[int | None] = []
+        # the drawn tokens on the device, one per output row (set at the launch: on CPU by the worker)
+        self._device_tokens: torch.Tensor | None = None if drawn is None else drawn.tokens
+
+    def output_row(self, request: int) -> int:
+        """The output row of request `request`'s first output (what `Feed` names)."""
+        return sum(len(r.outputs) for r in self._reqs[:request])
 
     def wait(self) -> list[list[OutputResult]]:
         """The batch's outputs, once it has run (ForwardError if a row could not be drawn)."""
@@ -83,6 +124,7 @@ class TorchBackend:
         # sampler's generator are shared state, so they run one at a time
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None  # CPU: where start_forward's batches run
+        self.feeds = True  # start_forward takes a Feed (tensor parallel does not)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -105,7 +147,7 @@ class TorchBackend:
         self._check_write_conflicts(checked)
         return self._in_order(lambda: self._results(checked, self._launch(checked)))
 
-    def start_forward(self, reqs: Sequence[ForwardRequest]) -> TorchStep:
+    def start_forward(self, reqs: Sequence[ForwardRequest], feed: Feed | None = None) -> TorchStep:
         """`forward`, overlapping the caller: validate (raising ForwardError as `forward` does) and read
         the requests, start the batch, return at once; `wait()` on the result returns the outputs.
 
@@ -114,27 +156,39 @@ class TorchBackend:
         the next batch while this one runs. On CPU the batch runs on the backend's worker thread
         (one for the backend: every later call, `copy_tokens` included, runs after it). Calls run
         in the order they are made. A batch whose draw fails (non-finite logits) fails at `wait()`.
+
+        `feed`: requests whose one new token is the token an earlier started batch draws, read on
+        the device (their `tokens` hold a placeholder): the next decode step is launched before the
+        host has seen the last one's token, and the device never waits for the host between steps.
         """
         checked = check_batch(reqs, self.info) if reqs else []
         self._check_write_conflicts(checked)
         if not checked:
             return TorchStep(self, [], None, None)
+        if feed is not None:
+            feed.check(checked)
         if self.model.device.type == "cuda":
-            return TorchStep(self, checked, self._launch(checked), None)
+            step = TorchStep(self, checked, self._launch(checked, feed), None)
+            return step
         # the worker reads the requests later: give it copies (the caller may change them at once)
         snap = [replace(r, pages=list(r.pages), tokens=list(r.tokens), positions=list(r.positions),
                         outputs=list(r.outputs)) for r in checked]
-        return TorchStep(self, snap, None, self._worker().submit(self._results_launched, snap))
+        step = TorchStep(self, snap, None, None)
 
-    def _launch(self, checked: list[ForwardRequest]) -> Drawn | None:
+        def run() -> list[list[OutputResult]]:
+            drawn = self._launch(snap, feed)
+            step._device_tokens = None if drawn is None else drawn.tokens
+            return self._results(snap, drawn)
+
+        step._future = self._worker().submit(run)
+        return step
+
+    def _launch(self, checked: list[ForwardRequest], feed: Feed | None = None) -> Drawn | None:
         """Queue one pass and its draws (on CUDA without a host sync); None if nothing is drawn."""
         with self._lock, torch.inference_mode():
             specs = [o for r in checked for o in r.outputs]
-            logits = self._logits(checked)
+            logits = self._logits(checked, None if feed is None else feed.patch)
             return self.sampler.launch(logits, specs) if specs else None
-
-    def _results_launched(self, checked: list[ForwardRequest]) -> list[list[OutputResult]]:
-        return self._results(checked, self._launch(checked))
 
     def _results(self, checked: list[ForwardRequest], drawn: Drawn | None) -> list[list[OutputResult]]:
         """Per request, its OutputResults from a launched draw; a row that cannot be drawn fails its
@@ -201,11 +255,15 @@ class TorchBackend:
 
         return self._in_order(run)
 
-    def _logits(self, reqs: list[ForwardRequest]) -> torch.Tensor:
-        """One pass over validated requests (graph replay when one serves it): logits [outputs, vocab]."""
+    def _logits(self, reqs: list[ForwardRequest], patch: Callable[[BatchPlan], None] | None = None) -> torch.Tensor:
+        """One pass over validated requests (graph replay when one serves it): logits [outputs, vocab].
+        `patch` changes the plan on the device first (`Feed.patch`)."""
         if self.graphs is not None and self.graphs.accepts(reqs):
-            return self.graphs.logits(reqs)
-        return self.model.forward(self.plan(reqs), self.cache)
+            return self.graphs.logits(reqs, patch)
+        plan = self.plan(reqs)
+        if patch is not None:
+            patch(plan)
+        return self.model.forward(plan, self.cache)
 
     def plan(self, reqs: list[ForwardRequest]) -> BatchPlan:
         """The batch plan of validated requests, for this backend's attention and cache."""
@@ -272,35 +330,53 @@ class TorchBackend:
         outs: list[list[int]] = [[] for _ in prompts]
         if max_tokens <= 0:
             return outs
-        lens = [len(p) for p in prompts]
-        nxt = [list(p) for p in prompts]
-        live = list(range(len(prompts)))
+        # The first pass (prefill) validates; each decode step after it is launched before the host
+        # reads the token the step before draws (`Feed`: read on the device), so the device runs step
+        # after step while the host reads them one behind. A sequence that draws a stop token has had
+        # its next step launched already: that step's slot is past its end (within its pages) and its
+        # token is dropped. A backend that cannot feed (`feeds` False) waits for each step first.
+        step = self.start_forward([ForwardRequest(
+            pages=pages[i][: -(-len(p) // ps)], last_page_len=len(p) - (-(-len(p) // ps) - 1) * ps, tokens=list(p),
+            positions=list(range(len(p))), outputs=[OutputSpec(index=len(p) - 1, sample=sampler)],
+            name=f"generate[{i}]") for i, p in enumerate(prompts)])
         spec = [OutputSpec(index=0, sample=sampler)]
-        checked = False  # the first pass validates; the steps after it are built from what it accepted
-        while live:
+        pos = [len(p) for p in prompts]  # where each sequence's next token goes
+        rows = list(range(len(prompts)))  # the sequences of `step`, in order
+        done: set[int] = set()
+
+        def launch(seqs: list[int], src: TorchStep, known: list[int] | None) -> TorchStep:
             reqs = []
-            for i in live:
-                n = len(nxt[i])
-                used = (lens[i] + ps - 1) // ps
-                reqs.append(ForwardRequest(
-                    pages=pages[i][:used], last_page_len=lens[i] - (used - 1) * ps, tokens=nxt[i],
-                    positions=list(range(lens[i] - n, lens[i])),
-                    outputs=[OutputSpec(index=n - 1, sample=sampler)] if n > 1 else spec, name=f"generate[{i}]",
-                    checked=checked,
-                ))
-            res = self.forward(reqs)
-            checked = True
-            still = []
-            for i, r in zip(live, res, strict=True):
-                tok = r[0].token
+            for k, i in enumerate(seqs):
+                total = pos[i] + 1
+                used = (total + ps - 1) // ps
+                reqs.append(ForwardRequest(pages=pages[i][:used], last_page_len=total - (used - 1) * ps,
+                                           tokens=[0 if known is None else known[k]], positions=[pos[i]],
+                                           outputs=spec, name=f"generate[{i}]", checked=True))
+                pos[i] = total
+            if known is not None:
+                return self.start_forward(reqs)
+            where = {i: k for k, i in enumerate(rows)}
+            return self.start_forward(reqs, Feed(src, range(len(seqs)), [where[i] for i in seqs]))
+
+        while True:
+            # launched now: every sequence that has room for a token after the one `step` draws
+            cont = [i for i in rows if i not in done and len(outs[i]) + 1 < max_tokens]
+            nxt = launch(cont, step, None) if cont and self.feeds else None
+            res = step.wait()
+            for k, i in enumerate(rows):
+                if i in done:
+                    continue
+                tok = res[k][0].token
                 assert tok is not None  # every request asked for a sampled token
                 outs[i].append(tok)
-                if tok not in stops and len(outs[i]) < max_tokens:
-                    nxt[i] = [tok]
-                    lens[i] += 1
-                    still.append(i)
-            live = still
-        return outs
+                if tok in stops or len(outs[i]) >= max_tokens:
+                    done.add(i)
+            if nxt is None and cont and not self.feeds:
+                cont = [i for i in cont if i not in done]
+                nxt = launch(cont, step, [outs[i][-1] for i in cont]) if cont else None
+            if nxt is None:
+                return outs
+            step, rows = nxt, cont
 
 
 def _resolve_device(device: str | None) -> torch.device:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,8 +108,9 @@ class DecodeGraphs:
         """Keys (batch bucket, KV slots; 0 = any) of the graphs captured so far."""
         return sorted(self._graphs)
 
-    def logits(self, reqs: list[ForwardRequest]) -> torch.Tensor:
-        """Float32 logits [outputs, vocab] of the requests' output rows, in order (an accepted batch)."""
+    def logits(self, reqs: list[ForwardRequest], patch: Callable[[BatchPlan], None] | None = None) -> torch.Tensor:
+        """Float32 logits [outputs, vocab] of the requests' output rows, in order (an accepted batch).
+        `patch` may change the batch's plan (on the device) before the graph's buffers are refilled."""
         bucket = bucket_for(len(reqs), self.buckets)
         if bucket is None:
             raise ValueError(f"cuda graph: {len(reqs)} requests, the largest bucket is {self.buckets[-1]}")
@@ -118,7 +119,10 @@ class DecodeGraphs:
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(*key)
-        refill(g.plan, self._plan(pad_batch(reqs, bucket, self.scratch_page), key[1]))
+        plan = self._plan(pad_batch(reqs, bucket, self.scratch_page), key[1])
+        if patch is not None:
+            patch(plan)
+        refill(g.plan, plan)
         if g.graph is None:
             out = self.model.forward(g.plan, self.cache)
         else:

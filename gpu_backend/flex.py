@@ -46,7 +46,10 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 # compiled once per process, shared by every FlexAttention (and so are their kernels); compiling is lazy
 _FLEX_STATIC = cast(Callable[..., Any], torch.compile(flex_attention, dynamic=False))
-_FLEX_DYNAMIC = cast(Callable[..., Any], torch.compile(flex_attention, dynamic=None))
+# dynamic from the first call: on an H100 (torch 2.11) a first, static compile of a batch-1 decode
+# found no kernel config ("NoValidChoicesError ... target: flex_attention"), while the dynamic
+# recompile after it ran every batch size (bench/gpu_h100.json)
+_FLEX_DYNAMIC = cast(Callable[..., Any], torch.compile(flex_attention, dynamic=True))
 
 
 @dataclass

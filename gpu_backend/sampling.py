@@ -175,7 +175,7 @@ class Sampler:
                 checks.append(allowed.sum(-1))  # each row's dist stops at its allowed tokens
         # one device -> host transfer for the tokens and the checks (and one for a distribution)
         return Drawn(specs, _to_host(torch.stack(checks)), None if dist_ids is None else _to_host(dist_ids),
-                     None if dist_p is None else _to_host(dist_p), _event(dev))
+                     None if dist_p is None else _to_host(dist_p), _event(dev), tokens)
 
     def finish(self, drawn: Drawn) -> list[OutputResult]:
         """The OutputResults of a launched draw (waits for its copies; see `__call__` for errors)."""
@@ -210,6 +210,7 @@ class Drawn:
     dist_ids: torch.Tensor | None
     dist_p: torch.Tensor | None
     event: torch.cuda.Event | None  # None on CPU: the copies are done
+    tokens: torch.Tensor | None = None  # [M] the drawn tokens on the device (a next step may read them there)
 
 
 def _on(device: torch.device, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:

@@ -159,7 +159,13 @@ class TPBackend(TorchBackend):
 
     tp: TPContext
 
-    def _logits(self, reqs: list[ForwardRequest]) -> torch.Tensor:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.feeds = False
+
+    def _logits(self, reqs: list[ForwardRequest], patch: Any = None) -> torch.Tensor:
+        if patch is not None:  # the other ranks would run the placeholder tokens
+            raise ValueError("start_forward's feed is not supported with tensor parallel")
         self.tp.send(["pass", encode_requests(reqs)])
         return super()._logits(reqs)
 

@@ -97,3 +97,67 @@ def test_loops_run_ahead_on_the_real_backend_give_what_step_at_a_time_gives():
     # the random model draws other tokens than the stand-in: the loops really ran on it
     assert any(r[0] != tuple(range(sp.prompt[-1] + 1, sp.prompt[-1] + 1 + len(r[0])))
                for r, sp in zip(ahead.results.values(), SPECS, strict=True))
+
+
+def _reference_generate(be, prompts, max_tokens, sampler, stops):
+    """One forward per step, each step's tokens read before the next is built (the plain loop)."""
+    ps = be.info.page_size
+    pages = [list(range(20 * i, 20 * i + 20)) for i in range(len(prompts))]
+    seqs = [list(p) for p in prompts]
+    outs = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    first = True
+    while live:
+        reqs = []
+        for i in live:
+            new = seqs[i] if first else seqs[i][-1:]
+            reqs.append(_req(f"s{i}", pages[i], len(seqs[i]) - len(new), new,
+                             [OutputSpec(index=len(new) - 1, sample=sampler)]))
+        first = False
+        res = be.forward(reqs)
+        still = []
+        for i, r in zip(live, res, strict=True):
+            outs[i].append(r[0].token)
+            seqs[i].append(r[0].token)
+            if r[0].token not in stops and len(outs[i]) < max_tokens:
+                still.append(i)
+        live = still
+    return outs
+
+
+@pytest.mark.parametrize("sampler", [SamplerParams(), SamplerParams(temperature=1.0, seed=3)], ids=["greedy", "seeded"])
+def test_generate_batch_feeding_steps_on_the_device_equals_the_plain_loop(sampler):
+    prompts = [[5, 6, 7], [9], [30, 31, 32, 33, 34, 35, 36, 37, 38], [100, 101]]
+    ref_be = tiny_backend()
+    free = _reference_generate(ref_be, prompts, 12, sampler, set())
+    # stop tokens drawn mid-way by some sequences (taken from the free run): they end early, their
+    # speculative next step is dropped, and the others go on unchanged
+    stops = {free[0][4], free[2][1]}
+    want = _reference_generate(ref_be, prompts, 12, sampler, stops)
+    assert any(len(w) < 12 for w in want) and any(len(w) == 12 for w in want)
+    be = tiny_backend()
+    pages = [list(range(20 * i, 20 * i + 20)) for i in range(len(prompts))]
+    assert be.generate_batch(prompts, 12, sampler, stop_tokens=sorted(stops), pages=pages) == want
+    be.feeds = False  # the wait-then-launch path (tensor parallel's)
+    assert be.generate_batch(prompts, 12, sampler, stop_tokens=sorted(stops), pages=pages) == want
+
+
+def test_a_feed_is_checked():
+    from gpu_backend.backend import Feed
+
+    be = tiny_backend()
+    src = be.start_forward([_req("a", [0], 0, [1, 2], [OutputSpec(index=1, sample=SamplerParams())]),
+                            _req("b", [1], 0, [3], [OutputSpec(index=0, dist=2)])])
+    two = _req("x", [2], 0, [4, 5], [OutputSpec(index=1, sample=SamplerParams())])
+    with pytest.raises(ValueError, match="not a one-token request"):
+        be.start_forward([two], Feed(src, [0], [0]))
+    one = _req("y", [0], 2, [0], [OutputSpec(index=0, sample=SamplerParams())])  # a continues
+    with pytest.raises(ValueError, match="draws no token"):
+        be.start_forward([one], Feed(src, [0], [1]))
+    fed = be.start_forward([one], Feed(src, [0], [0]))
+    src_tok = src.wait()[0][0].token
+    # the fed step ran on the drawn token: same as a step given that token outright
+    ref = tiny_backend()
+    ref.forward([_req("a", [0], 0, [1, 2], [])])
+    want = ref.forward([_req("y", [0], 2, [src_tok], [OutputSpec(index=0, sample=SamplerParams())])])
+    assert fed.wait()[0][0].token == want[0][0].token
