@@ -37,6 +37,17 @@ def load_hf(dtype: torch.dtype):
     return m.to("cuda", dtype).eval()
 
 
+def logit_scale(be) -> float:
+    """The largest |logit| at the first prompt's last token (what bf16 rounding is relative to)."""
+    from gpu_backend import ForwardRequest, OutputSpec
+
+    ids = be.tokenizer.encode(PROMPTS[0])
+    n = -(-len(ids) // 16)
+    req = ForwardRequest(pages=list(range(n)), last_page_len=len(ids) - 16 * (n - 1), tokens=ids,
+                         positions=list(range(len(ids))), outputs=[OutputSpec(index=len(ids) - 1)])
+    return float(be.logits([req])[0].abs().max())
+
+
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def cuda_pair(request):
     from gpu_backend import load_backend
@@ -53,9 +64,12 @@ def test_cuda_logits_match_transformers(cuda_pair):
         # have flat logits)
         worst = run_parity(be, hf, PROMPTS, 32, 1e-2)
     else:
-        # bf16 (8-bit mantissa): logits of magnitude ~20 carry ~0.1 of rounding per op; the two
-        # implementations round differently, so allow near-ties to flip at a few steps.
-        worst = run_parity(be, hf, PROMPTS, 32, 1.5, min_top1=0.9)
+        # bf16 (8-bit mantissa): each op rounds to ~0.4% of its magnitude and the two implementations
+        # round differently, so the bound scales with the logits (SmolLM2's reach ~20: 1.5 as before;
+        # the GPU kit's random model reaches ~300, where an absolute 1.5 failed at 1.5 on the H100),
+        # and near-ties may flip at a few steps.
+        scale = logit_scale(be)
+        worst = run_parity(be, hf, PROMPTS, 32, max(1.5, 0.02 * scale), min_top1=0.9)
     print(f"{be.model.dtype}: max |logit diff| {worst:.3g}")
 
 

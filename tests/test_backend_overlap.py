@@ -101,7 +101,6 @@ def test_loops_run_ahead_on_the_real_backend_give_what_step_at_a_time_gives():
 
 def _reference_generate(be, prompts, max_tokens, sampler, stops):
     """One forward per step, each step's tokens read before the next is built (the plain loop)."""
-    ps = be.info.page_size
     pages = [list(range(20 * i, 20 * i + 20)) for i in range(len(prompts))]
     seqs = [list(p) for p in prompts]
     outs = [[] for _ in prompts]
