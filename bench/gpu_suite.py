@@ -644,6 +644,12 @@ SECTIONS: dict[str, Callable[[Suite], dict[str, Any]]] = {
 }  # the default order; --sections picks and orders
 
 
+def _cell(v: Any) -> str:
+    """A table cell: an error's first line, shortened."""
+    text = str(v).splitlines()[0] if str(v) else ""
+    return text if len(text) <= 90 else text[:87] + "..."
+
+
 def markdown(res: dict[str, Any]) -> str:
     lines = ["# GPU suite", ""]
     env = res.get("env", {})
@@ -658,7 +664,7 @@ def markdown(res: dict[str, Any]) -> str:
         cols = sorted({b for row in d["tokens_per_s"].values() for b in row}, key=int)
         lines += ["| path | " + " | ".join(f"batch {c}" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for name, row in d["tokens_per_s"].items():
-            lines.append(f"| {name} | " + " | ".join(str(row.get(c, "")) for c in cols) + " |")
+            lines.append(f"| {name} | " + " | ".join(_cell(row.get(c, "")) for c in cols) + " |")
         if "batch1_bound_tokens_per_s" in d:
             lines.append(f"\nHBM bound at batch 1: {d['batch1_bound_tokens_per_s']:.0f} tokens/s; best of ours "
                          f"{d.get('batch1_best_fraction_of_bound', 0):.0%} of it")

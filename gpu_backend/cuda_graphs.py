@@ -9,9 +9,9 @@ part of the shapes, so its graphs are keyed by (batch bucket, power-of-two KV le
 FlexAttention the metadata's shapes depend on the batch bucket alone. Anything else (prefill, mixed
 or masked batches, more requests than the largest bucket) runs eagerly.
 
-Status: written without a GPU. The padding, static buffers and refill logic run on CPU in the tests
-(`capture=False` replays by calling the forward on the static buffers); the capture and replay
-themselves have not run yet.
+The padding, static buffers and refill logic run on CPU in the tests (`capture=False` replays by
+calling the forward on the static buffers); capture and replay ran on one H100 (bench/gpu_suite.py:
+graphs on == off token for token with SDPA and flex; 1B shape, batch 1: 103 -> 526 tokens/s).
 """
 
 from __future__ import annotations

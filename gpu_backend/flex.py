@@ -18,7 +18,8 @@ Compiled (the default): on CPU one kernel per page size, cache size, mask kind (
 padded shape bucket (`FlexAttention.grid`), as dynamic shapes miscompile there; elsewhere dynamic
 shapes. Each CPU kernel takes ~4 s to compile (cached on disk by inductor across runs).
 
-Measured on CPU only (bench/flex_attention.py); on CUDA this path has not run yet.
+Measured on CPU (bench/flex_attention.py) and on one H100 (bench/gpu_h100.md: slower than SDPA with
+CUDA graphs at every batch size; a batch-1 decode does not compile there, see `_FLEX_DYNAMIC`).
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 # compiled once per process, shared by every FlexAttention (and so are their kernels); compiling is lazy
 _FLEX_STATIC = cast(Callable[..., Any], torch.compile(flex_attention, dynamic=False))
-# dynamic from the first call: on an H100 (torch 2.11) a first, static compile of a batch-1 decode
-# found no kernel config ("NoValidChoicesError ... target: flex_attention"), while the dynamic
-# recompile after it ran every batch size (bench/gpu_h100.json)
-_FLEX_DYNAMIC = cast(Callable[..., Any], torch.compile(flex_attention, dynamic=True))
+# Known on CUDA (H100, torch 2.11; bench/gpu_h100.json): a decode batch of ONE request fails to
+# compile ("NoValidChoicesError ... target: flex_attention"), with dynamic=None and dynamic=True
+# alike; batches of 8 and more run. SDPA (+ CUDA graphs) is the CUDA default, faster at every batch.
+_FLEX_DYNAMIC = cast(Callable[..., Any], torch.compile(flex_attention, dynamic=None))
 
 
 @dataclass
@@ -240,7 +241,8 @@ class FlexAttention(Attention):
 def _kernel_options(device: torch.device, page_size: int) -> dict[str, int] | None:
     """Triton's flex kernels need KV tiles that divide the KV block (= page) size; CPU needs nothing.
 
-    Not yet run on a GPU: a page size under 16 likely fails there (Triton's dot wants >= 16).
+    Run on an H100 with page size 16 (bench/gpu_h100.md); a page size under 16 likely fails there
+    (Triton's dot wants >= 16).
     """
     if device.type != "cuda":
         return None
