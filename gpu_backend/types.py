@@ -161,6 +161,24 @@ class StartedForward(Protocol):
     # after `wait()`: the scheduler takes the loops' next tokens from it (one list, not two objects per row)
 
 
+class Started:
+    """A batch that has already run: what `started(backend.forward(reqs))` gives a backend that cannot
+    overlap, so every backend has `start_forward`'s shape (the scheduler has one run path)."""
+
+    __slots__ = ("outputs", "tokens")
+
+    def __init__(self, outputs: list[list[OutputResult]]) -> None:
+        self.outputs = outputs
+        self.tokens: list[int | None] = [r[0].token if r else None for r in outputs]
+
+    def wait(self) -> list[list[OutputResult]]:
+        return self.outputs
+
+
+def started(outputs: list[list[OutputResult]]) -> Started:
+    return Started(outputs)
+
+
 # An overlapping backend also has `start_forward(reqs) -> StartedForward`, as a GPU runs a batch:
 # it validates (raising ForwardError as `forward` does) and reads every request before it
 # returns, runs its calls in the order they are made, and the batch's time passes while the host

@@ -39,6 +39,11 @@ class ReplicaPages:
     def _of(self, table: InstancePages) -> PageManager:
         return self.replicas[table.replica]
 
+    def manager(self, table: InstancePages) -> PageManager:
+        """The page manager of the instance's replica (what a host-side generation loop works on:
+        pins and runs of writes have no table to route by)."""
+        return self.replicas[table.replica]
+
     @property
     def free_count(self) -> int:
         return sum(m.free_count for m in self.replicas)

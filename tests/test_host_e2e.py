@@ -128,3 +128,16 @@ def test_host_side_generation_equals_the_guest_loop_on_the_real_model(host: Host
         assert end.event == "completed", end.message
         on_host, in_guest = end.message.split("|||")
         assert on_host == in_guest and on_host
+
+
+def test_pie_run_on_two_replicas(hf_greedy: dict[str, str]) -> None:
+    """`--replicas 2`: the host-side generation loop (text_completion) and forks (beam_search) run on
+    an engine replica's own pages; output equal to transformers' greedy text / to one replica."""
+    p = PROMPTS[0]
+    res = pie_run("--replicas", "2", "text_completion", "--", *args_for(p))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == hf_greedy[p].strip()
+    beam = ["beam_search", "--", "--prompt", "Name a planet.", "--max-tokens", "8", "--beam-width", "2"]
+    one, two = pie_run(*beam), pie_run("--replicas", "2", *beam)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert two.stdout == one.stdout and one.stdout.strip()

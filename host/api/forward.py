@@ -275,7 +275,8 @@ def _generation(passes: _Passes, tok: Tokenizer, inst: Instance, pages: list[int
     passes.pm.note_write(inst.pages, req, passes.page_size, context_len=ctx)
     rules = StopRules(max_tokens, frozenset(stop_tokens), tuple(stop_strings), passes.max_position)
     send = (lambda text: inst.emit("message", text)) if stream else None
-    return make(req, sample, rules, passes.page_size, passes.pm, inst.pages, tok.decode, send)
+    # the loop pins, notes and grows pages on its instance's own page manager (its replica's)
+    return make(req, sample, rules, passes.page_size, passes.pm.manager(inst.pages), inst.pages, tok.decode, send)
 
 
 def _generation_record(res: GenerationResult) -> Record:

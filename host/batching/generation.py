@@ -47,7 +47,7 @@ class Generation:
 
     `fast`: how many of the next steps, in a row, need only this when their token is not a stop
     token: append it to `tokens`, write it and the next position into the request, one more slot
-    in the last page (`Scheduler._step_loops` does that inline, and counts `fast` down; `advance` sets it).
+    in the last page (`fast_step`, which counts `fast` down; `advance` sets it).
     0 while streaming, with stop strings or a seed, and for subclasses that do more per step."""
 
     FAST_STEPS = True  # False: every step goes through `advance` (a subclass with its own per-step work)
@@ -83,6 +83,16 @@ class Generation:
         # may the scheduler prepare the next step before this one's token is known? Not with stop
         # strings: whether one ends the loop is known only from the decoded text
         self.ahead = self.AHEAD and not rules.stop_strings
+
+    def fast_step(self, token: int) -> None:
+        """A step while `fast` > 0: `token` (no stop token) is taken and the request moves one position
+        and one slot on, writing it. What `advance` and `took` + `prepare` do for such a step."""
+        self.fast -= 1
+        self.tokens.append(token)
+        req = self.request
+        req.tokens[0] = token
+        req.positions[0] += 1
+        req.last_page_len += 1
 
     def advance(self, token: int) -> bool:
         """Take the token drawn by the last step; True when the generation has ended (see `result`).

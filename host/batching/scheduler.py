@@ -9,26 +9,24 @@ A request the backend rejects (`ForwardError`) fails alone; the rest of its batc
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gpu_backend.types import ForwardError, ForwardRequest, OutputResult, StartedForward
+from gpu_backend.types import ForwardError, ForwardRequest, OutputResult, StartedForward, started
 from host.batching.future import CopyRequest, ForwardFuture, Job
 from host.batching.generation import Generation
 from host.batching.policy import AdaptivePolicy, BatchPolicy
+from host.batching.queue import JobQueue, job_pages
+from host.batching.stats import BATCH_SIZE_BUCKETS, SchedulerStats
 
-__all__ = ["Scheduler", "SchedulerStats", "ForwardFn", "CopyFn", "BATCH_SIZE_BUCKETS"]
+__all__ = ["Scheduler", "SchedulerStats", "ForwardFn", "StartFn", "CopyFn", "BATCH_SIZE_BUCKETS"]
 
 log = logging.getLogger(__name__)
-
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # upper bounds of the batch-size histogram
 
 ForwardFn = Callable[[Sequence[ForwardRequest]], list[list[OutputResult]]]
 StartFn = Callable[[Sequence[ForwardRequest]], StartedForward]
@@ -43,47 +41,6 @@ class PagePins(Protocol):
     def unpin(self, pages: Iterable[int]) -> None: ...
 
     def forget_content(self, pages: Sequence[int]) -> None: ...
-
-
-def _pages(job: Job) -> list[int]:
-    if isinstance(job, CopyRequest):
-        return [job.src_page, job.dst_page]
-    return job.pages
-
-
-@dataclass
-class SchedulerStats:
-    batches: int = 0
-    forwards: int = 0
-    tokens: int = 0
-    copies: int = 0
-    queue_wait_s: float = 0.0
-    backend_s: float = 0.0
-    max_batch_size: int = 0
-    errors: int = 0
-    lookaheads: int = 0  # predicted steps queued before their owner asked (follow-ups, `submit(lookahead=True)`)
-    lookaheads_withdrawn: int = 0  # follow-ups taken back before they ran
-    # batches by size: [i] counts sizes <= BATCH_SIZE_BUCKETS[i] (and > the bound before); the last, larger ones
-    batch_size_counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SIZE_BUCKETS) + 1))
-
-    def as_dict(self) -> dict[str, Any]:
-        b = max(self.batches, 1)
-        f = max(self.forwards, 1)
-        return {
-            "batches": self.batches, "forwards": self.forwards, "tokens": self.tokens, "copies": self.copies,
-            "mean_batch_size": self.forwards / b, "mean_batch_tokens": self.tokens / b,
-            "max_batch_size": self.max_batch_size, "mean_queue_wait_ms": 1000 * self.queue_wait_s / f,
-            "mean_backend_ms": 1000 * self.backend_s / b, "backend_errors": self.errors,
-            "lookaheads": self.lookaheads, "lookaheads_withdrawn": self.lookaheads_withdrawn,
-            "batch_size_counts": list(self.batch_size_counts),
-        }
-
-
-def _footprint(job: Job, page_size: int) -> tuple[set[int], set[int]]:
-    """Pages a job reads and writes."""
-    if isinstance(job, CopyRequest):
-        return {job.src_page}, {job.dst_page}
-    return set(job.pages), set(job.pages[job.first_written_page(page_size):])
 
 
 class Scheduler:
@@ -102,7 +59,7 @@ class Scheduler:
         self._copy: CopyFn | None = None
         self._pins: PagePins | None = None
         self._page_size = 1
-        self._queue: list[ForwardFuture] = []
+        self._queue = JobQueue()
         self._resident: list[ForwardFuture] = []  # generation loops: in every batch until they end
         # Ahead (a backend with `start_forward`): loops whose next step is ready, its token written in
         # (they go first in the next batch), and the work left from the last batch for after the next
@@ -117,7 +74,6 @@ class Scheduler:
         self._broken: list[ForwardFuture] = []
         self._finals: list[tuple[ForwardFuture, int | None, bool]] = []
         self._last_batch = (0.0, 0.0)  # the last batch's start and end
-        self._copies_queued = 0
         self._batch_running = False  # a batch is in the backend (set and cleared by the scheduler thread)
         self._loops_in_batch = 0  # the batch being taken starts with this many resident loops (_take -> _run)
         self._cv = threading.Condition()
@@ -129,9 +85,10 @@ class Scheduler:
     def bind(self, forward: ForwardFn, copy: CopyFn | None, page_size: int, pins: PagePins | None = None,
              start: StartFn | None = None) -> None:
         """Attach the backend (its forward and copy_tokens, and its page size) and the page pins;
-        `start`: its `start_forward` if it overlaps (batches then run ahead: see `_run_ahead`)."""
+        `start`: its `start_forward` (a backend that cannot overlap: None, and its `forward` is run
+        through `gpu_backend.types.started`). Every backend takes the same run path (`_run`)."""
         self._forward, self._copy, self._page_size, self._pins = forward, copy, page_size, pins
-        self._start = start
+        self._start = start if start is not None else (lambda reqs, f=forward: started(f(reqs)))
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the scheduler thread between batches; returns its result or raises its error."""
@@ -157,12 +114,10 @@ class Scheduler:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
             if self._pins is not None:
-                self._pins.pin(_pages(request))
+                self._pins.pin(job_pages(request))
             idle = self._no_forwards()
             self._queue.append(fut)
             self.stats.lookaheads += lookahead
-            if isinstance(request, CopyRequest):
-                self._copies_queued += 1
             self.policy.submitted(owner)
             # Wake the scheduler only when this submit can change its decision: it may be asleep
             # with nothing to fire (no timeout), a copy may run now, or the batch is ready. A wake-up
@@ -198,9 +153,8 @@ class Scheduler:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=5)
-        for fut in self._queue + self._ahead + self._resident + [f for f, _t, _p in self._finals]:
+        for fut in self._queue.clear() + self._ahead + self._resident + [f for f, _t, _p in self._finals]:
             self._complete(fut, None, RuntimeError("host is shutting down"))
-        self._queue.clear()
         self._ahead.clear()
         self._ahead_reqs.clear()
         self._resident.clear()
@@ -240,21 +194,18 @@ class Scheduler:
             for c in copies:
                 self._run_copy(c)
             if batch:
-                if self._start is not None:
-                    self._run_ahead(batch)
-                else:
-                    self._run(batch)
+                self._run(batch)
                 self._batch_running = False
 
     def _no_forwards(self) -> bool:
         """Nothing to put in a batch: no queued forward (copies aside) and no loop (lock held)."""
-        return len(self._queue) <= self._copies_queued and not self._resident and not self._ahead
+        return self._queue.no_forwards() and not self._resident and not self._ahead
 
     def _pending(self) -> list[ForwardFuture]:
         """What the policy looks at: the resident loops (always ready) and the queue."""
         if self._ahead:
-            return self._ahead + self._resident + self._queue
-        return self._resident + self._queue if self._resident else self._queue
+            return self._ahead + self._resident + self._queue.jobs
+        return self._resident + self._queue.jobs if self._resident else self._queue.jobs
 
     def _forwards_ready(self) -> bool:
         if self._no_forwards():
@@ -262,7 +213,7 @@ class Scheduler:
         return self.policy.ready(self._pending(), time.perf_counter())
 
     def _has_work(self) -> bool:
-        return self._forwards_ready() or (self._copies_queued > 0 and bool(self._take(dry=True)[0]))
+        return self._forwards_ready() or (self._queue.copies > 0 and bool(self._take(dry=True)[0]))
 
     def _wait_s(self) -> float | None:
         if self._no_forwards():
@@ -270,52 +221,18 @@ class Scheduler:
         return self.policy.wait_s(self._pending(), time.perf_counter())
 
     def _take(self, dry: bool = False) -> tuple[list[ForwardFuture], list[ForwardFuture]]:
-        """Runnable copies and the next batch of forwards; everything else stays queued, in order."""
+        """Runnable copies and the next batch of forwards (the running loops' steps first, then the
+        queued forwards that may join them: host/batching/queue.py); everything else stays queued."""
         fire = self._forwards_ready()
-        copies: list[ForwardFuture] = []
-        batch: list[ForwardFuture] = []
-        rest: list[ForwardFuture] = []
-        reads: set[int] = set()  # pages read / written by the jobs ahead, except copies run at once
-        writes: set[int] = set()
-        behind: set[str] = set()  # owners with a job ahead that stays queued
-        tokens = 0
+        loops: list[ForwardFuture] = []
         if fire and (self._resident or self._ahead):
-            batch.extend(self._ahead)
-            batch.extend(self._resident)
+            loops = self._ahead + self._resident
             if not dry:
                 self._ahead_in_batch = self._ahead_reqs
                 self._ahead, self._ahead_reqs, self._resident = [], [], []
-                self._loops_in_batch = len(batch)
-            if self._queue:  # the loops' pages count as ahead of every queued job
-                for fut in batch:
-                    r, w = _footprint(fut.request, self._page_size)
-                    reads |= r
-                    writes |= w
-            tokens = len(batch)
-        for fut in self._queue:
-            req = fut.request
-            r, w = _footprint(req, self._page_size)
-            if isinstance(req, CopyRequest):
-                owner_busy = fut.owner in behind or any(b.owner == fut.owner for b in batch)
-                if not owner_busy and not (r & writes or w & reads or w & writes):
-                    copies.append(fut)  # runs before the batch: nothing ahead of it is affected
-                    continue
-            elif fire and fut.owner not in behind and not (r & writes or w & reads):
-                # no conflict with any job ahead (taken or staying queued): order of page access kept
-                if tokens + len(req.tokens) <= self.max_batch_tokens or not batch:
-                    batch.append(fut)
-                    tokens += len(req.tokens)
-                    reads |= r
-                    writes |= w
-                    continue
-            behind.add(fut.owner)  # later jobs of this owner wait too (order)
-            rest.append(fut)
-            reads |= r
-            writes |= w
-        if not dry:
-            self._queue = rest
-            self._copies_queued -= len(copies)
-        return copies, batch
+                self._loops_in_batch = len(loops)
+        copies, queued = self._queue.take(fire, loops, self._page_size, self.max_batch_tokens, dry)
+        return copies, loops + queued
 
     def _run_copy(self, fut: ForwardFuture) -> None:
         c = fut.request
@@ -331,73 +248,8 @@ class Scheduler:
         self._complete(fut, None, None)
 
     def _run(self, batch: list[ForwardFuture]) -> None:
-        """Run one batch; a request the backend rejects fails alone and the others run without it."""
-        assert self._forward is not None  # submit() refuses jobs before bind()
-        loops, self._loops_in_batch = self._loops_in_batch, 0  # batch[:loops]: resident loops' next steps
-        while batch:
-            start = time.perf_counter()
-            try:
-                results = self._forward([f.request for f in batch if isinstance(f.request, ForwardRequest)])
-            except ForwardError as e:
-                if not 0 <= e.request_index < len(batch):
-                    self._fail(batch, e)
-                    return
-                self.stats.errors += 1
-                self._complete(batch.pop(e.request_index), None, e)
-                loops = 0  # (the batch changed: all of it goes through the general path)
-                continue
-            except Exception as e:  # the backend failed: every forward in this batch fails, host carries on
-                self._fail(batch, e)
-                return
-            end = time.perf_counter()
-            # The resident loops' steps were each queued at the last batch's end, and are one token.
-            tokens, waited, unpin = loops, loops * (start - batch[0].submitted) if loops else 0.0, list[int]()
-            rest, rest_results = (batch[loops:], results[loops:]) if loops else (batch, results)
-            # one pass for the numbers (before the steps change the loops' requests), the pins and
-            # the follow-ups (a stepping guest's predicted next step, queued before anyone wakes)
-            come_back: list[str] = []  # owners of plain forwards: a guest stepping itself comes back
-            follow_ups: list[ForwardFuture] = []
-            for f, r in zip(rest, rest_results, strict=True):
-                req = f.request
-                assert isinstance(req, ForwardRequest)  # copies never join a batch (_take)
-                tokens += len(req.tokens)
-                waited += start - f.submitted
-                if f.generation is None:
-                    nxt = self._follow_up(f, r) if f.follow is not None else None
-                    if nxt is None:
-                        unpin.extend(req.pages)
-                        come_back.append(f.owner)
-                    else:  # its pages stay pinned for the follow-up
-                        follow_ups.append(nxt)
-            if follow_ups:
-                with self._cv:  # (submit counts lookaheads under it too)
-                    self._queue.extend(follow_ups)
-                    self.stats.lookaheads += len(follow_ups)
-            if self._pins is not None:  # one lock for the batch: pages may become free, then waiters wake
-                self._pins.unpin(unpin)
-            # The policy learns whom to wait for before anyone wakes: a guest that resubmitted before
-            # that would be waited for again, in vain, until the policy's grace ran out.
-            self._expect(come_back, start, end)
-            ended: list[str] = []  # owners of loops that ended
-            if loops:
-                self._step_loops(batch, results, loops, end, ended)
-            for f, r in zip(rest, rest_results, strict=True):  # a loop's step turns its request into the next
-                gen = f.generation
-                if gen is None:
-                    f.finish(r, None)
-                elif self._step(f, gen, r, end):
-                    ended.append(f.owner)
-            # A loop that goes on is in the next batch anyway. The owner of a loop that has just
-            # ended may come back (an agent's next turn) or end; it is waited for only when no loop
-            # goes on: holding the batch for it would hold every running loop too (measured in a
-            # burst's tail, where ~15 instances end per step: ~5 ms per step).
-            if ended and not self._resident:
-                self._expect(ended, start, end)
-            self._record(len(batch), tokens, waited, start, end)
-            return
-
-    def _run_ahead(self, batch: list[ForwardFuture]) -> None:
-        """`_run` on a backend that overlaps (`start_forward`): launch the batch, then do what the
+        """Run one batch: launch it (`start_forward`; a backend that cannot overlap runs it right
+        there), then do what the
         last one left while this one runs (its loops' steps: take the token each launched step
         writes and prepare the step after; end the loops left out of this batch), then wait for
         it. When it returns, every loop whose next step is prepared goes into the next batch as
@@ -456,7 +308,7 @@ class Scheduler:
             if f.generation is None:
                 nxt = self._follow_up(f, r) if f.follow is not None else None
                 if nxt is None:
-                    unpin.extend(_pages(f.request))
+                    unpin.extend(job_pages(f.request))
                     come_back.append(f.owner)
                 else:
                     follow_ups.append(nxt)
@@ -484,7 +336,7 @@ class Scheduler:
         if ended and not self._resident and not self._ahead:
             self._expect(ended, start, end)
         self._last_batch = (start, end)
-        self._record(len(batch), tokens, waited, start, end)
+        self.stats.record(len(batch), tokens, waited, start, end)
 
     def _after_launch(self, batch: list[ForwardFuture], ahead: int, loops: int) -> None:
         """While `batch` runs: end the loops left out of it, and for each loop in it that runs ahead,
@@ -498,10 +350,7 @@ class Scheduler:
             assert gen is not None  # batch[:ahead] are loops
             req = gen.request
             if gen.fast > 0 and not gen.cancelled:
-                gen.fast -= 1
-                gen.tokens.append(req.tokens[0])
-                req.positions[0] += 1
-                req.last_page_len += 1
+                gen.fast_step(req.tokens[0])
                 fill.append((f, gen.stop_tokens, req, req.tokens, i))
                 continue
             self._prepare(f, gen, i, req.tokens[0])
@@ -590,13 +439,11 @@ class Scheduler:
         """Take back a queued forward before it runs (a follow-up its owner did not want): True if it
         was still queued (it then fails with an error nobody waits for), False if running or done."""
         with self._cv:
-            try:
-                self._queue.remove(fut)
-            except ValueError:
+            if not self._queue.remove(fut):
                 return False
             self.stats.lookaheads_withdrawn += 1
         if self._pins is not None:  # it wrote nothing: what the pages hold is still known
-            self._pins.unpin(_pages(fut.request))
+            self._pins.unpin(job_pages(fut.request))
         fut.finish(None, RuntimeError("withdrawn before it ran"))
         return True
 
@@ -618,12 +465,7 @@ class Scheduler:
                 except IndexError:  # a backend bug: `_step` ends this loop with an error
                     token = None
                 if token is not None and token not in gen.stop_tokens:
-                    gen.fast -= 1
-                    gen.tokens.append(token)
-                    req = gen.request
-                    req.tokens[0] = token
-                    req.positions[0] += 1
-                    req.last_page_len += 1
+                    gen.fast_step(token)
                     f.submitted = end
                     keep.append(f)
                     continue
@@ -668,7 +510,7 @@ class Scheduler:
                 written = [job.dst_page] if isinstance(job, CopyRequest) else \
                     job.pages[job.first_written_page(self._page_size):]
                 self._pins.forget_content(written)
-            self._pins.unpin(_pages(fut.request))
+            self._pins.unpin(job_pages(fut.request))
         fut.finish(result, error)
 
     def _expect(self, owners: list[str], start: float, end: float) -> None:
@@ -676,13 +518,3 @@ class Scheduler:
         if owners:
             with self._cv:
                 self.policy.batch_done(owners, start, end)
-
-    def _record(self, size: int, tokens: int, waited: float, start: float, end: float) -> None:
-        st = self.stats
-        st.batches += 1
-        st.forwards += size
-        st.tokens += tokens
-        st.max_batch_size = max(st.max_batch_size, size)
-        st.batch_size_counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, size)] += 1
-        st.queue_wait_s += waited
-        st.backend_s += end - start
