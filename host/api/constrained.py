@@ -19,7 +19,6 @@ from typing import Any
 from wasmtime.component import Record, ResourceAny
 
 from gpu_backend.types import BackendInfo, ForwardRequest, OutputResult, Tokenizer
-from gpu_backend.validate import check_request
 from host.api.forward import _generation, _generation_record, _outputs, _Passes
 from host.api.grammar import Grammars, HostMatcher
 from host.api.guest import GuestError, Import, guest_import
@@ -68,11 +67,9 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
             return allowed
         specs = _outputs(outputs)
         specs[constrained] = replace(specs[constrained], allowed=allowed)
-        req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens, positions=positions,
-                             mask=mask or None, outputs=specs, name=inst.label)
-        ctx = passes.check_pages(inst, pages, last_len, len(tokens))
-        req = check_request(req, info)
-        pm.note_write(inst.pages, req, passes.page_size, context_len=ctx)
+        req = passes.admit(inst, ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens,
+                                                positions=positions, mask=mask or None, outputs=specs,
+                                                name=inst.label))
         fut = scheduler.submit(req, inst.id)
         m.busy = True
         fut.add_done_callback(_accept_when_done(m, constrained))  # before the waiter's wake-up
@@ -96,10 +93,7 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
             return allowed
         req = passes.decode_request(inst, pages, last_len, token, position, sampler, tuple(sampler.__dict__.values()))
         req.outputs = [replace(req.outputs[0], allowed=allowed)]
-        fut = scheduler.submit(req, inst.id)
-        fut.add_done_callback(inst.wake)
-        inst.wait_until(fut.done)
-        out: int | None = fut.wait()[0].token
+        out: int | None = inst.wait_for(scheduler.submit(req, inst.id))[0].token
         assert out is not None  # the spec asked for a sampled token
         if not m.matcher.accept(out):
             log.error("a matcher refused token %s drawn from its own mask", out)
@@ -118,16 +112,11 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
                           stop_strings, stream, make=make)
         assert isinstance(gen, ConstrainedGeneration)
         fut = scheduler.submit(gen.request, inst.id, generation=gen)
-        fut.add_done_callback(inst.wake)
         m.busy = True
         try:
-            inst.wait_until(fut.done)
-        except BaseException:
-            gen.cancelled = True  # terminated or out of budget: the loop ends at its next step
-            raise
+            result: GenerationResult = inst.wait_for(fut, gen.cancel)
         finally:
             m.busy = not fut.done()
-        result: GenerationResult = fut.wait()
         if result.finish == GRAMMAR_ERROR:  # undo the call: its pages and what the matcher accepted
             pm.release(inst.pages, result.new_pages)
             m.matcher.rollback(gen.accepted)

@@ -66,13 +66,19 @@ class _Passes:
             self.pm.check_pages(inst.pages, pages, writable_from=ctx // ps)
         return ctx
 
-    def submit(self, inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
-               mask: list[list[int]], outputs: list[Any]) -> int:
-        req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens, positions=positions,
-                             mask=mask or None, outputs=_outputs(outputs), name=inst.label)
-        ctx = self.check_pages(inst, pages, last_len, len(tokens))
+    def admit(self, inst: Instance, req: ForwardRequest) -> ForwardRequest:
+        """The boundary check of a pass a guest asked for: its pages (`check_pages`), then everything
+        else (`check_request`: the request comes back checked), then its writes noted for the prefix
+        cache. Every forward import admits its request here (decode steps: `decode_request`)."""
+        ctx = self.check_pages(inst, req.pages, req.last_page_len, len(req.tokens))
         req = check_request(req, self.info)
         self.pm.note_write(inst.pages, req, self.page_size, context_len=ctx)
+        return req
+
+    def submit(self, inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
+               mask: list[list[int]], outputs: list[Any]) -> int:
+        req = self.admit(inst, ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens, positions=positions,
+                                              mask=mask or None, outputs=_outputs(outputs), name=inst.label))
         return inst.new_handle(self.scheduler.submit(req, inst.id))
 
     def take(self, inst: Instance, handle: int) -> list[OutputResult]:
@@ -181,14 +187,8 @@ class _Stepper:
         trusted = self.trust >= TRUST and passes.lookahead
         if trusted:
             fut.follow = self.follow
-        if not fut.done():  # a claimed prediction may be
-            fut.add_done_callback(inst.wake)
-            try:
-                inst.wait_until(fut.done)
-            except BaseException:
-                fut.follow = None  # terminated or out of budget: nothing more ahead
-                raise
-        out: int | None = fut.wait()[0].token
+        # (terminated or out of budget: nothing more ahead)
+        out: int | None = inst.wait_for(fut, lambda: setattr(fut, "follow", None))[0].token
         assert out is not None  # the spec asked for a sampled token
         if trusted and fut.follow is not None:  # done before this thread set it: queue the prediction here
             fut.follow = None
@@ -268,11 +268,9 @@ def _generation(passes: _Passes, tok: Tokenizer, inst: Instance, pages: list[int
     if not tokens:
         raise GuestError("no pending tokens to start from")
     sample = as_sampler(_sampler(sampler), "sampler")
-    req = ForwardRequest(pages=list(pages), last_page_len=last_len, tokens=tokens, positions=positions,
-                         outputs=[OutputSpec(index=len(tokens) - 1, sample=sample)], name=inst.label)
-    ctx = passes.check_pages(inst, req.pages, last_len, len(tokens))
-    req = check_request(req, passes.info)
-    passes.pm.note_write(inst.pages, req, passes.page_size, context_len=ctx)
+    req = passes.admit(inst, ForwardRequest(pages=list(pages), last_page_len=last_len, tokens=tokens,
+                                            positions=positions, name=inst.label,
+                                            outputs=[OutputSpec(index=len(tokens) - 1, sample=sample)]))
     rules = StopRules(max_tokens, frozenset(stop_tokens), tuple(stop_strings), passes.max_position)
     send = (lambda text: inst.emit("message", text)) if stream else None
     # the loop pins, notes and grows pages on its instance's own page manager (its replica's)
@@ -328,14 +326,8 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
         return out
 
     def run_generation(inst: Instance, gen: Generation, first_pages: list[int]) -> Record:
-        fut = scheduler.submit(gen.request, inst.id, generation=gen)
-        fut.add_done_callback(inst.wake)
-        try:
-            inst.wait_until(fut.done)
-        except BaseException:
-            gen.cancelled = True  # terminated or out of budget: the loop ends at its next step
-            raise
-        result: GenerationResult = fut.wait()
+        result: GenerationResult = inst.wait_for(scheduler.submit(gen.request, inst.id, generation=gen),
+                                                 gen.cancel)
         if first_pages:
             result = dataclasses.replace(result, new_pages=first_pages + result.new_pages)
         return _generation_record(result)

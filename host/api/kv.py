@@ -69,7 +69,4 @@ def _copy_tokens(pm: PageManager, scheduler: Scheduler, page_size: int, inst: In
     if c.count == 0:
         return
     pm.note_copy(inst.pages, c.dst_page, c.dst_offset + c.count)
-    fut = scheduler.submit(c, inst.id)
-    fut.add_done_callback(inst.wake)
-    inst.wait_until(fut.done)
-    fut.wait()
+    inst.wait_for(scheduler.submit(c, inst.id))

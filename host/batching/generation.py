@@ -84,6 +84,10 @@ class Generation:
         # strings: whether one ends the loop is known only from the decoded text
         self.ahead = self.AHEAD and not rules.stop_strings
 
+    def cancel(self) -> None:
+        """Its caller has gone (terminated, out of budget): the loop ends at its next step."""
+        self.cancelled = True
+
     def fast_step(self, token: int) -> None:
         """A step while `fast` > 0: `token` (no stop token) is taken and the request moves one position
         and one slot on, writing it. What `advance` and `took` + `prepare` do for such a step."""

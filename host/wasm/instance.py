@@ -291,6 +291,20 @@ class Instance:
         fut.add_done_callback(self.wake)
         return h
 
+    def wait_for(self, fut: ForwardFuture, on_abort: Callable[[], None] | None = None) -> Any:
+        """Block until a job this instance submitted is done and return its result (raising its error).
+        `on_abort`: called if the wait ends otherwise (terminated, out of budget) before that is
+        re-raised, e.g. to end a generation loop at its next step."""
+        if not fut.done():  # (a done job needs no wake-up: a decode step's claimed prediction may be)
+            fut.add_done_callback(self.wake)
+            try:
+                self.wait_until(fut.done)
+            except BaseException:
+                if on_abort is not None:
+                    on_abort()
+                raise
+        return fut.wait()
+
     def wake(self, _fut: ForwardFuture) -> None:
         """Done-callback of this instance's forwards: wake its thread (in its turn, see RunGate)."""
         self.env.gate.wake(self._notify)
