@@ -80,7 +80,7 @@ def test_terminate_stops_a_long_loop_and_frees_its_pages(tmp_path) -> None:  # n
         h.terminate(run.id, "stop generating")
         assert run.finish(10).event == "aborted"
         wait_for(lambda: h.free_pages() == free0, what="the loop's pages back")
-        assert not h.scheduler._resident
+        assert not h.scheduler._loops.resident and not h.scheduler._loops.ahead
     finally:
         h.shutdown()
 

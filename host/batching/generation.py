@@ -7,7 +7,7 @@ thread between two backend calls, so it is kept to a few attribute updates per t
 
 Most steps are the same few updates: no stop rule can apply but the stop tokens, no page fills,
 nothing streams. `Generation.fast` counts how many steps in a row are of that kind from here;
-the scheduler does those inline (`Scheduler._step_loops`), without a call per loop, and `advance`
+the scheduler does those inline (`Loops.step_loops`), without a call per loop, and `advance`
 does the others and counts again.
 """
 

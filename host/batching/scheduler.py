@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from gpu_backend.types import ForwardError, ForwardRequest, OutputResult, StartedForward, started
 from host.batching.future import CopyRequest, ForwardFuture, Job
 from host.batching.generation import Generation
+from host.batching.loops import Loops
 from host.batching.policy import AdaptivePolicy, BatchPolicy
 from host.batching.queue import JobQueue, job_pages
 from host.batching.stats import BATCH_SIZE_BUCKETS, SchedulerStats
@@ -60,20 +61,9 @@ class Scheduler:
         self._pins: PagePins | None = None
         self._page_size = 1
         self._queue = JobQueue()
-        self._resident: list[ForwardFuture] = []  # generation loops: in every batch until they end
-        # Ahead (a backend with `start_forward`): loops whose next step is ready, its token written in
-        # (they go first in the next batch), and the work left from the last batch for after the next
-        # launch: its loops' steps to prepare (`_fill`, with their rows), the loops whose row was
-        # their last (`_lasts`), those left out to end (`_finals`: future, token, prepared)
         self._start: StartFn | None = None
-        self._ahead: list[ForwardFuture] = []
-        self._ahead_reqs: list[ForwardRequest] = []  # their requests, in order (the next launch's first)
-        self._ahead_in_batch: list[ForwardRequest] = []  # the batch being taken starts with these (_take -> _run_ahead)
-        self._fill: list[tuple[ForwardFuture, frozenset[int], ForwardRequest, list[int], int]] = []
-        self._lasts: list[tuple[ForwardFuture, int]] = []
-        self._broken: list[ForwardFuture] = []
-        self._finals: list[tuple[ForwardFuture, int | None, bool]] = []
-        self._last_batch = (0.0, 0.0)  # the last batch's start and end
+        self._ahead_in_batch: list[ForwardRequest] = []  # the batch being taken starts with these (_take -> _run)
+        self._loops = Loops(self._complete, self._expect)  # the generation loops' steps (host/batching/loops.py)
         self._batch_running = False  # a batch is in the backend (set and cleared by the scheduler thread)
         self._loops_in_batch = 0  # the batch being taken starts with this many resident loops (_take -> _run)
         self._cv = threading.Condition()
@@ -128,7 +118,7 @@ class Scheduler:
 
     def busy(self) -> bool:
         """Whether forwards are queued or generation loops are running (read without the lock)."""
-        return bool(self._queue or self._resident or self._ahead)
+        return bool(self._queue or self._loops.resident or self._loops.ahead)
 
     def expect(self, owner: str) -> None:
         """A new instance will submit soon. The policy may hold a batch for it only while nothing
@@ -137,7 +127,7 @@ class Scheduler:
         running ones until it submits (measured: 32 loops running, a launch every 25 ms: batch
         gaps of up to 3-11 ms, 0.4-0.9 ms on average, vs ~0.3 ms without the hold)."""
         with self._cv:
-            if not (self._queue or self._resident or self._ahead or self._batch_running):
+            if not (self._queue or self._loops.resident or self._loops.ahead or self._batch_running):
                 self.policy.launched(owner, time.perf_counter())
 
     def forget(self, owner: str) -> None:
@@ -153,12 +143,12 @@ class Scheduler:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=5)
-        for fut in self._queue.clear() + self._ahead + self._resident + [f for f, _t, _p in self._finals]:
+        for fut in self._queue.clear() + self._loops.ahead + self._loops.resident + [f for f, _t, _p in self._loops.finals]:
             self._complete(fut, None, RuntimeError("host is shutting down"))
-        self._ahead.clear()
-        self._ahead_reqs.clear()
-        self._resident.clear()
-        self._finals.clear()
+        self._loops.ahead.clear()
+        self._loops.ahead_reqs.clear()
+        self._loops.resident.clear()
+        self._loops.finals.clear()
         for _fn, cfut in self._calls:
             cfut.set_exception(RuntimeError("host is shutting down"))
         self._calls.clear()
@@ -169,7 +159,7 @@ class Scheduler:
             with self._cv:
                 settle = False
                 while not self._stopped and not self._calls and not self._has_work():
-                    if self._finals:  # no batch to launch now: the loops left out of the last one end first
+                    if self._loops.finals:  # no batch to launch now: the loops left out of the last one end first
                         settle = True
                         break
                     self._cv.wait(self._wait_s())
@@ -182,7 +172,7 @@ class Scheduler:
                     copies, batch = ([], []) if job else self._take()
                     self._batch_running = bool(batch)
             if settle:
-                self._end_finals(hold=True)
+                self._loops.end_finals(hold=True)
                 continue
             if job is not None:
                 fn, cfut = job
@@ -199,13 +189,13 @@ class Scheduler:
 
     def _no_forwards(self) -> bool:
         """Nothing to put in a batch: no queued forward (copies aside) and no loop (lock held)."""
-        return self._queue.no_forwards() and not self._resident and not self._ahead
+        return self._queue.no_forwards() and not self._loops.resident and not self._loops.ahead
 
     def _pending(self) -> list[ForwardFuture]:
         """What the policy looks at: the resident loops (always ready) and the queue."""
-        if self._ahead:
-            return self._ahead + self._resident + self._queue.jobs
-        return self._resident + self._queue.jobs if self._resident else self._queue.jobs
+        if self._loops.ahead:
+            return self._loops.ahead + self._loops.resident + self._queue.jobs
+        return self._loops.resident + self._queue.jobs if self._loops.resident else self._queue.jobs
 
     def _forwards_ready(self) -> bool:
         if self._no_forwards():
@@ -225,11 +215,11 @@ class Scheduler:
         queued forwards that may join them: host/batching/queue.py); everything else stays queued."""
         fire = self._forwards_ready()
         loops: list[ForwardFuture] = []
-        if fire and (self._resident or self._ahead):
-            loops = self._ahead + self._resident
+        if fire and (self._loops.resident or self._loops.ahead):
+            loops = self._loops.ahead + self._loops.resident
             if not dry:
-                self._ahead_in_batch = self._ahead_reqs
-                self._ahead, self._ahead_reqs, self._resident = [], [], []
+                self._ahead_in_batch = self._loops.ahead_reqs
+                self._loops.ahead, self._loops.ahead_reqs, self._loops.resident = [], [], []
                 self._loops_in_batch = len(loops)
         copies, queued = self._queue.take(fire, loops, self._page_size, self.max_batch_tokens, dry)
         return copies, loops + queued
@@ -270,7 +260,7 @@ class Scheduler:
                 i = e.request_index
                 if not 0 <= i < len(batch):
                     self._fail(batch, e)
-                    self._end_finals(hold=True)
+                    self._loops.end_finals(hold=True)
                     return
                 self.stats.errors += 1
                 loops -= int(i < loops)
@@ -279,24 +269,24 @@ class Scheduler:
                 reqs = [f.request for f in batch if isinstance(f.request, ForwardRequest)]
                 if batch:
                     continue
-                self._end_finals(hold=True)
+                self._loops.end_finals(hold=True)
                 return
             except Exception as e:  # the backend failed: every forward in this batch fails, host carries on
                 self._fail(batch, e)
-                self._end_finals(hold=True)
+                self._loops.end_finals(hold=True)
                 return
             break
         rest = batch[loops:]
         tokens = loops + sum(len(f.request.tokens) for f in rest if isinstance(f.request, ForwardRequest))
         # (counted before the steps change the requests)
-        waited = loops * (start - self._last_batch[1]) + sum(start - f.submitted for f in rest)
-        self._after_launch(batch, ahead, loops)
+        waited = loops * (start - self._loops.last_batch[1]) + sum(start - f.submitted for f in rest)
+        self._loops.after_launch(batch, ahead, loops)
         try:
             results = handle.wait()
         except Exception as e:
-            self._fill.clear()
-            self._lasts.clear()
-            self._broken.clear()
+            self._loops.fill.clear()
+            self._loops.lasts.clear()
+            self._loops.broken.clear()
             self._fail(batch, e)
             return
         end = time.perf_counter()
@@ -320,109 +310,23 @@ class Scheduler:
             self._pins.unpin(unpin)
         self._expect(come_back, start, end)
         ended: list[str] = []
-        self._fill_ahead(results, getattr(handle, "tokens", None))
+        self._loops.fill_ahead(results, getattr(handle, "tokens", None))
         if ahead < loops:
-            self._step_loops(batch, results, loops, end, ended, first=ahead)
-        for f in self._broken:  # a host bug in a loop's step: it ends now that its last step has run
+            self._loops.step_loops(batch, results, loops, end, ended, first=ahead)
+        for f in self._loops.broken:  # a host bug in a loop's step: it ends now that its last step has run
             self._complete(f, None, RuntimeError("host error in generate: a step could not be prepared"))
             ended.append(f.owner)
-        self._broken.clear()
+        self._loops.broken.clear()
         for f, r in zip(rest, rest_results, strict=True):
             gen = f.generation
             if gen is None:
                 f.finish(r, None)
-            elif not gen.ahead and self._step(f, gen, r, end):  # (a first step run ahead: in _fill)
+            elif not gen.ahead and self._loops.step(f, gen, r, end):  # (a first step run ahead: in _fill)
                 ended.append(f.owner)
-        if ended and not self._resident and not self._ahead:
+        if ended and not self._loops.resident and not self._loops.ahead:
             self._expect(ended, start, end)
-        self._last_batch = (start, end)
+        self._loops.last_batch = (start, end)
         self.stats.record(len(batch), tokens, waited, start, end)
-
-    def _after_launch(self, batch: list[ForwardFuture], ahead: int, loops: int) -> None:
-        """While `batch` runs: end the loops left out of it, and for each loop in it that runs ahead,
-        take the token its step writes and prepare its next step (`_fill`, with its row), or note
-        that this step is its last (`_lasts`). A common step is done inline (`Generation.fast`)."""
-        self._end_finals(hold=loops == 0)
-        fill = self._fill
-        for i in range(ahead):
-            f = batch[i]
-            gen = f.generation
-            assert gen is not None  # batch[:ahead] are loops
-            req = gen.request
-            if gen.fast > 0 and not gen.cancelled:
-                gen.fast_step(req.tokens[0])
-                fill.append((f, gen.stop_tokens, req, req.tokens, i))
-                continue
-            self._prepare(f, gen, i, req.tokens[0])
-        for i in range(loops, len(batch)):  # first steps of loops that run ahead
-            f = batch[i]
-            gen = f.generation
-            if gen is not None and gen.ahead:
-                self._prepare(f, gen, i, None)
-
-    def _prepare(self, fut: ForwardFuture, gen: Generation, row: int, token: int | None) -> None:
-        if gen.cancelled:  # the step just launched is its last
-            self._lasts.append((fut, row))
-            return
-        try:
-            prepared = gen.prepare() if token is None else gen.took(token)
-        except Exception:  # a host bug: the loop ends with an error once its step has run
-            log.exception("generation loop of %s failed", fut.owner)
-            self._broken.append(fut)
-            return
-        if prepared:
-            self._fill.append((fut, gen.stop_tokens, gen.request, gen.request.tokens, row))
-        else:
-            self._lasts.append((fut, row))
-
-    def _fill_ahead(self, results: list[list[OutputResult]], drawn: list[int | None] | None) -> None:
-        """The batch's drawn tokens (`drawn`: the backend's flat list of each request's first output's
-        token, if it gives one: a few cache lines instead of two objects per row; else read from
-        `results`) into the prepared steps: those loops go first into the next batch;
-        a loop whose token is a stop token or whose step was its last (or that was cancelled before
-        the launch) ends after the next launch (`_finals`)."""
-        ahead, reqs, finals = self._ahead, self._ahead_reqs, self._finals
-        if drawn is None or len(drawn) != len(results):
-            drawn = [r[0].token if r else None for r in results]
-        for f, stop_tokens, req, tokens, i in self._fill:
-            token = drawn[i]
-            if token is None or token in stop_tokens:
-                finals.append((f, token, True))
-                continue
-            tokens[0] = token
-            ahead.append(f)
-            reqs.append(req)
-        for f, i in self._lasts:
-            finals.append((f, drawn[i], False))
-        self._fill.clear()
-        self._lasts.clear()
-
-    def _end_finals(self, hold: bool) -> None:
-        """End the loops left out of the next batch (`Generation.finish`; one may go on, a step at a
-        time). `hold`: no loop goes on, so the policy may wait for their owners (see `_run`)."""
-        finals, self._finals = self._finals, []
-        if not finals:
-            return
-        ended: list[str] = []
-        now = time.perf_counter()
-        for f, token, prepared in finals:
-            gen = f.generation
-            assert gen is not None
-            try:
-                done = gen.finish(token, prepared)
-            except Exception as e:  # a host bug (or the backend drew no token) ends this loop only
-                log.exception("generation loop of %s failed", f.owner)
-                self._complete(f, None, RuntimeError(f"host error in generate: {type(e).__name__}: {e}"))
-                ended.append(f.owner)
-                continue
-            if done:
-                self._complete(f, gen.result, None)
-                ended.append(f.owner)
-            else:
-                f.submitted = now
-                self._resident.append(f)
-        if hold and ended and not self._resident and not self._ahead:
-            self._expect(ended, *self._last_batch)
 
     def _follow_up(self, fut: ForwardFuture, outputs: list[OutputResult]) -> ForwardFuture | None:
         """The owner's next forward, if `fut.follow` makes one (on `fut`'s pages: it takes over their pins)."""
@@ -446,48 +350,6 @@ class Scheduler:
             self._pins.unpin(job_pages(fut.request))
         fut.finish(None, RuntimeError("withdrawn before it ran"))
         return True
-
-    def _step_loops(self, batch: list[ForwardFuture], results: list[list[OutputResult]], loops: int, end: float,
-                    ended: list[str], first: int = 0) -> None:
-        """The steps of the first `loops` forwards of `batch`, resident loops': a fast step inline
-        (`Generation.fast`: its token is no stop token, so the loop goes on with the token written
-        into its request), any other through `_step`. With 256 loops this runs 256 times between two
-        backend calls: a call per loop and the rules checked one by one cost 0.33 ms a step at 256
-        (measured in a live burst), this 0.19 ms (mostly cache misses over the loops' objects)."""
-        keep = self._resident  # (empty: _take took the loops; _step appends the others in order)
-        for i in range(first, loops):
-            f = batch[i]
-            gen = f.generation
-            assert gen is not None  # only loops are resident
-            if gen.fast > 0 and not gen.cancelled:
-                try:
-                    token = results[i][0].token  # a loop's pass samples its one output
-                except IndexError:  # a backend bug: `_step` ends this loop with an error
-                    token = None
-                if token is not None and token not in gen.stop_tokens:
-                    gen.fast_step(token)
-                    f.submitted = end
-                    keep.append(f)
-                    continue
-            if self._step(f, gen, results[i], end):
-                ended.append(f.owner)
-
-    def _step(self, fut: ForwardFuture, gen: Generation, outputs: list[OutputResult], end: float) -> bool:
-        """One step of a host-side loop is done: it stays for the next batch (False) or ends (True)."""
-        try:
-            token = outputs[0].token
-            assert token is not None  # a generation's pass samples its one output
-            ended = gen.advance(token)
-        except Exception as e:  # a host bug ends this loop only
-            log.exception("generation loop of %s failed", fut.owner)
-            self._complete(fut, None, RuntimeError(f"host error in generate: {type(e).__name__}: {e}"))
-            return True
-        if ended:
-            self._complete(fut, gen.result, None)
-            return True
-        fut.submitted = end  # its next step is queued from now (the scheduler's queue-wait stat)
-        self._resident.append(fut)
-        return False
 
     def _fail(self, batch: list[ForwardFuture], e: Exception) -> None:
         log.error("backend failed on a batch of %d forwards: %s: %s", len(batch), type(e).__name__, e)
