@@ -13,7 +13,7 @@ beyond a dict lookup per call.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from host.batching.scheduler import Scheduler, SchedulerStats
@@ -147,10 +147,6 @@ class ReplicaSchedulers:
 
     def call(self, fn: Callable[[], Any]) -> Any:
         return self.replicas[0].call(fn)
-
-    def bind_all(self, binds: Iterable[tuple[Any, Any, int, Any]]) -> None:
-        for s, (fwd, copy, page_size, pins) in zip(self.replicas, binds, strict=True):
-            s.bind(fwd, copy, page_size, pins=pins)
 
     @property
     def stats(self) -> SchedulerStats:

@@ -1,7 +1,7 @@
 """Batching policies: when the scheduler fires the forwards it has queued.
 
 A policy is consulted with the scheduler's lock held, so its methods must be quick and must
-not block. Pie has the same cut (a `BatchPolicy` trait); see REFERENCE.md for its policies.
+not block. Pie has the same cut (a `BatchPolicy` trait in its Rust host).
 """
 
 from __future__ import annotations
