@@ -239,43 +239,22 @@ class Scheduler:
 
     def _run(self, batch: list[ForwardFuture]) -> None:
         """Run one batch: launch it (`start_forward`; a backend that cannot overlap runs it right
-        there), then do what the
-        last one left while this one runs (its loops' steps: take the token each launched step
-        writes and prepare the step after; end the loops left out of this batch), then wait for
-        it. When it returns, every loop whose next step is prepared goes into the next batch as
-        soon as its token is written in (`_fill_ahead`): between two backend calls the host does
-        that, the plain forwards' turns and the steps of loops that cannot run ahead (a grammar's
-        mask needs the token), not every loop's bookkeeping. A request the backend rejects at the
-        launch fails alone; a batch that fails after it fails whole."""
-        assert self._start is not None
+        there), then do what the last one left while this one runs (its loops' steps: take the
+        token each launched step writes and prepare the step after; end the loops left out of this
+        batch: `Loops.after_launch`), then wait for it. When it returns, every loop whose next step
+        is prepared goes into the next batch as soon as its token is written in
+        (`Loops.fill_ahead`): between two backend calls the host does that, the plain forwards'
+        turns and the steps of loops that cannot run ahead (a grammar's mask needs the token), not
+        every loop's bookkeeping. A request the backend rejects at the launch fails alone; a batch
+        that fails after it fails whole."""
         reqs, loops = self._ahead_in_batch, self._loops_in_batch  # batch[:ahead]: loops run ahead, reqs theirs
         ahead = len(reqs)
         self._ahead_in_batch, self._loops_in_batch = [], 0
         reqs.extend(f.request for f in batch[ahead:] if isinstance(f.request, ForwardRequest))
-        while True:
-            start = time.perf_counter()
-            try:
-                handle = self._start(reqs)
-            except ForwardError as e:
-                i = e.request_index
-                if not 0 <= i < len(batch):
-                    self._fail(batch, e)
-                    self._loops.end_finals(hold=True)
-                    return
-                self.stats.errors += 1
-                loops -= int(i < loops)
-                ahead -= int(i < ahead)
-                self._complete(batch.pop(i), None, e)
-                reqs = [f.request for f in batch if isinstance(f.request, ForwardRequest)]
-                if batch:
-                    continue
-                self._loops.end_finals(hold=True)
-                return
-            except Exception as e:  # the backend failed: every forward in this batch fails, host carries on
-                self._fail(batch, e)
-                self._loops.end_finals(hold=True)
-                return
-            break
+        launched = self._launch(batch, reqs, loops, ahead)
+        if launched is None:
+            return
+        handle, start, loops, ahead = launched
         rest = batch[loops:]
         tokens = loops + sum(len(f.request.tokens) for f in rest if isinstance(f.request, ForwardRequest))
         # (counted before the steps change the requests)
@@ -290,7 +269,43 @@ class Scheduler:
             self._fail(batch, e)
             return
         end = time.perf_counter()
-        rest_results = results[loops:]
+        self._after_run(batch, results, getattr(handle, "tokens", None), loops, ahead, start, end)
+        self.stats.record(len(batch), tokens, waited, start, end)
+
+    def _launch(self, batch: list[ForwardFuture], reqs: list[ForwardRequest], loops: int,
+                ahead: int) -> tuple[StartedForward, float, int, int] | None:
+        """Start the batch; a request the backend rejects fails alone and the rest is started without
+        it (`batch` shrinks). Returns the handle, the launch time and the loops / ahead counts left,
+        or None when nothing could be started."""
+        assert self._start is not None
+        while True:
+            start = time.perf_counter()
+            try:
+                return self._start(reqs), start, loops, ahead
+            except ForwardError as e:
+                i = e.request_index
+                if not 0 <= i < len(batch):
+                    self._fail(batch, e)
+                    self._loops.end_finals(hold=True)
+                    return None
+                self.stats.errors += 1
+                loops -= int(i < loops)
+                ahead -= int(i < ahead)
+                self._complete(batch.pop(i), None, e)
+                reqs = [f.request for f in batch if isinstance(f.request, ForwardRequest)]
+                if not batch:
+                    self._loops.end_finals(hold=True)
+                    return None
+            except Exception as e:  # the backend failed: every forward in this batch fails, host carries on
+                self._fail(batch, e)
+                self._loops.end_finals(hold=True)
+                return None
+
+    def _after_run(self, batch: list[ForwardFuture], results: list[list[OutputResult]],
+                   drawn: list[int | None] | None, loops: int, ahead: int, start: float, end: float) -> None:
+        """The batch has run: plain forwards finish (or queue their follow-up), the loops' drawn
+        tokens go into their prepared steps, the loops that cannot run ahead take their step."""
+        rest, rest_results = batch[loops:], results[loops:]
         come_back: list[str] = []
         follow_ups: list[ForwardFuture] = []
         unpin: list[int] = []
@@ -310,23 +325,23 @@ class Scheduler:
             self._pins.unpin(unpin)
         self._expect(come_back, start, end)
         ended: list[str] = []
-        self._loops.fill_ahead(results, getattr(handle, "tokens", None))
+        lp = self._loops
+        lp.fill_ahead(results, drawn)
         if ahead < loops:
-            self._loops.step_loops(batch, results, loops, end, ended, first=ahead)
-        for f in self._loops.broken:  # a host bug in a loop's step: it ends now that its last step has run
+            lp.step_loops(batch, results, loops, end, ended, first=ahead)
+        for f in lp.broken:  # a host bug in a loop's step: it ends now that its last step has run
             self._complete(f, None, RuntimeError("host error in generate: a step could not be prepared"))
             ended.append(f.owner)
-        self._loops.broken.clear()
+        lp.broken.clear()
         for f, r in zip(rest, rest_results, strict=True):
             gen = f.generation
             if gen is None:
                 f.finish(r, None)
-            elif not gen.ahead and self._loops.step(f, gen, r, end):  # (a first step run ahead: in _fill)
+            elif not gen.ahead and lp.step(f, gen, r, end):  # (a first step run ahead: in fill)
                 ended.append(f.owner)
-        if ended and not self._loops.resident and not self._loops.ahead:
+        if ended and not lp.resident and not lp.ahead:
             self._expect(ended, start, end)
-        self._loops.last_batch = (start, end)
-        self.stats.record(len(batch), tokens, waited, start, end)
+        lp.last_batch = (start, end)
 
     def _follow_up(self, fut: ForwardFuture, outputs: list[OutputResult]) -> ForwardFuture | None:
         """The owner's next forward, if `fut.follow` makes one (on `fut`'s pages: it takes over their pins)."""
