@@ -34,7 +34,7 @@ class HostConfig:
     memory_limit_bytes: cap on all linear memories and tables of one instance together.
     wall_budget_s: wall-clock budget per instance (None = unlimited).
     max_pages_per_instance: KV pages one instance may own at once (None = no cap).
-    run_gate: instance threads take turns running, `run_slots` at a time (see host/gate.py);
+    run_gate: instance threads take turns running, `run_slots` at a time (see host/batching/gate.py);
         False lets them all contend for the GIL at once (for comparisons).
     max_instances: instances running at once; a launch beyond it is refused (`HostBusy`).
     warm_instances: instances of each recently launched program kept started ahead of demand,
