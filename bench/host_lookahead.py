@@ -5,7 +5,7 @@ Usage: python bench/host_lookahead.py --json OUT [--step-ms 10] [--instances 16 
 Two hosts in one process, the same as bench/host_scale.py's `step` workload (the stepper guest,
 bench/inferlets/stepper: 64 greedy `decode-step` calls), one with `HostConfig.step_lookahead` on
 (the default: the host runs a stepping guest's predicted next step in the batch after the one
-that drew its token, host/api/forward.py's `_Stepper`) and one with it off: the baseline. Bursts
+that drew its token, host/api/lookahead.py's `Stepper`) and one with it off: the baseline. Bursts
 of N launches alternate between the two (the order flips every burst), each after the warm pool
 has refilled, so both see the same hour of this noisy VM. Every output is checked. Reported per N:
 the median efficiency (tok/s over the ideal N * tokens / ((tokens + 1) * step)) of each, their

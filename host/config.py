@@ -51,8 +51,8 @@ class HostConfig:
     replicas: engines, each with its own KV cache; an instance lives on one (placed by load).
     engine_restart: start an engine process again after it died (its instances end first).
     step_lookahead: run the predicted next `decode-step` of a guest that steps every token itself
-        in the batch after the one that drew its token, while the guest runs (host/api/forward.py's
-        `_Stepper`; the guest's call claims it if its arguments are the predicted ones). False:
+        in the batch after the one that drew its token, while the guest runs (`Stepper` in
+        host/api/lookahead.py; the guest's call claims it if its arguments are the predicted ones). False:
         every step waits for its guest's call (for comparisons).
     run_ahead: with a backend that overlaps (`start_forward`: the stand-in; a GPU backend may),
         launch each batch of host-side generation loops as soon as the last one's tokens are

@@ -1,4 +1,4 @@
-"""Lookahead for guests that step every token themselves (host/api/forward.py's `_Stepper`): the
+"""Lookahead for guests that step every token themselves (host/api/lookahead.py's `Stepper`): the
 host runs a stepping guest's predicted next `decode-step` before the guest asks, and the guest's
 call claims it only if it is exactly the predicted one.
 

@@ -19,9 +19,9 @@ from typing import Any
 from wasmtime.component import Record, ResourceAny
 
 from gpu_backend.types import BackendInfo, ForwardRequest, OutputResult, Tokenizer
-from host.api.forward import _generation, _generation_record, _outputs, _Passes
 from host.api.grammar import Grammars, HostMatcher
 from host.api.guest import GuestError, Import, guest_import
+from host.api.passes import Passes, generation, generation_record, outputs_of
 from host.batching.constrained import GRAMMAR_ERROR, ConstrainedGeneration, allowed_mask
 from host.batching.future import ForwardFuture
 from host.batching.generation import GenerationResult
@@ -53,7 +53,7 @@ def _accept_when_done(m: HostMatcher, index: int) -> Any:
 
 def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Tokenizer,
             grammars: Grammars) -> dict[str, Import]:
-    passes = _Passes(pm, scheduler, info)
+    passes = Passes(pm, scheduler, info)
 
     def submit(inst: Instance, store: Any, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
                mask: list[list[int]], outputs: list[Any], constrained: int, handle: ResourceAny) -> int | str:
@@ -65,7 +65,7 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
         allowed = allowed_mask(m.matcher)
         if isinstance(allowed, str):
             return allowed
-        specs = _outputs(outputs)
+        specs = outputs_of(outputs)
         specs[constrained] = replace(specs[constrained], allowed=allowed)
         req = passes.admit(inst, ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens,
                                                 positions=positions, mask=mask or None, outputs=specs,
@@ -108,7 +108,7 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
         if isinstance(allowed, str):
             return allowed
         make = functools.partial(ConstrainedGeneration, matcher=m.matcher, first_mask=allowed)
-        gen = _generation(passes, tok, inst, pages, last_len, tokens, positions, sampler, max_tokens, stop_tokens,
+        gen = generation(passes, tok, inst, pages, last_len, tokens, positions, sampler, max_tokens, stop_tokens,
                           stop_strings, stream, make=make)
         assert isinstance(gen, ConstrainedGeneration)
         fut = scheduler.submit(gen.request, inst.id, generation=gen)
@@ -121,7 +121,7 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
             pm.release(inst.pages, result.new_pages)
             m.matcher.rollback(gen.accepted)
             return gen.error or "the grammar admits no token here"
-        return _generation_record(result)
+        return generation_record(result)
 
     return {"run-constrained": run_constrained, "submit-constrained": submit_constrained,
             "decode-step-constrained": decode_step_constrained, "generate-constrained": generate_constrained}

@@ -27,21 +27,18 @@ U32_MAX = 2**32 - 1
 Import = Callable[..., Any]
 
 
-# `forward` and `kv` calls that leave a stepping guest's predicted next decode-step valid (the
-# others drop it first: host/api/forward.py's `_Stepper`). kv.allocate is the step's own page.
-_KEEP_LOOKAHEAD = frozenset({"forward.decode-step", "kv.allocate", "kv.page-size", "kv.free-pages",
-                             "kv.list-exports"})
-
-
 class GuestError(Exception):
     """Guest misuse of an import: traps the instance with this message."""
 
 
-def guest_import(name: str, store: bool = False) -> Callable[[Callable[..., Any]], Import]:
+def guest_import(name: str, store: bool = False, keeps_lookahead: bool = False) -> Callable[[Callable[..., Any]], Import]:
     """Wrap `fn(instance, *args)` as the import `name` (e.g. "kv.allocate"); with `store`,
-    `fn(instance, store_context, *args)` (resource handles are resolved through the store)."""
+    `fn(instance, store_context, *args)` (resource handles are resolved through the store).
 
-    drops = name.split(".", 1)[0] in ("forward", "kv") and name not in _KEEP_LOOKAHEAD
+    A `forward` or `kv` import drops a stepping guest's predicted next decode-step first (its view
+    of its pages may change: host/api/lookahead.py) unless it is declared `keeps_lookahead`."""
+
+    drops = name.split(".", 1)[0] in ("forward", "kv") and not keeps_lookahead
 
     def deco(fn: Callable[..., Any]) -> Import:
         @functools.wraps(fn)

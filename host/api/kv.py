@@ -10,15 +10,15 @@ from host.wasm.instance import Instance
 
 
 def imports(pm: PageManager, scheduler: Scheduler, page_size: int) -> dict[str, Import]:
-    @guest_import("kv.page-size")
+    @guest_import("kv.page-size", keeps_lookahead=True)
     def kv_page_size(inst: Instance) -> int:
         return page_size
 
-    @guest_import("kv.free-pages")
+    @guest_import("kv.free-pages", keeps_lookahead=True)
     def free_pages(inst: Instance) -> int:
         return pm.free_count
 
-    @guest_import("kv.allocate")
+    @guest_import("kv.allocate", keeps_lookahead=True)  # the next step's own page
     def allocate(inst: Instance, count: int) -> list[int] | str:
         inst.check_alive()
         return pm.allocate(inst.pages, count)
@@ -39,7 +39,7 @@ def imports(pm: PageManager, scheduler: Scheduler, page_size: int) -> dict[str, 
     def unexport(inst: Instance, name: str) -> str | None:
         return pm.unexport(inst.pages, name)
 
-    @guest_import("kv.list-exports")
+    @guest_import("kv.list-exports", keeps_lookahead=True)
     def list_exports(inst: Instance) -> list[tuple[str, int]]:
         return pm.list_exports(inst.pages)
 

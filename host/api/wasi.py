@@ -66,10 +66,12 @@ class _ReadyPollables:
         self.linker.add_wasip2()  # wasmtime's own clock: the helper's pollable is wasmtime's type
 
     def make(self, store: Any, inst: Instance) -> ResourceAny:
-        if inst.wasi_helper is None:
-            helper = self.linker.instantiate(store, self.component)
-            inst.wasi_helper = helper.get_func(store, "ready")
-        pollable: ResourceAny = inst.wasi_helper(store)
+        ready = inst.wasi_helper
+        if ready is None:
+            ready = self.linker.instantiate(store, self.component).get_func(store, "ready")
+            assert ready is not None  # the helper component exports it
+            inst.wasi_helper = ready
+        pollable: ResourceAny = ready(store)
         return pollable
 
 

@@ -48,7 +48,7 @@ class _HostCollector(Collector):
         yield CounterMetricFamily("pie_forward_errors", "Batches the backend failed",
                                   value=sched["backend_errors"])
         yield CounterMetricFamily("pie_step_lookaheads", "Decode steps of stepping guests run ahead of "
-                                  "their call (host/api/forward.py's lookahead)", value=sched["lookaheads"])
+                                  "their call (host/api/lookahead.py)", value=sched["lookaheads"])
         yield CounterMetricFamily("pie_step_lookaheads_withdrawn", "Steps run ahead taken back before they ran "
                                   "(the guest's call was not the predicted one)", value=sched["lookaheads_withdrawn"])
         yield GaugeMetricFamily("pie_batch_size_mean", "Mean forwards per batch",

@@ -15,11 +15,11 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import wasmtime
 from wasmtime import Store, WasiConfig
-from wasmtime.component import Linker
+from wasmtime.component import Func, Linker
 
 from host.events import InstanceEvent
 from host.state.pages import InstancePages
@@ -66,6 +66,16 @@ class Terminated(Exception):
     """Raised inside a blocking import when the instance has been told to stop."""
 
 
+class StepLookahead(Protocol):
+    """What the instance keeps for a guest stepping every token (host/api/lookahead.py's `Stepper`)."""
+
+    def drop(self) -> None:
+        """Forget the predicted next step (withdrawn if still queued)."""
+
+    def close(self) -> ForwardFuture | None:
+        """At the instance's end: drop the prediction; a running one's future, to wait for."""
+
+
 class Instance:
     """State of one instance. Its thread runs the guest's `run` export to the end.
 
@@ -106,8 +116,8 @@ class Instance:
         self.topics: set[str] = set()
         self.forwards: dict[int, ForwardFuture] = {}
         self._next_handle = 1
-        self.wasi_helper: Any = None  # host/api/wasi.py's helper in this instance's store, once made
-        self.stepper: Any = None  # host/api/forward.py's decode-step lookahead, once the guest steps
+        self.wasi_helper: Func | None = None  # host/api/wasi.py's helper in this instance's store, once made
+        self.stepper: StepLookahead | None = None  # host/api/lookahead.py's Stepper, once the guest steps
         self.return_value: str | None = None
         self.trap_reason: str | None = None  # set by an import before it traps the guest
         self.stop_reason: str | None = None  # set by terminate()
