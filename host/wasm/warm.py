@@ -201,6 +201,7 @@ class WarmPool:
             log.exception("could not start a warm instance of %s", program[:12])
             with self._cond:
                 self._cold.add(program)
+                self._cond.notify_all()  # (prewarm / wait_ready wait for this too)
             return
         with inst.cond:
             inst.cond.wait_for(lambda: inst.at_first_call or inst.finished.is_set(), _START_TIMEOUT_S)
@@ -209,6 +210,7 @@ class WarmPool:
                 log.info("program %s is not warmed: its instance ended or stalled before its first host call",
                          program[:12])
                 self._cold.add(program)
+                self._cond.notify_all()  # (prewarm / wait_ready wait for this too)
                 inst.terminate("warm start failed")
             elif self._closed or program not in self._ready:
                 inst.terminate("warm instance no longer needed")
