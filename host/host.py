@@ -16,7 +16,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from gpu_backend.types import Backend
 from host.api import ApiServices, build_linker
@@ -25,7 +25,7 @@ from host.batching.policy import make_policy
 from host.batching.scheduler import Scheduler
 from host.config import HostConfig
 from host.events import InstanceEvent
-from host.replicas import ReplicaPages, ReplicaSchedulers
+from host.replicas import Replica, total_stats
 from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
 from host.state.prefix_cache import PrefixCache
@@ -108,15 +108,12 @@ class Host:
         for sched, b, pm in zip(schedulers, backends, managers, strict=True):
             start = getattr(b, "start_forward", None) if config.run_ahead else None
             sched.bind(b.forward, b.copy_tokens, info.page_size, pins=pm, start=start)
-        self._managers = managers
-        self._router: ReplicaSchedulers | None = None
-        if len(backends) == 1:
-            self.pages: PageManager = managers[0]
-            self.scheduler: Scheduler = schedulers[0]
-        else:  # replicas: the WIT imports route each call to the instance's replica (host/replicas.py)
-            self._router = ReplicaSchedulers(schedulers)
-            self.pages = cast(PageManager, ReplicaPages(managers))
-            self.scheduler = cast(Scheduler, self._router)
+        # each instance lives on one replica, its WIT imports reach that replica's pages and
+        # scheduler (host/replicas.py); `pages` / `scheduler`: the first's (the only one by default)
+        self.replicas = [Replica(r, pm, sched) for r, (pm, sched) in enumerate(zip(managers, schedulers, strict=True))]
+        self.pages: PageManager = managers[0]
+        self.scheduler: Scheduler = schedulers[0]
+        self._owners: dict[str, int] = {}  # instance id -> its replica, for on_block (which gets an id)
         self._load = [0] * len(backends)  # running instances per replica (placement)
         for r, eng in enumerate(self.engines):
             eng.on_death.append(lambda reason, r=r: self._engine_died(r, reason))
@@ -140,12 +137,12 @@ class Host:
         self.gate = RunGate(config.run_gate, slots=config.run_slots)
         self.wasm.on_tick.append(self.gate.poll)  # queued wake-ups go out even if holders stall
         self.services = ApiServices(
-            info=info, tokenizer=backend.tokenizer, pages=self.pages, scheduler=self.scheduler,
+            info=info, tokenizer=backend.tokenizer, replicas=self.replicas,
             kvstore=self.kvstore, topics=self.topics, step_lookahead=self.config.step_lookahead)
         self.linker = build_linker(self.wasm.engine, self.services)
         self._env = InstanceEnv(
             engine=self.wasm, linker=self.linker, gate=self.gate,
-            limits=limits, on_block=self.scheduler.forget, on_end=self._instance_ended)
+            limits=limits, on_block=self._forget, on_end=self._instance_ended)
         self._instances: dict[str, Instance] = {}
         self._ended: OrderedDict[str, Instance] = OrderedDict()
         self._lock = threading.Lock()
@@ -202,7 +199,7 @@ class Host:
                 inst.pages.tenant = tenant
                 self._place(inst)
             self._instances[inst.id] = inst
-        self.scheduler.expect(inst.id)
+        self.replicas[inst.pages.replica].scheduler.expect(inst.id)
         if cold:
             inst.start()
         return inst.id
@@ -212,16 +209,18 @@ class Host:
         r = 0
         if len(self._load) > 1:
             up = [i for i, e in enumerate(self.engines) if e.alive] or list(range(len(self._load)))
-            r = min(up, key=lambda i: (self._load[i], -self._managers[i].free_count))
-            assert self._router is not None
-            self._router.place(inst.id, r)
+            r = min(up, key=lambda i: (self._load[i], -self.replicas[i].pages.free_count))
+            self._owners[inst.id] = r
         inst.pages.replica = r
         self._load[r] += 1
 
     def _unplace(self, inst: Instance) -> None:
         self._load[inst.pages.replica] -= 1
-        if self._router is not None:
-            self._router.drop(inst.id)
+        self._owners.pop(inst.id, None)
+
+    def _forget(self, instance_id: str) -> None:
+        """The instance blocks on something other than a forward: its replica's scheduler need not wait."""
+        self.replicas[self._owners.get(instance_id, 0)].scheduler.forget(instance_id)
 
     def _engine_died(self, replica: int, reason: str) -> None:
         """On the engine's watcher thread, before it is restarted: the KV cache of that replica is
@@ -233,7 +232,7 @@ class Host:
         msg = f"{reason}: its KV cache is lost, the instances on it were ended ({then})"
         for inst in victims:
             inst.terminate(msg)
-        dropped = self._managers[replica].drop_contents()
+        dropped = self.replicas[replica].pages.drop_contents()
         log.error("%s; ended %d instance(s), dropped %d export(s)", reason, len(victims), dropped)
 
     def prewarm(self, program_hash: str, n: int, timeout_s: float = 60.0) -> int:
@@ -295,10 +294,10 @@ class Host:
                 except Exception as e:  # only its end matters here; the error was the instance's to see
                     log.debug("instance %s ends with a failed forward: %s", inst.id, e)
         inst.forwards.clear()
-        self.pages.release_all(inst.pages)
-        self.scheduler.forget(inst.id)
-        if self._router is not None:
-            self._router.drop(inst.id)
+        rep = self.replicas[inst.pages.replica]
+        rep.pages.release_all(inst.pages)
+        rep.scheduler.forget(inst.id)
+        self._owners.pop(inst.id, None)
 
     def instances(self) -> list[dict[str, Any]]:
         """The running instances: id, program, arguments, state, started_at."""
@@ -312,21 +311,21 @@ class Host:
         return [self.model_name]
 
     def free_pages(self) -> int:
-        """KV pages on the free list now."""
-        return self.pages.free_count
+        """KV pages on the free list now (all replicas)."""
+        return sum(r.pages.free_count for r in self.replicas)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             running = len(self._instances)
-        cache = self.pages.cache
-        return {"scheduler": self.scheduler.stats.as_dict(), "policy": self.config.policy,
-                "instances": running, "free_pages": self.pages.free_count, "total_pages": self.total_pages,
+        cache = self.pages.cache  # (with replicas: the first's; each has its own)
+        return {"scheduler": total_stats(self.replicas).as_dict(), "policy": self.config.policy,
+                "instances": running, "free_pages": self.free_pages(), "total_pages": self.total_pages,
                 "model": self.model_name,
                 "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"},
                 "engine": {"kind": "process" if self.engines else "inproc",
                            "tp": self.engines[0].spec.tp if self.engines else 1,
                            "replicas": [{"pid": e.pid, "alive": e.alive, "deaths": e.deaths,
-                                         "instances": self._load[r], "free_pages": self._managers[r].free_count}
+                                         "instances": self._load[r], "free_pages": self.replicas[r].pages.free_count}
                                         for r, e in enumerate(self.engines)]}}
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -340,7 +339,8 @@ class Host:
             inst.terminate("host shutting down")
         for inst in insts:
             inst.join(timeout)
-        self.scheduler.stop()
+        for r in self.replicas:
+            r.scheduler.stop()
         for eng in self.engines:
             eng.close()
         self.linker.close()

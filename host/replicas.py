@@ -1,165 +1,89 @@
-"""Data parallel (`--replicas N`): N engines, each with its own KV cache, page manager and scheduler.
+"""Replicas (`--replicas N`): N engines, each with its own KV cache, page manager and scheduler.
 
-An instance lives on one replica, chosen at launch by load (`Host._place`); `InstancePages.replica`
-says which. The WIT imports see one page manager and one scheduler: `ReplicaPages` and
-`ReplicaSchedulers` route each call to the instance's replica, so page ids are that replica's own
-(0..num_pages-1 on every replica) and a batch only ever holds one replica's requests. An export
-lives on its exporter's replica: importing it from another replica is a clear error (KV pages do
-not move between engines), and a name is unique across replicas.
-Composed from the unchanged `PageManager` and `Scheduler`: nothing here runs on the hot path
-beyond a dict lookup per call.
+An instance is placed on one replica at launch, by load (`Host._place`), and stays there:
+`InstancePages.replica` is its index into `ApiServices.replicas`, and every WIT import it makes
+reaches that `Replica`'s page manager and scheduler directly. Page ids are a replica's own
+(0..num_pages-1 on every replica) and a batch only ever holds one replica's requests. Export names
+are unique per tenant across replicas (`ExportNames`); an export lives on its exporter's replica,
+and importing it from another replica is a clear error (KV pages do not move between engines).
+With one replica (the default) this is the whole host's pages and scheduler.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
-from host.batching.scheduler import Scheduler, SchedulerStats
+from host.batching.scheduler import Scheduler
+from host.batching.stats import SchedulerStats
 from host.state.pages import InstancePages, PageManager
 
-if TYPE_CHECKING:
-    from gpu_backend.types import ForwardRequest
-    from host.batching.future import ForwardFuture, Job
-    from host.batching.generation import Generation
-
-__all__ = ["ReplicaPages", "ReplicaSchedulers"]
+__all__ = ["ExportNames", "Replica", "total_stats"]
 
 
-class ReplicaPages:
-    """The page managers of all replicas behind `PageManager`'s interface (per instance table)."""
+@dataclass(frozen=True)
+class Replica:
+    """One engine's share of the host: its KV pages and the scheduler that feeds its backend."""
 
-    def __init__(self, managers: list[PageManager]) -> None:
-        self.replicas = managers
-        self.num_pages = sum(m.num_pages for m in managers)
-        self.cache = None  # per replica: `replicas[r].cache`
-        self._names = threading.Lock()  # export names are unique across replicas
+    index: int
+    pages: PageManager
+    scheduler: Scheduler
 
-    def _of(self, table: InstancePages) -> PageManager:
-        return self.replicas[table.replica]
 
-    def manager(self, table: InstancePages) -> PageManager:
-        """The page manager of the instance's replica (what a host-side generation loop works on:
-        pins and runs of writes have no table to route by)."""
-        return self.replicas[table.replica]
+class ExportNames:
+    """Export names, unique per tenant across replicas: the one place that looks past an instance's
+    own replica (on one replica it only forwards to its page manager)."""
 
-    @property
-    def free_count(self) -> int:
-        return sum(m.free_count for m in self.replicas)
-
-    @property
-    def refused(self) -> int:
-        return sum(m.refused for m in self.replicas)
-
-    def allocate(self, table: InstancePages, count: int) -> list[int] | str:
-        return self._of(table).allocate(table, count)
-
-    def release(self, table: InstancePages, pages: list[int]) -> None:
-        self._of(table).release(table, pages)
-
-    def release_all(self, table: InstancePages) -> None:
-        self._of(table).release_all(table)
-
-    def check_pages(self, table: InstancePages, pages: list[int], writable_from: int) -> None:
-        self._of(table).check_pages(table, pages, writable_from)
-
-    def check_step_pages(self, table: InstancePages, pages: list[int], writable_from: int) -> None:
-        self._of(table).check_step_pages(table, pages, writable_from)
-
-    def check_writable(self, table: InstancePages, page: int) -> None:
-        self._of(table).check_writable(table, page)
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        self._replicas = replicas
+        self._lock = threading.Lock()
 
     def export(self, table: InstancePages, name: str, pages: list[int], persistent: bool) -> str | None:
-        with self._names:
-            for r, m in enumerate(self.replicas):
-                if r != table.replica and m.has_export(table.tenant, name):
-                    return f"export name {name!r} is already in use (on engine replica {r})"
-            return self._of(table).export(table, name, pages, persistent)
+        with self._lock:  # checked and taken together: two replicas cannot take one name at once
+            where = self._elsewhere(table, name)
+            if where is not None:
+                return f"export name {name!r} is already in use (on engine replica {where})"
+            return self._replicas[table.replica].pages.export(table, name, pages, persistent)
 
     def import_(self, table: InstancePages, name: str) -> list[int] | str:
-        got = self._of(table).import_(table, name)
+        got = self._replicas[table.replica].pages.import_(table, name)
         if isinstance(got, str):
-            for r, m in enumerate(self.replicas):
-                if r != table.replica and m.has_export(table.tenant, name):
-                    return (f"export {name!r} lives on engine replica {r} and this instance runs on replica "
-                            f"{table.replica}: KV pages cannot be imported across replicas")
+            where = self._elsewhere(table, name)
+            if where is not None:
+                return (f"export {name!r} lives on engine replica {where} and this instance runs on replica "
+                        f"{table.replica}: KV pages cannot be imported across replicas")
         return got
 
     def unexport(self, table: InstancePages, name: str) -> str | None:
-        err = self._of(table).unexport(table, name)
+        err = self._replicas[table.replica].pages.unexport(table, name)
         if err is not None:
-            for r, m in enumerate(self.replicas):
-                if r != table.replica and m.has_export(table.tenant, name):
-                    return (f"export {name!r} lives on engine replica {r} and this instance runs on replica "
-                            f"{table.replica}: it can only be removed from there")
+            where = self._elsewhere(table, name)
+            if where is not None:
+                return (f"export {name!r} lives on engine replica {where} and this instance runs on replica "
+                        f"{table.replica}: it can only be removed from there")
         return err
 
-    def list_exports(self, table: InstancePages) -> list[tuple[str, int]]:
-        """The tenant's exports on the instance's own replica (the ones it can import)."""
-        return self._of(table).list_exports(table)
-
-    def attach_prefix(self, table: InstancePages, tokens: Sequence[int]) -> list[int]:
-        return self._of(table).attach_prefix(table, tokens)
-
-    def note_write(self, table: InstancePages, req: ForwardRequest, page_size: int,
-                   context_len: int | None = None) -> None:
-        self._of(table).note_write(table, req, page_size, context_len)
-
-    def note_copy(self, table: InstancePages, dst_page: int, end: int) -> None:
-        self._of(table).note_copy(table, dst_page, end)
-
-    def filled(self, table: InstancePages, page: int) -> int:
-        return self._of(table).filled(table, page)
+    def _elsewhere(self, table: InstancePages, name: str) -> int | None:
+        for r in self._replicas:
+            if r.index != table.replica and r.pages.has_export(table.tenant, name):
+                return r.index
+        return None
 
 
-class ReplicaSchedulers:
-    """One `Scheduler` per replica behind `Scheduler`'s interface: jobs go to their owner's replica."""
-
-    def __init__(self, schedulers: list[Scheduler]) -> None:
-        self.replicas = schedulers
-        self._owner: dict[str, int] = {}
-
-    def place(self, owner: str, replica: int) -> None:
-        self._owner[owner] = replica
-
-    def drop(self, owner: str) -> None:
-        self._owner.pop(owner, None)
-
-    def _of(self, owner: str) -> Scheduler:
-        return self.replicas[self._owner.get(owner, 0)]
-
-    def submit(self, request: Job, owner: str, generation: Generation | None = None,
-               lookahead: bool = False) -> ForwardFuture:
-        return self._of(owner).submit(request, owner, generation, lookahead)
-
-    def expect(self, owner: str) -> None:
-        self._of(owner).expect(owner)
-
-    def withdraw(self, fut: ForwardFuture) -> bool:
-        return self._of(fut.owner).withdraw(fut)
-
-    def forget(self, owner: str) -> None:
-        r = self._owner.get(owner)
-        for i, s in enumerate(self.replicas):
-            if r is None or r == i:
-                s.forget(owner)
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        return self.replicas[0].call(fn)
-
-    @property
-    def stats(self) -> SchedulerStats:
-        """The replicas' counters added up (max_batch_size: the largest)."""
-        total = SchedulerStats()
-        for s in self.replicas:
-            st = s.stats
-            for f in ("batches", "forwards", "tokens", "copies", "queue_wait_s", "backend_s", "errors", "lookaheads",
-                      "lookaheads_withdrawn"):
-                setattr(total, f, getattr(total, f) + getattr(st, f))
-            total.max_batch_size = max(total.max_batch_size, st.max_batch_size)
-        return total
-
-    def stop(self) -> None:
-        for s in self.replicas:
-            s.stop()
+def total_stats(replicas: Sequence[Replica]) -> SchedulerStats:
+    """The replicas' scheduler counters added up (max_batch_size: the largest; the histogram summed)."""
+    if len(replicas) == 1:
+        return replicas[0].scheduler.stats
+    total = SchedulerStats()
+    for r in replicas:
+        st = r.scheduler.stats
+        for f in fields(SchedulerStats):
+            a, b = getattr(total, f.name), getattr(st, f.name)
+            if f.name == "max_batch_size":
+                total.max_batch_size = max(a, b)
+            elif isinstance(a, list):
+                setattr(total, f.name, [x + y for x, y in zip(a, b, strict=True)])
+            else:
+                setattr(total, f.name, a + b)
+    return total

@@ -10,6 +10,7 @@ from fakes import FakeBackend
 
 from host.api import PACKAGE, WIT_VERSION, WIT_VERSIONS, ApiServices, import_tables, version_tables
 from host.batching.scheduler import Scheduler
+from host.replicas import Replica
 from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
 from host.state.topics import Topics
@@ -35,8 +36,9 @@ def declared(path: Path = WIT) -> dict[str, set[str]]:
 @pytest.fixture
 def services() -> ApiServices:
     fb = FakeBackend()
-    return ApiServices(info=fb.info, tokenizer=fb.tokenizer, pages=PageManager(fb.info.num_pages),
-                       scheduler=Scheduler(), kvstore=KeyValueStore(None), topics=Topics())
+    return ApiServices(info=fb.info, tokenizer=fb.tokenizer,
+                       replicas=[Replica(0, PageManager(fb.info.num_pages), Scheduler())],
+                       kvstore=KeyValueStore(None), topics=Topics())
 
 
 def test_registered_imports_equal_the_wit_declarations(services: ApiServices) -> None:
@@ -46,7 +48,7 @@ def test_registered_imports_equal_the_wit_declarations(services: ApiServices) ->
     assert all(wit.values())  # the parser found functions in every interface
     registered = {iface: set(table) for iface, table in import_tables(services).items()}
     assert registered == wit
-    services.scheduler.stop()
+    services.replicas[0].scheduler.stop()
 
 
 def test_every_version_shipped_is_served_with_exactly_its_functions(services: ApiServices) -> None:
@@ -56,7 +58,7 @@ def test_every_version_shipped_is_served_with_exactly_its_functions(services: Ap
         head = re.search(r"^package [\w:-]+@([\d.]+);", path.read_text(), re.M)
         assert head is not None and head.group(1) == version
         assert {iface: set(t) for iface, t in tables[version].items()} == declared(path), version
-    services.scheduler.stop()
+    services.replicas[0].scheduler.stop()
 
 
 def test_wit_package_and_version_match_the_linker() -> None:

@@ -20,9 +20,8 @@ from gpu_backend.types import BackendInfo, Tokenizer
 from host.api import constrained, forward, grammar, kv, messaging, model, runtime, store, wasi
 from host.api.fastcall import add_func
 from host.api.guest import Import
-from host.batching.scheduler import Scheduler
+from host.replicas import ExportNames, Replica
 from host.state.kvstore import KeyValueStore
-from host.state.pages import PageManager
 from host.state.topics import Topics
 
 __all__ = ["ApiServices", "PACKAGE", "WIT_VERSION", "WIT_VERSIONS", "build_linker", "import_tables", "version_tables"]
@@ -44,11 +43,15 @@ class ApiServices:
 
     info: BackendInfo
     tokenizer: Tokenizer
-    pages: PageManager
-    scheduler: Scheduler
+    replicas: list[Replica]  # the engines' pages and schedulers; an instance uses `replicas[inst.pages.replica]`
     kvstore: KeyValueStore
     topics: Topics
     step_lookahead: bool = True  # HostConfig.step_lookahead
+
+    @cached_property
+    def export_names(self) -> ExportNames:
+        """Export names, unique per tenant across the replicas."""
+        return ExportNames(self.replicas)
 
     @cached_property
     def grammars(self) -> grammar.Grammars:
@@ -63,10 +66,10 @@ def import_tables(s: ApiServices) -> dict[str, dict[str, Import]]:
         "messaging": messaging.imports(s.topics),
         "store": store.imports(s.kvstore),
         "model": model.imports(s.info, s.tokenizer),
-        "kv": kv.imports(s.pages, s.scheduler, s.info.page_size),
+        "kv": kv.imports(s.replicas, s.export_names, s.info.page_size),
         "grammar": grammar.imports(s.grammars),
-        "forward": {**forward.imports(s.pages, s.scheduler, s.info, s.tokenizer, s.step_lookahead),
-                    **constrained.imports(s.pages, s.scheduler, s.info, s.tokenizer, s.grammars)},
+        "forward": {**forward.imports(s.replicas, s.info, s.tokenizer, s.step_lookahead),
+                    **constrained.imports(s.replicas, s.info, s.tokenizer, s.grammars)},
     }
 
 

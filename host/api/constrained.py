@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -25,8 +26,7 @@ from host.api.passes import Passes, generation, generation_record, outputs_of
 from host.batching.constrained import GRAMMAR_ERROR, ConstrainedGeneration, allowed_mask
 from host.batching.future import ForwardFuture
 from host.batching.generation import GenerationResult
-from host.batching.scheduler import Scheduler
-from host.state.pages import PageManager
+from host.replicas import Replica
 from host.wasm.instance import Instance
 
 __all__ = ["imports"]
@@ -51,9 +51,9 @@ def _accept_when_done(m: HostMatcher, index: int) -> Any:
     return done
 
 
-def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Tokenizer,
+def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
             grammars: Grammars) -> dict[str, Import]:
-    passes = Passes(pm, scheduler, info)
+    passes = Passes(replicas, info)
 
     def submit(inst: Instance, store: Any, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
                mask: list[list[int]], outputs: list[Any], constrained: int, handle: ResourceAny) -> int | str:
@@ -70,7 +70,7 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
         req = passes.admit(inst, ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens,
                                                 positions=positions, mask=mask or None, outputs=specs,
                                                 name=inst.label))
-        fut = scheduler.submit(req, inst.id)
+        fut = passes.scheduler(inst).submit(req, inst.id)
         m.busy = True
         fut.add_done_callback(_accept_when_done(m, constrained))  # before the waiter's wake-up
         return inst.new_handle(fut)
@@ -93,7 +93,7 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
             return allowed
         req = passes.decode_request(inst, pages, last_len, token, position, sampler, tuple(sampler.__dict__.values()))
         req.outputs = [replace(req.outputs[0], allowed=allowed)]
-        out: int | None = inst.wait_for(scheduler.submit(req, inst.id))[0].token
+        out: int | None = inst.wait_for(passes.scheduler(inst).submit(req, inst.id))[0].token
         assert out is not None  # the spec asked for a sampled token
         if not m.matcher.accept(out):
             log.error("a matcher refused token %s drawn from its own mask", out)
@@ -111,14 +111,14 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
         gen = generation(passes, tok, inst, pages, last_len, tokens, positions, sampler, max_tokens, stop_tokens,
                           stop_strings, stream, make=make)
         assert isinstance(gen, ConstrainedGeneration)
-        fut = scheduler.submit(gen.request, inst.id, generation=gen)
+        fut = passes.scheduler(inst).submit(gen.request, inst.id, generation=gen)
         m.busy = True
         try:
             result: GenerationResult = inst.wait_for(fut, gen.cancel)
         finally:
             m.busy = not fut.done()
         if result.finish == GRAMMAR_ERROR:  # undo the call: its pages and what the matcher accepted
-            pm.release(inst.pages, result.new_pages)
+            passes.pm(inst).release(inst.pages, result.new_pages)
             m.matcher.rollback(gen.accepted)
             return gen.error or "the grammar admits no token here"
         return generation_record(result)

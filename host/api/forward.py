@@ -6,6 +6,7 @@ host/api/passes.py, the decode-step lookahead in host/api/lookahead.py.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from wasmtime.component import Record
@@ -15,15 +16,14 @@ from host.api.guest import GuestError, Import, guest_import
 from host.api.lookahead import Stepper
 from host.api.passes import Passes, generation, generation_record
 from host.batching.generation import Generation, GenerationResult
-from host.batching.scheduler import Scheduler
-from host.state.pages import PageManager
+from host.replicas import Replica
 from host.wasm.instance import Instance
 
 
-def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Tokenizer,
+def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
             lookahead: bool = True) -> dict[str, Import]:
     """The `forward` imports; `lookahead`: run a stepping guest's predicted next step ahead (host/api/lookahead.py)."""
-    passes = Passes(pm, scheduler, info, lookahead)
+    passes = Passes(replicas, info, lookahead)
 
     @guest_import("forward.submit")
     def submit(inst: Instance, *args: Any) -> int:
@@ -63,7 +63,7 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
         return out
 
     def run_generation(inst: Instance, gen: Generation, first_pages: list[int]) -> Record:
-        result: GenerationResult = inst.wait_for(scheduler.submit(gen.request, inst.id, generation=gen),
+        result: GenerationResult = inst.wait_for(passes.scheduler(inst).submit(gen.request, inst.id, generation=gen),
                                                  gen.cancel)
         if first_pages:
             result = dataclasses.replace(result, new_pages=first_pages + result.new_pages)
@@ -85,7 +85,7 @@ def imports(pm: PageManager, scheduler: Scheduler, info: BackendInfo, tok: Token
                               tokens[cached:], list(range(cached, len(tokens))), sampler, max_tokens, stop_tokens,
                               stop_strings, stream)
         except BaseException:
-            passes.pm.release(inst.pages, pages)  # a bad argument: the caller traps holding nothing new
+            passes.pm(inst).release(inst.pages, pages)  # a bad argument: the caller traps holding nothing new
             raise
         return run_generation(inst, gen, pages)
 
@@ -102,7 +102,7 @@ def _fresh_pages(passes: Passes, inst: Instance, tokens: list[int], prefix_cache
     inst.check_alive()
     if not tokens:
         raise GuestError("no pending tokens to start from")
-    ps, pm = passes.page_size, passes.pm
+    ps, pm = passes.page_size, passes.pm(inst)
     cached = pm.attach_prefix(inst.pages, tokens[:-1]) if prefix_cache and len(tokens) > ps else []
     fresh = pm.allocate(inst.pages, -(-len(tokens) // ps) - len(cached))
     if isinstance(fresh, str):

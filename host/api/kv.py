@@ -2,65 +2,68 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from host.api.guest import GuestError, Import, guest_import
 from host.batching.future import CopyRequest
-from host.batching.scheduler import Scheduler
-from host.state.pages import PageManager
+from host.replicas import ExportNames, Replica
 from host.wasm.instance import Instance
 
 
-def imports(pm: PageManager, scheduler: Scheduler, page_size: int) -> dict[str, Import]:
+def imports(replicas: Sequence[Replica], names: ExportNames, page_size: int) -> dict[str, Import]:
+    """The `kv` imports: each reaches its instance's replica (`inst.pages.replica`)."""
     @guest_import("kv.page-size", keeps_lookahead=True)
     def kv_page_size(inst: Instance) -> int:
         return page_size
 
     @guest_import("kv.free-pages", keeps_lookahead=True)
     def free_pages(inst: Instance) -> int:
-        return pm.free_count
+        return replicas[inst.pages.replica].pages.free_count
 
     @guest_import("kv.allocate", keeps_lookahead=True)  # the next step's own page
     def allocate(inst: Instance, count: int) -> list[int] | str:
         inst.check_alive()
-        return pm.allocate(inst.pages, count)
+        return replicas[inst.pages.replica].pages.allocate(inst.pages, count)
 
     @guest_import("kv.release")
     def release(inst: Instance, pages: list[int]) -> None:
-        pm.release(inst.pages, pages)
+        replicas[inst.pages.replica].pages.release(inst.pages, pages)
 
     @guest_import("kv.export-pages")
     def export_pages(inst: Instance, name: str, pages: list[int], persistent: bool) -> str | None:
-        return pm.export(inst.pages, name, pages, persistent)
+        return names.export(inst.pages, name, pages, persistent)
 
     @guest_import("kv.import-pages")
     def import_pages(inst: Instance, name: str) -> list[int] | str:
-        return pm.import_(inst.pages, name)
+        return names.import_(inst.pages, name)
 
     @guest_import("kv.unexport")
     def unexport(inst: Instance, name: str) -> str | None:
-        return pm.unexport(inst.pages, name)
+        return names.unexport(inst.pages, name)
 
     @guest_import("kv.list-exports", keeps_lookahead=True)
     def list_exports(inst: Instance) -> list[tuple[str, int]]:
-        return pm.list_exports(inst.pages)
+        return replicas[inst.pages.replica].pages.list_exports(inst.pages)
 
     @guest_import("kv.attach-prefix")
     def attach_prefix(inst: Instance, tokens: list[int]) -> list[int]:
         inst.check_alive()
-        return pm.attach_prefix(inst.pages, tokens)
+        return replicas[inst.pages.replica].pages.attach_prefix(inst.pages, tokens)
 
     @guest_import("kv.copy-tokens")
     def copy_tokens(inst: Instance, src_page: int, src_off: int, dst_page: int, dst_off: int, count: int) -> None:
-        _copy_tokens(pm, scheduler, page_size, inst, CopyRequest(src_page, src_off, dst_page, dst_off, count,
-                                                                 inst.label))
+        rep = replicas[inst.pages.replica]
+        _copy_tokens(rep, page_size, inst, CopyRequest(src_page, src_off, dst_page, dst_off, count, inst.label))
 
     return {"page-size": kv_page_size, "free-pages": free_pages, "allocate": allocate, "release": release,
             "export-pages": export_pages, "import-pages": import_pages, "unexport": unexport,
             "list-exports": list_exports, "copy-tokens": copy_tokens, "attach-prefix": attach_prefix}
 
 
-def _copy_tokens(pm: PageManager, scheduler: Scheduler, page_size: int, inst: Instance, c: CopyRequest) -> None:
+def _copy_tokens(rep: Replica, page_size: int, inst: Instance, c: CopyRequest) -> None:
     """Through the scheduler: the copy runs after this instance's forwards submitted before it."""
     inst.check_alive()
+    pm = rep.pages
     pm.check_pages(inst.pages, [c.src_page], writable_from=1)
     pm.check_writable(inst.pages, c.dst_page)
     if c.src_offset + c.count > page_size or c.dst_offset + c.count > page_size:
@@ -69,4 +72,4 @@ def _copy_tokens(pm: PageManager, scheduler: Scheduler, page_size: int, inst: In
     if c.count == 0:
         return
     pm.note_copy(inst.pages, c.dst_page, c.dst_offset + c.count)
-    inst.wait_for(scheduler.submit(c, inst.id))
+    inst.wait_for(rep.scheduler.submit(c, inst.id))

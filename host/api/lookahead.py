@@ -75,10 +75,10 @@ class Stepper:
             if (token == req.tokens[0] and position == req.positions[0] and last_len == req.last_page_len
                     and key == self.key and pages == req.pages):
                 ctx = passes.check_pages(inst, pages, last_len, 1, step=True)  # as for any step
-                passes.pm.note_write(inst.pages, req, passes.page_size, context_len=ctx)
+                passes.pm(inst).note_write(inst.pages, req, passes.page_size, context_len=ctx)
                 self.trust += 1
             else:
-                if not passes.scheduler.withdraw(fut):  # if still queued; else its result is dropped
+                if not passes.scheduler(inst).withdraw(fut):  # if still queued; else its result is dropped
                     self.dropped = fut
                 self.trust = 0
                 fut = None
@@ -87,7 +87,7 @@ class Stepper:
         else:
             self.trust = 0
         if fut is None:
-            fut = passes.scheduler.submit(
+            fut = passes.scheduler(inst).submit(
                 passes.decode_request(inst, pages, last_len, token, position, sampler, key), inst.id)
         self.key = key
         trusted = self.trust >= TRUST and passes.lookahead
@@ -116,7 +116,7 @@ class Stepper:
         passes = self.passes
         if (token is None or token >= passes.info.vocab_size or req.last_page_len >= passes.page_size
                 or req.positions[0] + 1 >= passes.max_position or self.closed or self.pending is not None
-                or passes.pm.filled(self.inst.pages, req.pages[-1]) > req.last_page_len):
+                or passes.pm(self.inst).filled(self.inst.pages, req.pages[-1]) > req.last_page_len):
             return False  # (the last: the guest wrote that slot before, and may still count on it)
         req.last_page_len += 1
         req.tokens[0] = token
@@ -139,7 +139,7 @@ class Stepper:
         assert isinstance(req, ForwardRequest)
         with self.lock:
             if self._advance(req, token):
-                self.pending = self.passes.scheduler.submit(req, fut.owner, lookahead=True)
+                self.pending = self.passes.scheduler(self.inst).submit(req, fut.owner, lookahead=True)
 
     def drop(self) -> None:
         """Another forward or kv call (or the instance's end): forget the prediction (withdrawn if
@@ -150,7 +150,7 @@ class Stepper:
             fut, self.pending = self.pending, None
             self.e_pages = None
             self.trust = 0
-        if fut is not None and not self.passes.scheduler.withdraw(fut):
+        if fut is not None and not self.passes.scheduler(self.inst).withdraw(fut):
             self.dropped = fut  # the owner's later jobs run after it anyway (same owner, in order)
 
     def close(self) -> ForwardFuture | None:

@@ -10,7 +10,7 @@ call made per token. Shared by the `forward` imports (host/api/forward.py), the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from wasmtime.component import Record
@@ -20,6 +20,7 @@ from gpu_backend.validate import as_sampler, check_request
 from host.api.guest import GuestError
 from host.batching.generation import Generation, GenerationResult, StopRules
 from host.batching.scheduler import Scheduler
+from host.replicas import Replica
 from host.state.pages import PageManager
 from host.wasm.instance import Instance
 
@@ -39,12 +40,20 @@ def outputs_of(specs: list[Any]) -> list[OutputSpec]:
 class Passes:
     """The checks and bookkeeping the forward imports share (one per host and replica set)."""
 
-    def __init__(self, pm: PageManager, scheduler: Scheduler, info: BackendInfo, lookahead: bool = True) -> None:
-        self.pm, self.scheduler, self.info = pm, scheduler, info
+    def __init__(self, replicas: Sequence[Replica], info: BackendInfo, lookahead: bool = True) -> None:
+        self.replicas, self.info = replicas, info
         self.lookahead = lookahead  # run a stepping guest's predicted next decode-step ahead (host/api/lookahead.py)
         self.page_size = info.page_size
         self.max_position = info.max_position or 2**32
         self.decode_specs: dict[tuple[Any, ...], list[OutputSpec]] = {}  # sampler fields -> [OutputSpec]
+
+    def pm(self, inst: Instance) -> PageManager:
+        """The page manager of the instance's replica."""
+        return self.replicas[inst.pages.replica].pages
+
+    def scheduler(self, inst: Instance) -> Scheduler:
+        """The scheduler of the instance's replica."""
+        return self.replicas[inst.pages.replica].scheduler
 
     def check_pages(self, inst: Instance, pages: list[int], last_len: int, n_tokens: int, step: bool = False) -> int:
         """The page list of a pass of `n_tokens` new tokens: held by the instance, long enough, written
@@ -62,9 +71,9 @@ class Passes:
                              f"last-page-len {last_len} hold {total} tokens")
         ctx = total - n_tokens
         if step:
-            self.pm.check_step_pages(inst.pages, pages, writable_from=ctx // ps)
+            self.pm(inst).check_step_pages(inst.pages, pages, writable_from=ctx // ps)
         else:
-            self.pm.check_pages(inst.pages, pages, writable_from=ctx // ps)
+            self.pm(inst).check_pages(inst.pages, pages, writable_from=ctx // ps)
         return ctx
 
     def admit(self, inst: Instance, req: ForwardRequest) -> ForwardRequest:
@@ -73,14 +82,14 @@ class Passes:
         cache. Every forward import admits its request here (decode steps: `decode_request`)."""
         ctx = self.check_pages(inst, req.pages, req.last_page_len, len(req.tokens))
         req = check_request(req, self.info)
-        self.pm.note_write(inst.pages, req, self.page_size, context_len=ctx)
+        self.pm(inst).note_write(inst.pages, req, self.page_size, context_len=ctx)
         return req
 
     def submit(self, inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
                mask: list[list[int]], outputs: list[Any]) -> int:
         req = self.admit(inst, ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens, positions=positions,
                                               mask=mask or None, outputs=outputs_of(outputs), name=inst.label))
-        return inst.new_handle(self.scheduler.submit(req, inst.id))
+        return inst.new_handle(self.scheduler(inst).submit(req, inst.id))
 
     def take(self, inst: Instance, handle: int) -> list[OutputResult]:
         fut = inst.forwards.get(handle)
@@ -108,7 +117,7 @@ class Passes:
                 self.decode_specs[key] = outputs
         req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=[token], positions=[position],
                              outputs=outputs, name=inst.label, checked=True)
-        self.pm.note_write(inst.pages, req, self.page_size, context_len=ctx)
+        self.pm(inst).note_write(inst.pages, req, self.page_size, context_len=ctx)
         return req
 
 
@@ -128,8 +137,7 @@ def generation(passes: Passes, tok: Tokenizer, inst: Instance, pages: list[int],
                                             outputs=[OutputSpec(index=len(tokens) - 1, sample=sample)]))
     rules = StopRules(max_tokens, frozenset(stop_tokens), tuple(stop_strings), passes.max_position)
     send = (lambda text: inst.emit("message", text)) if stream else None
-    # the loop pins, notes and grows pages on its instance's own page manager (its replica's)
-    return make(req, sample, rules, passes.page_size, passes.pm.manager(inst.pages), inst.pages, tok.decode, send)
+    return make(req, sample, rules, passes.page_size, passes.pm(inst), inst.pages, tok.decode, send)
 
 
 def generation_record(res: GenerationResult) -> Record:

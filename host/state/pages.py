@@ -74,10 +74,6 @@ class PageManager:
         """Pages an allocation can have: the free list and the cached pages nobody holds."""
         return len(self._free) + (self.cache.idle if self.cache is not None else 0)
 
-    def manager(self, table: InstancePages) -> PageManager:
-        """The manager holding `table`'s pages: this one (with replicas, `ReplicaPages.manager`)."""
-        return self
-
     def allocate(self, table: InstancePages, count: int) -> list[int] | str:
         """Allocate `count` pages for `table`; a string explains why not (a condition, not a bug)."""
         with self._lock:
