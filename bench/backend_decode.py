@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from gpu_backend import ForwardRequest, OutputSpec, SamplerParams, load_backend
-from gpu_backend.loader import default_model_path
+from gpu_backend.loading.loader import default_model_path
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in simple terms.", "Write a haiku about rain.",

@@ -5,7 +5,7 @@ Usage: python bench/engine.py --json OUT [--instances 1 16 64] [--tokens 32] [--
 Both sides in the same run, interleaved (A B A B ...), medians of `--repeats`:
 - `standin`: the host in front of the stand-in backend sleeping `--step-ms` per batch (as in
   bench/host_scale.py), `text_completion` greedy, N instances at once; inproc = StandInBackend on
-  the scheduler thread, process = the same stand-in in an engine process (gpu_backend/engine_proc.py).
+  the scheduler thread, process = the same stand-in in an engine process (gpu_backend/engine/client.py).
   efficiency = tok/s / ideal, ideal = N * tokens / ((tokens + 1) * step). This isolates what the
   transport costs per step (and what leaving the host's GIL gives back).
 - `model`: the real default model on CPU (float32), same inferlet, N instances; tok/s of the whole
@@ -27,7 +27,7 @@ from typing import Any
 
 from common import Run, compile_inferlet, settle
 
-from gpu_backend.engine_proc import EngineSpec, ProcessBackend, start_engines
+from gpu_backend.engine.client import EngineSpec, ProcessBackend, start_engines
 from gpu_backend.standin import StandInBackend
 from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams
 from host import Host, HostConfig

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from gpu_backend import ForwardRequest, OutputSpec, TorchBackend, load_backend
-from gpu_backend.flex import FlexAttention
+from gpu_backend.attention.flex import FlexAttention
 
 
 def decode_batch(batch: int, ctx: int, ps: int, token: int) -> list[ForwardRequest]:

@@ -118,7 +118,7 @@ def prepare(kit: Path) -> None:
     """Write the kit folder (run here, where the default model and a package registry are)."""
     import transformers
 
-    from gpu_backend.loader import default_model_path
+    from gpu_backend.loading.loader import default_model_path
     from host.cli.build import resolve_inferlet
 
     kit.mkdir(parents=True, exist_ok=True)
@@ -164,8 +164,8 @@ def install_wheels(kit: Path) -> None:
 def tokenizer_spec(kit: Path, vocab: int) -> Any:
     """SmolLM2's BPE from the kit, padded with placeholder tokens up to `vocab` ids (bytes FF FE FD +
     the id: never valid UTF-8, so no real token collides; they decode to replacement characters)."""
-    from gpu_backend.hf_dir import _hf_tokenizer
-    from gpu_backend.tokenizer import _unicode_to_byte
+    from gpu_backend.loading.hf_dir import _hf_tokenizer
+    from gpu_backend.loading.tokenizer import _unicode_to_byte
 
     spec = _hf_tokenizer(kit / "tokenizer", {})
     chars = {b: c for c, b in _unicode_to_byte().items()}
@@ -201,7 +201,7 @@ def ours(hf: Any, suite: Suite, num_pages: int, attention: str = "sdpa", graphs:
     import torch
 
     from gpu_backend.backend import backend_from_weights, make_attention
-    from gpu_backend.hf_dir import _hf_config
+    from gpu_backend.loading.hf_dir import _hf_config
 
     cfg = _hf_config(hf.config.to_dict())
     dev = torch.device(suite.device)
@@ -750,7 +750,7 @@ def prepare_local(kit: Path) -> None:
     """The dry run's kit without a registry: the tokenizer and the component (its wheels are installed)."""
     import transformers
 
-    from gpu_backend.loader import default_model_path
+    from gpu_backend.loading.loader import default_model_path
     from host.cli.build import resolve_inferlet
 
     path = default_model_path()

@@ -50,9 +50,9 @@ except ImportError:
     xgr = None
 
 from gpu_backend import ForwardRequest, OutputSpec, SamplerParams, load_backend
-from gpu_backend.config import ModelInfo
 from gpu_backend.grammar import Grammar, GrammarCompiler, Matcher, mask_words, token_bytes
-from gpu_backend.tokenizer import Tokenizer
+from gpu_backend.loading.tokenizer import Tokenizer
+from gpu_backend.models.config import ModelInfo
 
 SIZES = (1, 16, 64)
 VOCAB = 49152  # the default model's; checked in main

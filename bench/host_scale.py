@@ -19,7 +19,7 @@ time as the median (by efficiency) of `--bursts` bursts (3; this 2-core VM varie
 burst to the next): as the host runs by default (`tok_s`, `efficiency`, ...: the warm pool, host/wasm/warm.py, has refilled
 to the N instances the program just had running, so the launches skip the instances' start-up),
 and with `cold_*` keys: the pool off (`--warm-auto 0`), every instance started from scratch.
-`--engine process` runs the same stand-in in an engine process (gpu_backend/engine_proc.py, fed over
+`--engine process` runs the same stand-in in an engine process (gpu_backend/engine/client.py, fed over
 pyzmq + msgpack, as `pie-serve --engine process` does) instead of on the host's scheduler thread;
 bench/engine.py compares the two in one run.
 Writes JSON to --json and a markdown table next to it (.md).
@@ -35,7 +35,7 @@ from typing import Any
 
 from common import ROOT, Run, compile_inferlet, settle
 
-from gpu_backend.engine_proc import EngineSpec, start_engines
+from gpu_backend.engine.client import EngineSpec, start_engines
 from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
 

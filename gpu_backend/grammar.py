@@ -23,9 +23,9 @@ import llguidance as llg
 import numpy as np
 import numpy.typing as npt
 
-from .tokenizer import Tokenizer, _token_bytes
-from .types import BackendInfo
-from .validate import mask_bytes
+from gpu_backend.loading.tokenizer import Tokenizer, _token_bytes
+from gpu_backend.types import BackendInfo
+from gpu_backend.validate import mask_bytes
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

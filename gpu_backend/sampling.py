@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .types import OutputResult, OutputSpec, SamplerParams
-from .validate import mask_bytes
+from gpu_backend.types import OutputResult, OutputSpec, SamplerParams
+from gpu_backend.validate import mask_bytes
 
 __all__ = ["Drawn", "SampleError", "Sampler", "draw", "filtered_probs", "seed_uniform", "unpack_masks"]
 

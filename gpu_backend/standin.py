@@ -23,8 +23,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .types import ForwardRequest, OutputResult
-from .validate import check_batch
+from gpu_backend.types import ForwardRequest, OutputResult
+from gpu_backend.validate import check_batch
 
 __all__ = ["StandInBackend", "StandInInfo", "StandInStep", "StandInTokenizer"]
 

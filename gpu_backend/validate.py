@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
-from .types import BackendInfo, ForwardError, ForwardRequest, OutputSpec, SamplerParams
+from gpu_backend.types import BackendInfo, ForwardError, ForwardRequest, OutputSpec, SamplerParams
 
 _SAMPLER_FIELDS = {f.name for f in fields(SamplerParams)}
 

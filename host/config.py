@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_backend.paths import default_cache_dir
+from gpu_backend.loading.paths import default_cache_dir
 from host.batching.policy import POLICIES
 from host.state.prefix_cache import PREFIX_CACHE_MODES
 
@@ -45,7 +45,7 @@ class HostConfig:
     instance_pool: use wasmtime's pooling allocator (host/wasm/pooling.py), sized for
         max_instances + the warm ones; False = on-demand allocation (slower starts).
     engine: where the backend runs: "inproc" (on the scheduler thread of the host process),
-        "process" (in engine processes fed over pyzmq + msgpack, gpu_backend/engine_proc.py), or
+        "process" (in engine processes fed over pyzmq + msgpack, gpu_backend/engine/client.py), or
         "auto" (inproc for tp == replicas == 1, else process). See docs/deployment.md.
     tp: tensor-parallel ranks per engine (torch.distributed: NCCL on GPUs, gloo on CPU).
     replicas: engines, each with its own KV cache; an instance lives on one (placed by load).

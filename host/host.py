@@ -60,8 +60,8 @@ def _load_backend(config: HostConfig, progress: bool) -> Backend:
 
 
 def _start_engines(config: HostConfig) -> list[Any]:
-    """`config.replicas` engine processes of `config.tp` ranks each (gpu_backend/engine_proc.py)."""
-    from gpu_backend.engine_proc import EngineSpec, start_engines
+    """`config.replicas` engine processes of `config.tp` ranks each (gpu_backend/engine/client.py)."""
+    from gpu_backend.engine.client import EngineSpec, start_engines
 
     spec = EngineSpec(model=config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
                       num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, tp=config.tp)
@@ -77,7 +77,7 @@ class Host:
         self.config = config = config or HostConfig()
         policy = lambda: make_policy(config.policy, config.batch_k, config.batch_t_ms)  # noqa: E731
         # Engine processes (config.engine / tp / replicas; docs/deployment.md) are started here, or
-        # passed in (`engines`: gpu_backend.engine_proc.ProcessBackend, one per replica, e.g. from
+        # passed in (`engines`: gpu_backend.engine.client.ProcessBackend, one per replica, e.g. from
         # `start_engines`), and the host stops them in shutdown; a `backend` passed in is the
         # caller's and runs in-process.
         self.engines: list[Any] = list(engines or [])

@@ -100,9 +100,9 @@ def tiny_backend(seed: int = 0, vocab: int = 256, page_size: int = 4, num_pages:
     """A 2-layer Llama with random weights and a byte-level tokenizer (token i = byte i): no model
     file needed, for fast tests of the backend's machinery (not of its numbers)."""
     from gpu_backend.backend import backend_from_weights
-    from gpu_backend.config import ModelConfig
-    from gpu_backend.model_files import GPT2_PATTERN, TokenizerSpec
-    from gpu_backend.tokenizer import _unicode_to_byte
+    from gpu_backend.loading.model_files import GPT2_PATTERN, TokenizerSpec
+    from gpu_backend.loading.tokenizer import _unicode_to_byte
+    from gpu_backend.models.config import ModelConfig
 
     cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
                       num_kv_heads=2, head_dim=16, vocab_size=vocab, rms_eps=1e-6, rope_theta=10000.0,

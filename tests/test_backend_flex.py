@@ -4,7 +4,7 @@ Every scenario runs the same calls on two backends that share the model, one per
 each with its own small cache, and compares every logits row (TOL, same top-1). flex_attention is
 compiled here, as users get it, except that batches of 1 to 3 share the batch-4 kernel
 (`min_batch=4`): the first tests of each page size pay four compiles of ~4 s each (causal / BRLE
-x decode / prefill buckets, see gpu_backend/flex.py) instead of six; later tests reuse them.
+x decode / prefill buckets, see gpu_backend/attention/flex.py) instead of six; later tests reuse them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from backend_checks import (
 
 from gpu_backend import ForwardRequest
 from gpu_backend.attention import brle_row, build_plan
-from gpu_backend.flex import Q_BLOCK, FlexAttention
+from gpu_backend.attention.flex import Q_BLOCK, FlexAttention
 
 CACHE_SLOTS = 2048  # small caches: flex addresses the whole cache
 

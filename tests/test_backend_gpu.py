@@ -26,7 +26,7 @@ def load_hf(dtype: torch.dtype):
     transformers = pytest.importorskip("transformers")
     from pathlib import Path
 
-    from gpu_backend.loader import default_model_path
+    from gpu_backend.loading.loader import default_model_path
 
     arg = model_arg()
     path = default_model_path() if arg is None else Path(arg)

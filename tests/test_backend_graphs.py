@@ -15,8 +15,8 @@ from backend_checks import Pages, assert_close, req
 
 from gpu_backend import ForwardRequest, OutputSpec, TorchBackend, load_backend
 from gpu_backend.attention import Attention, SdpaAttention, build_plan
+from gpu_backend.attention.flex import FlexAttention
 from gpu_backend.cuda_graphs import DecodeGraphs, bucket_for, pad_batch, refill
-from gpu_backend.flex import FlexAttention
 from gpu_backend.kv_cache import KVCache
 
 

@@ -8,7 +8,7 @@ import torch
 from parity import run_parity
 
 from gpu_backend import load_backend
-from gpu_backend.loader import default_model_path
+from gpu_backend.loading.loader import default_model_path
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from parity import DECODE_STEPS, LOGIT_TOL, PROMPTS, run_parity
 
-from gpu_backend.loader import default_model_path
+from gpu_backend.loading.loader import default_model_path
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_backend.rope import cos_sin_table, inv_frequencies
+from gpu_backend.models.rope import cos_sin_table, inv_frequencies
 
 LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}

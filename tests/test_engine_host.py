@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import Run, wait_for, wasm_bytes
 
-from gpu_backend.engine_proc import EngineSpec, start_engines
+from gpu_backend.engine.client import EngineSpec, start_engines
 from host import Host, HostConfig
 
 pytestmark = pytest.mark.build

@@ -1,4 +1,4 @@
-"""Engine processes (gpu_backend/engine_proc.py): the wire format, a stand-in engine in its own
+"""Engine processes (gpu_backend/engine/client.py): the wire format, a stand-in engine in its own
 process behind the `Backend` protocol, death noticed at once and the engine restarted, and the
 host's config and flags for it. No model, no inferlet build: fast."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import wasmtime
 
-from gpu_backend.engine_proc import EngineDied, EngineSpec, ProcessBackend, start_engines
-from gpu_backend.engine_wire import (
+from gpu_backend.engine.client import EngineDied, EngineSpec, ProcessBackend, start_engines
+from gpu_backend.engine.wire import (
     decode_requests,
     decode_results,
     encode_requests,

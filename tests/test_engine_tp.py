@@ -1,4 +1,4 @@
-"""Tensor parallel (gpu_backend/tp.py): the shard arithmetic, two gloo ranks on a tiny random model
+"""Tensor parallel (gpu_backend/engine/tp.py): the shard arithmetic, two gloo ranks on a tiny random model
 (fast), and `--tp 2` against `--tp 1` on the default model through engine processes (slow).
 
 Tolerance: logits of two ranks are the same sums in another order, so they agree with one rank's
@@ -13,8 +13,8 @@ import tempfile
 import pytest
 import torch
 
-from gpu_backend.config import ModelConfig
-from gpu_backend.tp import check_shardable, shard_config, shard_weights, split
+from gpu_backend.engine.tp import check_shardable, shard_config, shard_weights, split
+from gpu_backend.models.config import ModelConfig
 from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams
 
 TOL = 1e-3
@@ -50,11 +50,11 @@ def tiny_logits(rank: int, world: int, init: str) -> torch.Tensor:
     """Prefill 13 tokens then decode 3, on `world` ranks (this one is `rank`); logits of every pass."""
     from gpu_backend.attention import build_plan
     from gpu_backend.kv_cache import KVCache
-    from gpu_backend.model import LlamaModel
+    from gpu_backend.models.llama import LlamaModel
 
     cfg, w = TINY, tiny_weights(TINY)
     if world > 1:
-        from gpu_backend.tp import init_tp
+        from gpu_backend.engine.tp import init_tp
 
         tp = init_tp(rank, world, init, "cpu")
         w, cfg = shard_weights(TINY, w, rank, world), shard_config(TINY, rank, world)
@@ -116,7 +116,7 @@ def test_two_gloo_ranks_match_one_rank_on_a_tiny_model() -> None:
 
 @pytest.mark.slow
 def test_tp2_equals_tp1_on_the_default_model() -> None:
-    from gpu_backend.engine_proc import EngineSpec, ProcessBackend
+    from gpu_backend.engine.client import EngineSpec, ProcessBackend
 
     engines = {tp: ProcessBackend(EngineSpec(page_size=16, num_pages=16, tp=tp, dtype="float32", device="cpu"))
                for tp in (1, 2)}

@@ -16,9 +16,9 @@ import torch
 from gpu_backend import ForwardRequest, OutputSpec, SamplerParams
 from gpu_backend import sampling as sampling_mod
 from gpu_backend.grammar import GrammarCompiler, Matcher, mask_words, token_bytes
-from gpu_backend.model_files import TokenizerSpec
+from gpu_backend.loading.model_files import TokenizerSpec
+from gpu_backend.loading.tokenizer import Tokenizer, _unicode_to_byte
 from gpu_backend.sampling import SampleError, Sampler
-from gpu_backend.tokenizer import Tokenizer, _unicode_to_byte
 from gpu_backend.validate import check_request
 
 V = 50

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_backend.loader import default_model_path
+from gpu_backend.loading.loader import default_model_path
 
 CORPUS = [
     "Hello world!",
@@ -39,8 +39,8 @@ def hf_tok():
 
 @pytest.fixture(scope="module")
 def tok():
-    from gpu_backend.loader import load_model_files
-    from gpu_backend.tokenizer import Tokenizer
+    from gpu_backend.loading.loader import load_model_files
+    from gpu_backend.loading.tokenizer import Tokenizer
 
     return Tokenizer(load_model_files(None, progress=False).tokenizer)
 

@@ -20,7 +20,7 @@ import wasmtime
 from wasmtime.component import ResourceAny, ResourceHost, ResourceType
 
 from gpu_backend.grammar import Grammar, GrammarCompiler, Matcher
-from gpu_backend.tokenizer import Tokenizer as ByteTokenizer
+from gpu_backend.loading.tokenizer import Tokenizer as ByteTokenizer
 from gpu_backend.types import BackendInfo, Tokenizer
 from host.api.guest import GuestError, Import, guest_import
 from host.wasm.instance import Instance, current

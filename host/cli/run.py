@@ -69,7 +69,7 @@ def _run_embedded(opts: argparse.Namespace, wasm_path: Path, args: list[str]) ->
     except ValueError as e:
         print(f"pie-run: {e}", file=sys.stderr)
         return EXIT_USAGE
-    from gpu_backend.engine_proc import EngineDied
+    from gpu_backend.engine.client import EngineDied
 
     try:
         host = Host(config)

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         except (BuildError, OSError) as exc:
             print(f"pie-serve: --openai-handler: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    from gpu_backend.engine_proc import EngineDied
+    from gpu_backend.engine.client import EngineDied
 
     try:
         host = Host(config)

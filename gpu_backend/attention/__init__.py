@@ -3,7 +3,7 @@
 All requests of a batch are laid out as a padded [B, T] grid of queries. How they attend over the
 paged cache is an `Attention`: `SdpaAttention` (the default) gathers each request's KV slots into a
 padded [B, L] copy and runs one SDPA call per layer with the per-token masks (causal or BRLE) folded
-into one boolean mask; `gpu_backend.flex.FlexAttention` reads the pages in place through a block mask.
+into one boolean mask; `gpu_backend.attention.flex.FlexAttention` reads the pages in place through a block mask.
 Both build their metadata once per batch (`prepare`) and reuse it in every layer (`attend`).
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .types import ForwardRequest
+from gpu_backend.types import ForwardRequest
 
 
 @dataclass(frozen=True)

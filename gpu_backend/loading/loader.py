@@ -11,9 +11,9 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .gguf import load_gguf_cached
-from .hf_dir import load_hf_dir
-from .model_files import LoadedModel, TokenizerSpec
+from gpu_backend.loading.gguf import load_gguf_cached
+from gpu_backend.loading.hf_dir import load_hf_dir
+from gpu_backend.loading.model_files import LoadedModel, TokenizerSpec
 
 __all__ = ["DEFAULT_GGUF", "LoadedModel", "TokenizerSpec", "default_model_path", "load_model_files"]
 

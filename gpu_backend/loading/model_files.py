@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from gpu_backend.models.config import ModelConfig
 
 __all__ = [
     "CL100K_PATTERN",

@@ -12,7 +12,7 @@ import tiktoken
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .loader import TokenizerSpec
+from gpu_backend.loading.loader import TokenizerSpec
 
 
 @lru_cache(maxsize=1)

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backend import TorchBackend
-from .config import ModelConfig
-from .engine_wire import decode_requests, encode_requests, pack, unpack
-from .types import ForwardRequest
+from gpu_backend.backend import TorchBackend
+from gpu_backend.engine.wire import decode_requests, encode_requests, pack, unpack
+from gpu_backend.models.config import ModelConfig
+from gpu_backend.types import ForwardRequest
 
 __all__ = ["TPBackend", "TPContext", "TPWorker", "init_tp", "shard_config", "shard_weights", "split"]
 
@@ -123,6 +123,20 @@ class TPContext:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, group=self.group)
         return t
+
+    def shard(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+        """This rank's share of the model (`gpu_backend.backend.Sharding`)."""
+        return shard_config(cfg, self.rank, self.world), shard_weights(cfg, weights, self.rank, self.world)
+
+    def wrap(self, backend: TorchBackend) -> TorchBackend:
+        """Rank 0's backend broadcasts each pass to the other ranks first (`TPBackend`); theirs is plain
+        (`TPWorker` runs what rank 0 sends)."""
+        if self.rank != 0:
+            return backend
+        b = backend
+        tb = TPBackend(b.model, b.tokenizer, b.info, b.cache, b.attention, b.graphs)
+        tb.tp = self
+        return tb
 
     def send(self, msg: Any) -> None:
         """Rank 0: broadcast one control message to the other ranks."""

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .attention import Attention, BatchPlan, Layout, allowed_mask, page_table, to_device
-from .types import ForwardRequest
+from gpu_backend.attention import Attention, BatchPlan, Layout, allowed_mask, page_table, to_device
+from gpu_backend.types import ForwardRequest
 
 Q_BLOCK = 128  # query rows per block-mask row tile
 # static-shape buckets (CPU): query length rounds up to a power of two at least MIN_TOKENS, the BRLE

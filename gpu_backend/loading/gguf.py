@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from .config import ModelConfig
-from .model_files import GGUF_PRE_PATTERNS, LoadedModel, TokenizerSpec
-from .paths import default_cache_dir
+from gpu_backend.loading.model_files import GGUF_PRE_PATTERNS, LoadedModel, TokenizerSpec
+from gpu_backend.loading.paths import default_cache_dir
+from gpu_backend.models.config import ModelConfig
 
 __all__ = ["CACHE_VERSION", "load_gguf_cached"]
 

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from .config import ModelConfig
-from .model_files import GPT2_PATTERN, SMOLLM_PATTERN, LoadedModel, TokenizerSpec
+from gpu_backend.loading.model_files import GPT2_PATTERN, SMOLLM_PATTERN, LoadedModel, TokenizerSpec
+from gpu_backend.models.config import ModelConfig
 
 __all__ = ["load_hf_dir"]
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import BatchPlan
-from .config import ModelConfig
-from .kv_cache import KVCache
-from .rope import cos_sin_table
+from gpu_backend.attention import BatchPlan
+from gpu_backend.kv_cache import KVCache
+from gpu_backend.models.config import ModelConfig
+from gpu_backend.models.rope import cos_sin_table
 
 
 @dataclass
@@ -38,7 +38,7 @@ class LlamaModel:
         self.cfg = cfg
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.device, self.dtype = device, dtype
-        # tensor parallel (gpu_backend/tp.py): sums the partial outputs of the row-parallel matmuls
+        # tensor parallel (gpu_backend/engine/tp.py): sums the partial outputs of the row-parallel matmuls
         # (o_proj, down) across ranks, in place; None on a single rank
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from .types import ForwardRequest, OutputResult, OutputSpec, SamplerParams
+from gpu_backend.types import ForwardRequest, OutputResult, OutputSpec, SamplerParams
 
 __all__ = ["decode_requests", "decode_results", "encode_requests", "encode_results", "pack", "unpack"]
 
