@@ -200,7 +200,7 @@ def ours(hf: Any, suite: Suite, num_pages: int, attention: str = "sdpa", graphs:
     """Our backend over the transformers model's own tensors (fused copies where we fuse)."""
     import torch
 
-    from gpu_backend.backend import backend_from_weights, make_attention
+    from gpu_backend.build import backend_from_weights, make_attention
     from gpu_backend.loading.hf_dir import _hf_config
 
     cfg = _hf_config(hf.config.to_dict())
@@ -214,7 +214,7 @@ def ours(hf: Any, suite: Suite, num_pages: int, attention: str = "sdpa", graphs:
 def variant(be: Any, attention: str, graphs: bool) -> Any:
     """The same model and cache with another attention path / graphs setting."""
     from gpu_backend import TorchBackend
-    from gpu_backend.backend import make_attention
+    from gpu_backend.build import make_attention
     from gpu_backend.cuda_graphs import DecodeGraphs
 
     attn = make_attention(attention)

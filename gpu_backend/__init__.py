@@ -24,14 +24,15 @@ __all__ = [
 ]
 
 _LAZY = {
-    "TorchBackend": "backend", "load_backend": "backend",
+    "TorchBackend": "backend", "load_backend": "build",
     "ModelConfig": "models.config", "ModelInfo": "models.config", "Tokenizer": "loading.tokenizer",
     "Backend": "types", "BackendInfo": "types", "ForwardError": "types", "ForwardRequest": "types",
     "OutputResult": "types", "OutputSpec": "types", "SamplerParams": "types",
 }
 
 if TYPE_CHECKING:
-    from gpu_backend.backend import TorchBackend, load_backend
+    from gpu_backend.backend import TorchBackend
+    from gpu_backend.build import load_backend
     from gpu_backend.loading.tokenizer import Tokenizer
     from gpu_backend.models.config import ModelConfig, ModelInfo
     from gpu_backend.types import (

