@@ -181,7 +181,7 @@ class FakeHost:
     def instances(self) -> list[dict[str, Any]]:
         with self.lock:
             return [{"id": i.id, "program": i.program, "arguments": i.args, "state": "running",
-                     "started_at": i.started_at} for i in self.running.values()]
+                     "started_at": i.started_at, "tenant": self.tenants[i.id]} for i in self.running.values()]
 
     def stats(self) -> dict[str, Any]:
         return {"free_pages": self.free, "total_pages": self.total_pages, "instances": len(self.running)}

@@ -17,8 +17,7 @@ def imports(topics: Topics) -> dict[str, Import]:
     def receive(inst: Instance, timeout_ms: int | None) -> str | None:
         if not inst.wait_until(lambda: bool(inst.inbox) or inst.input_closed, timeout_s(timeout_ms)):
             return None
-        with inst.cond:
-            return inst.inbox.popleft() if inst.inbox else None
+        return inst.take_message()
 
     @guest_import("messaging.publish")
     def publish(inst: Instance, topic: str, message: str) -> None:

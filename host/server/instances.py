@@ -1,7 +1,8 @@
 """Which connection owns each instance, and the events held for detached instances.
 
-An instance belongs to the connection that launched it; a disconnect terminates it unless it was
-launched detached. A detached instance with no connection attached buffers its events (up to
+An instance belongs to the connection that launched it, and to that connection's tenant; a
+disconnect terminates it unless it was launched detached. Another tenant's instance is "unknown"
+to a connection (only the admin identity sees and attaches every tenant's instances). A detached instance with no connection attached buffers its events (up to
 `event_buffer_limit`, oldest dropped) until a connection attaches. Invariants: a record stays in
 the table until its terminal event was delivered, or, finished detached and never attached, until
 more than MAX_FINISHED_DETACHED such records exist; while a record has buffered events, new ones
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from host.client import protocol as p
 from host.events import TERMINAL_EVENTS, InstanceEvent
 from host.server.connection import Connection, RequestError
+from host.server.tenants import TenantLimits
 
 __all__ = ["InstanceRecord", "InstanceTable", "MAX_FINISHED_DETACHED"]
 
@@ -35,6 +37,7 @@ class InstanceRecord:
     detached: bool
     owner: Connection | None
     id: str = ""
+    tenant: str = "local"  # counted in TenantLimits.instances until its terminal event
     finished: bool = False
     buffer: deque[bytes] = field(default_factory=deque)
     dropped: int = 0
@@ -45,8 +48,9 @@ class InstanceTable:
     told how each instance ended."""
 
     def __init__(self, terminate: Callable[[str, str], None], event_buffer_limit: int,
-                 on_end: Callable[[str], None] | None = None) -> None:
+                 on_end: Callable[[str], None] | None = None, limits: TenantLimits | None = None) -> None:
         self.records: dict[str, InstanceRecord] = {}
+        self.limits = limits  # told when each instance ends (its tenant's running count)
         self._terminate = terminate
         self._on_end = on_end  # called with each terminal event's name (metrics)
         self._buffer_limit = event_buffer_limit
@@ -64,9 +68,16 @@ class InstanceTable:
         if record.owner is not None:
             record.owner.instances.add(record.id)
 
+    def visible(self, conn: Connection, iid: str) -> InstanceRecord | None:
+        """The record of `iid` if `conn`'s tenant may know of it (its own, or any for the admin)."""
+        record = self.records.get(iid)
+        if record is None or (record.tenant != conn.tenant and not conn.admin):
+            return None
+        return record
+
     def owned(self, conn: Connection, kind: str, iid: str) -> InstanceRecord:
         """The running instance `iid` if `conn` owns it; else RequestError naming request `kind`."""
-        record = self.records.get(iid)
+        record = self.visible(conn, iid)
         if record is None or record.finished:
             raise RequestError(f"{kind}: unknown or finished instance {iid!r}")
         if record.owner is not conn:
@@ -79,7 +90,7 @@ class InstanceTable:
 
         The caller sends the buffered events with `flush` after the attach response.
         """
-        record = self.records.get(iid)
+        record = self.visible(conn, iid)
         if record is None:
             raise RequestError(f"attach_instance: unknown instance {iid!r}")
         if record.owner is conn:
@@ -116,6 +127,8 @@ class InstanceTable:
                 record.dropped += 1
         if event.event in TERMINAL_EVENTS:
             record.finished = True
+            if self.limits is not None:
+                self.limits.give_instance(record.tenant)
             if self._on_end is not None:
                 self._on_end(event.event)
             if owner is None and record.detached:

@@ -3,41 +3,105 @@
 Each completion request launches one instance of the handler program with the validated
 request as its JSON argument; the instance's JSON messages (see inferlets/openai_chat and
 docs/openai.md) become the response or its SSE chunks. Invariant: a request's instance has ended
-when its handler returns — a client that goes away mid-stream terminates it, which frees its pages.
+(or been told to) when its handler returns: a client that goes away, streaming or not, or that
+stops reading an SSE stream for `write_timeout_s`, terminates it, which frees its pages.
+
+Bounds (docs/openai.md): the body is read only up to `max_body_bytes` (413 before reading when
+Content-Length says more), each piece of it within `read_timeout_s` (408); a tenant has at most
+`TenantLimits.max_connections` requests in progress and `max_instances` instances (429); a prompt
+that cannot fit the model's context or the KV pages one request may hold is a 400
+`context_length_exceeded` before anything is launched.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
 
 from host.events import InstanceEvent
 from host.host import HostBusy
 from host.server.metrics import CONTENT_TYPE, ServerMetrics
 from host.server.openai_request import OpenAIError, OpenAIRequest, parse_request
 from host.server.sse import DONE, chat_chunk, completion_chunk, sse_event
+from host.server.tenants import TenantLimitError, TenantLimits
 
-__all__ = ["OpenAIHandler", "openai_app", "openai_routes", "service_routes"]
+__all__ = ["OpenAIHandler", "PromptBudget", "openai_app", "openai_routes", "service_routes"]
+
+log = logging.getLogger(__name__)
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBudget:
+    """What a request's tokens must fit: `count` gives a request's prompt tokens (as the handler
+    fills them), `context` is the model's context length (0 = unknown), `kv_tokens` what the KV
+    pages one request may hold can take."""
+
+    count: Callable[[OpenAIRequest], int]
+    context: int
+    kv_tokens: int
+
+    @classmethod
+    def of(cls, host: Any) -> PromptBudget | None:
+        """The budget of a `host.Host` (None for a host without a tokenizer, e.g. a test's fake)."""
+        backend = getattr(host, "backend", None)
+        config = getattr(host, "config", None)
+        if backend is None or config is None:
+            return None
+        info, tok = backend.info, backend.tokenizer
+        caps = [info.num_pages, config.max_pages_per_instance, config.max_pages_per_tenant]
+        pages = min(c for c in caps if c is not None)
+
+        def count(req: OpenAIRequest) -> int:
+            if req.messages is not None:
+                return len(tok.encode(tok.apply_chat_template([dict(m) for m in req.messages],
+                                                              add_generation_prompt=True)))
+            return len(tok.encode(req.prompt or ""))
+
+        return cls(count, info.max_position, pages * info.page_size)
+
+    def check(self, req: OpenAIRequest) -> OpenAIRequest:
+        """`req` with `max_tokens` cut to what fits when it was not given; OpenAIError
+        `context_length_exceeded` when the prompt (or the prompt and the `max_tokens` asked for)
+        cannot fit the context or the KV pages."""
+        prompt = self.count(req)
+        param = "messages" if req.messages is not None else "prompt"
+        limit, what = self.kv_tokens, f"the {self.kv_tokens} tokens the KV cache can hold for one request"
+        if self.context and self.context <= limit:
+            limit, what = self.context, f"the model's maximum context length of {self.context} tokens"
+        need = prompt + req.n * req.max_tokens
+        if prompt >= limit or (req.max_tokens_given and need > limit):
+            asked = (f"{need} tokens ({prompt} in the {param}, {req.n} x {req.max_tokens} in the completion)"
+                     if req.max_tokens_given else f"{prompt} tokens in the {param}")
+            raise OpenAIError(400, f"this request needs {asked}, more than {what}; shorten the {param} "
+                              "or lower max_tokens", param=param, code="context_length_exceeded")
+        if not req.max_tokens_given:
+            return dataclasses.replace(req, max_tokens=max(1, min(req.max_tokens, (limit - prompt) // req.n)))
+        return req
 
 
 @dataclasses.dataclass
 class OpenAIHandler:
-    """What the routes need: the host, the handler program, the model, auth, metrics.
+    """What the routes need: the host, the handler program, the model, auth, metrics, limits.
 
     With `auth_token` or `tenants` ((name, token) pairs, as `ServerConfig.tenants`) set, a request
     needs one of the tokens as its Bearer key; its instance then acts for that token's tenant
-    ("default" for `auth_token`), as over the WebSocket protocol.
+    ("default" for `auth_token`), as over the WebSocket protocol. `limits` (shared with the
+    WebSocket side) caps a tenant's requests in progress and running instances.
     """
 
     host: Any
@@ -48,9 +112,20 @@ class OpenAIHandler:
     max_tokens: int = 4096
     tenants: tuple[tuple[str, str], ...] = ()
     running: set[str] = dataclasses.field(default_factory=set)  # instances of requests in progress
+    limits: TenantLimits = dataclasses.field(default_factory=lambda: TenantLimits(None, 1 << 30))
+    max_body_bytes: int = 8 * MIB
+    read_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
+    budget: PromptBudget | None = None  # None: PromptBudget.of(host)
+    stopping: bool = False  # the server is shutting down: new requests get 503
+
+    def __post_init__(self) -> None:
+        if self.budget is None:
+            self.budget = PromptBudget.of(self.host)
 
     def terminate_all(self, reason: str) -> None:
         """Terminate the instances of every request in progress (the server is stopping)."""
+        self.stopping = True
         for iid in list(self.running):
             try:
                 self.host.terminate(iid, reason)
@@ -59,7 +134,9 @@ class OpenAIHandler:
 
 
 def _error(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    # A 413 or 408 leaves the body unread: the connection closes after the answer.
+    headers = {"connection": "close"} if e.status in (408, 413) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def _tenant(h: OpenAIHandler, request: Request) -> str:
@@ -80,48 +157,85 @@ def _tenant(h: OpenAIHandler, request: Request) -> str:
     return found
 
 
-def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local",
-            ) -> tuple[str, asyncio.Queue[InstanceEvent]]:
+@dataclasses.dataclass
+class _Run:
+    """One request's instance. Invariant: `close` runs exactly once per launch, and then the
+    instance has ended or has been told to (terminated: the client went away) and its tenant's
+    running count is given back."""
+
+    h: OpenAIHandler
+    iid: str
+    queue: asyncio.Queue[InstanceEvent]
+    tenant: str
+    ended: bool = False  # its terminal event has been seen
+    closed: bool = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.h.running.discard(self.iid)
+        self.h.limits.give_instance(self.tenant)
+        if not self.ended:
+            try:
+                self.h.host.terminate(self.iid, "client went away")
+            except KeyError:
+                pass  # it ended on its own meanwhile
+            self.h.metrics.instance_ended("client_disconnected")
+
+
+def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local") -> _Run:
     if req.model != h.model:
         raise OpenAIError(404, f"the model {req.model!r} does not exist; this server has {h.model!r}",
                           param="model", code="model_not_found")
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[InstanceEvent] = asyncio.Queue()
-    arg = json.dumps(dataclasses.asdict(req))
+    arg = req.handler_argument()
     extra = {"tenant": tenant} if tenant != "local" else {}
+    try:
+        h.limits.take_instance(tenant)
+    except TenantLimitError as e:
+        raise OpenAIError(429, str(e), type_="rate_limit_error", code="rate_limit_exceeded") from None
     try:
         iid = h.host.launch(h.program_hash, [arg],
                             lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), **extra)
     except HostBusy as e:
+        h.limits.give_instance(tenant)
         raise OpenAIError(503, str(e), type_="server_error", code="overloaded") from None
     h.running.add(iid)
-    return iid, queue
+    return _Run(h, iid, queue, tenant)
 
 
-async def _messages(h: OpenAIHandler, iid: str, queue: asyncio.Queue[InstanceEvent],
-                    ) -> AsyncIterator[dict[str, Any]]:
-    """The instance's JSON messages until it ends; terminates it if the consumer stops early."""
-    done = False
-    try:
-        while True:
-            ev = await queue.get()
-            if ev.event == "message":
-                yield json.loads(ev.message)
-                continue
-            done = True
-            h.metrics.instance_ended(ev.event)
-            if ev.event != "completed":
-                raise OpenAIError(500, f"handler instance {iid} ended with {ev.event}: {ev.message}",
-                                  type_="server_error")
-            return
-    finally:
-        h.running.discard(iid)
-        if not done:
-            try:
-                h.host.terminate(iid, "client went away")
-            except KeyError:
-                pass  # it ended on its own meanwhile
-            h.metrics.instance_ended("client_disconnected")
+def _first_line(text: str) -> str:
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _failure(iid: str, ev: InstanceEvent) -> OpenAIError:
+    """The error for a handler instance that did not complete; what it said goes to the log only
+    (a trap message carries the guest's backtrace)."""
+    log.warning("OpenAI handler instance %s ended with %s: %s", iid, ev.event, ev.message)
+    if ev.event == "out_of_resources":
+        return OpenAIError(503, f"the server ran out of resources for this request (instance {iid}): "
+                           f"{_first_line(ev.message)}; try again later", type_="server_error", code="overloaded")
+    if ev.event == "aborted":
+        return OpenAIError(503, f"the request was aborted: {_first_line(ev.message)}", type_="server_error",
+                           code="aborted")
+    return OpenAIError(500, f"the handler of this request failed (instance {iid}, {ev.event}); the server's "
+                       "log has the reason", type_="server_error")
+
+
+async def _messages(run: _Run) -> AsyncIterator[dict[str, Any]]:
+    """The instance's JSON messages until it ends; the caller calls `run.close()` when done with it."""
+    while True:
+        ev = await run.queue.get()
+        if ev.event == "message":
+            yield json.loads(ev.message)
+            continue
+        run.ended = True
+        run.h.metrics.instance_ended(ev.event)
+        if ev.event != "completed":
+            raise _failure(run.iid, ev)
+        return
 
 
 # ---- logprobs: the handler's entries in OpenAI's two shapes ------------------------------------
@@ -161,31 +275,33 @@ def _usage(u: dict[str, Any]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-async def _collect(h: OpenAIHandler, req: OpenAIRequest, chat: bool, iid: str,
-                   queue: asyncio.Queue[InstanceEvent]) -> dict[str, Any]:
+async def _collect(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) -> dict[str, Any]:
     start, first, choices, usage = time.perf_counter(), 0.0, [], {}
-    async for m in _messages(h, iid, queue):
-        if "text" in m:
-            first = first or time.perf_counter() - start
-            choices.append(_choice(chat, m))
-        elif "usage" in m:
-            usage = _usage(m["usage"])
+    try:
+        async for m in _messages(run):
+            if "text" in m:
+                first = first or time.perf_counter() - start
+                choices.append(_choice(chat, m))
+            elif "usage" in m:
+                usage = _usage(m["usage"])
+    finally:  # also when cancelled (the client went away): terminates the instance
+        run.close()
     h.metrics.observe_request(first, time.perf_counter() - start, usage.get("prompt_tokens", 0),
                               usage.get("completion_tokens", 0))
-    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{iid}", "created": int(time.time()),
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{run.iid}", "created": int(time.time()),
             "object": "chat.completion" if chat else "text_completion", "model": req.model,
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage}
 
 
-async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, iid: str,
-                  queue: asyncio.Queue[InstanceEvent]) -> AsyncIterator[bytes]:
+async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) -> AsyncIterator[bytes]:
+    """The SSE events of one request; whoever stops iterating early calls `run.close()`."""
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     start, first, usage = time.perf_counter(), 0.0, {}
     if chat:
         for i in range(req.n):
             yield sse_event(chat_chunk(rid, created, req.model, i, {"role": "assistant", "content": ""}))
     try:
-        async for m in _messages(h, iid, queue):
+        async for m in _messages(run):
             if "delta" in m:
                 first = first or time.perf_counter() - start
                 lp = _logprobs(chat, m.get("logprobs"))
@@ -200,9 +316,11 @@ async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, iid: str,
             elif "usage" in m:
                 usage = _usage(m["usage"])
     except OpenAIError as e:  # the handler failed mid-stream: OpenAI's clients raise on an error event
+        run.close()
         yield sse_event(e.body())
         yield DONE
         return
+    run.close()
     h.metrics.observe_request(first, time.perf_counter() - start, usage.get("prompt_tokens", 0),
                               usage.get("completion_tokens", 0))
     if req.include_usage:
@@ -211,15 +329,126 @@ async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, iid: str,
     yield DONE
 
 
+class _GuardedStream(StreamingResponse):
+    """An SSE response that drops a client which takes longer than `write_timeout_s` to take one
+    event (its instance is terminated as for a disconnect) and calls `on_close` when it ends,
+    however it ends. Starlette ends the stream when the client disconnects (uvicorn's h11 speaks
+    ASGI 2.3, so `StreamingResponse` listens for the disconnect while it streams)."""
+
+    def __init__(self, body: AsyncIterator[bytes], write_timeout_s: float, on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._body = body
+        self._write_timeout_s = write_timeout_s
+        self._on_close = on_close
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self._body:
+            try:
+                await asyncio.wait_for(send({"type": "http.response.body", "body": chunk, "more_body": True}),
+                                       self._write_timeout_s)
+            except TimeoutError:
+                log.warning("SSE client took more than %.1f s to take an event; dropping it", self._write_timeout_s)
+                self._on_close()  # terminates the instance now
+                return  # uvicorn closes a connection whose response did not complete
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _read_body(h: OpenAIHandler, request: Request) -> bytes:
+    """The request body, at most `max_body_bytes` (413, told before reading when Content-Length
+    says more), each piece within `read_timeout_s` (408)."""
+    too_large = OpenAIError(413, f"the request body is larger than this server's limit of {h.max_body_bytes} "
+                            "bytes (--max-body-mb)", code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit() or len(length) > 20:
+            raise OpenAIError(400, f"invalid Content-Length header {length[:40]!r}")
+        if int(length) > h.max_body_bytes:
+            raise too_large
+    body = bytearray()
+    pieces = request.stream().__aiter__()
+    while True:
+        try:
+            piece = await asyncio.wait_for(pieces.__anext__(), h.read_timeout_s)
+        except StopAsyncIteration:
+            return bytes(body)
+        except TimeoutError:
+            raise OpenAIError(408, f"the request body did not arrive within {h.read_timeout_s:g} s "
+                              "(--read-timeout-s)", code="request_timeout") from None
+        body += piece
+        if len(body) > h.max_body_bytes:
+            raise too_large
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (after its body was read, only a disconnect comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _respond(h: OpenAIHandler, request: Request, chat: bool, tenant: str,
+                   release: Callable[[], None]) -> Response:
+    """Read, check and run one completion request; `release` is called once it has ended."""
+    try:
+        body = await _read_body(h, request)
+    except ClientDisconnect:
+        release()
+        return Response(status_code=400)  # nobody reads it
+    req = parse_request(body, chat, h.max_tokens)
+    if h.budget is not None:
+        req = await asyncio.to_thread(h.budget.check, req)
+    run = _launch(h, req, tenant)
+    if req.stream:
+        def close() -> None:
+            run.close()
+            release()
+        return _GuardedStream(_stream(h, req, chat, run), h.write_timeout_s, close)
+    collect = asyncio.ensure_future(_collect(h, req, chat, run))
+    gone = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():  # the client went away: cancelling terminates the instance
+            collect.cancel()
+        release()
+    with contextlib.suppress(asyncio.CancelledError):
+        return JSONResponse(await collect)
+    return Response(status_code=400)  # nobody reads it
+
+
 def _completions(h: OpenAIHandler, chat: bool) -> Any:
     async def endpoint(request: Request) -> Response:
         try:
             tenant = _tenant(h, request)
-            req = parse_request(await request.body(), chat, h.max_tokens)
-            iid, queue = _launch(h, req, tenant)
-            if req.stream:
-                return StreamingResponse(_stream(h, req, chat, iid, queue), media_type="text/event-stream")
-            return JSONResponse(await _collect(h, req, chat, iid, queue))
+            if h.stopping:
+                raise OpenAIError(503, "the server is shutting down", type_="server_error", code="overloaded")
+            try:
+                h.limits.take_connection(tenant)
+            except TenantLimitError as e:
+                raise OpenAIError(429, str(e), type_="rate_limit_error", code="rate_limit_exceeded") from None
+            released = False
+
+            def release() -> None:
+                nonlocal released
+                if not released:
+                    released = True
+                    h.limits.give_connection(tenant)
+
+            try:
+                response = await _respond(h, request, chat, tenant, release)
+            except BaseException:
+                release()
+                raise
+            if not isinstance(response, _GuardedStream):
+                release()
+            return response
         except OpenAIError as e:
             return _error(e)
     return endpoint

@@ -56,10 +56,12 @@ class PageManager:
     """Thread-safe page allocator shared by all instances of a host."""
 
     def __init__(self, num_pages: int, max_pages_per_instance: int | None = None,
-                 cache: PrefixCache | None = None) -> None:
+                 cache: PrefixCache | None = None, max_pages_per_tenant: int | None = None) -> None:
         self.num_pages = num_pages
         self.cache = cache  # the automatic prefix cache (None: pages are freed as soon as nobody holds them)
         self.max_pages_per_instance = max_pages_per_instance
+        self.max_pages_per_tenant = max_pages_per_tenant
+        self._tenant_owned: dict[str, int] = {}  # tenant -> sum of its instances' owned_count
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._refs = [0] * num_pages
         self._pins = [0] * num_pages  # queued or running jobs touching each page
@@ -83,6 +85,11 @@ class PageManager:
             if cap is not None and table.owned_count + count > cap:
                 return (f"instance page limit: holds {table.owned_count}, asked {count} more, "
                         f"limit {cap} pages")
+            held = self._tenant_owned.get(table.tenant, 0)
+            tcap = self.max_pages_per_tenant
+            if tcap is not None and held + count > tcap:
+                return (f"tenant page limit: the instances of tenant {table.tenant!r} hold {held}, asked {count} "
+                        f"more, limit {tcap} pages (--max-pages-per-tenant)")
             free = self.free_count
             if count > free:
                 self.refused += 1
@@ -93,6 +100,7 @@ class PageManager:
                 self._filled[p] = 0
                 table.held[p] = [1, True]
             table.owned_count += count
+            self._tenant_owned[table.tenant] = held + count
             return pages
 
     def release(self, table: InstancePages, pages: list[int]) -> None:
@@ -117,6 +125,7 @@ class PageManager:
             table.drops += 1
             if entry[1]:
                 table.owned_count -= 1
+                self._tenant_owned[table.tenant] -= 1
         self._unref(page)
 
     def _take_free(self) -> int:
@@ -279,6 +288,7 @@ class PageManager:
                     self._unref(p)
             table.held.clear()
             table.drops += 1
+            self._tenant_owned[table.tenant] = self._tenant_owned.get(table.tenant, 0) - table.owned_count
             table.owned_count = 0
             self._freed.notify_all()
 

@@ -1,0 +1,181 @@
+"""Tenant isolation over protocol v1 (issue 37): a tenant sees and acts on its own instances and
+programs only; the admin identity (--auth-token) sees all. From a client's side, on a scripted host."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+
+import pytest
+from server_support import WASM, FakeHost, running_server
+
+from host.client import PieClient, PieError
+from host.server.programs import ProgramStore
+
+ADMIN, ALICE, BOB = "admin-tok", "tok-alice", "tok-bob"
+OTHER_WASM = WASM + b" another program"
+
+
+@pytest.fixture
+def host() -> FakeHost:
+    return FakeHost(total_pages=64)
+
+
+@pytest.fixture
+def server(tmp_path: Path, host: FakeHost):
+    with running_server(tmp_path, host=host, auth_token=ADMIN, tenants=(("alice", ALICE), ("bob", BOB))) as srv:
+        yield srv
+
+
+def test_query_instances_shows_a_tenant_its_own_only(server) -> None:
+    async def main() -> None:
+        async with (await PieClient.connect(server.url, token=ALICE) as alice,
+                    await PieClient.connect(server.url, token=BOB) as bob,
+                    await PieClient.connect(server.url, token=ADMIN) as admin):
+            secret = await alice.launch(await alice.upload_program(WASM), ["hold", "My password is ALICE-SECRET"],
+                                        detached=True)
+            mine = await bob.launch(await bob.upload_program(WASM), ["hold", "bob's"])
+            assert [i["id"] for i in await bob.query("instances")] == [mine]
+            assert "ALICE-SECRET" not in repr(await bob.query("instances"))
+            assert [(i["id"], i["tenant"]) for i in await alice.query("instances")] == [(secret, "alice")]
+            assert sorted((i["tenant"], i["id"]) for i in await admin.query("instances")) == \
+                sorted([("alice", secret), ("bob", mine)])
+            await alice.terminate(secret)
+
+    asyncio.run(main())
+
+
+def test_another_tenants_instance_is_unknown_to_every_request(server, host) -> None:
+    async def main() -> None:
+        alice = await PieClient.connect(server.url, token=ALICE)
+        h = await alice.upload_program(WASM)
+        detached = await alice.launch(h, ["chat"], detached=True)
+        owned = await alice.launch(h, ["chat"])
+        async with await PieClient.connect(server.url, token=BOB) as bob:
+            for iid in (detached, owned):
+                with pytest.raises(PieError, match="unknown or finished instance"):
+                    await bob.signal(iid, "hijack")
+                with pytest.raises(PieError, match="unknown or finished instance"):
+                    await bob.close_input(iid)
+                with pytest.raises(PieError, match="unknown or finished instance"):
+                    await bob.terminate(iid)
+                with pytest.raises(PieError, match="unknown instance"):
+                    await bob.attach(iid)
+            await alice.close()  # the detached one is now unattached: still not bob's to take
+            with pytest.raises(PieError, match="unknown instance"):
+                await bob.attach(detached)
+            assert not any(iid == detached for iid, _ in host.terminations)
+        async with await PieClient.connect(server.url, token=ALICE) as again:
+            await again.attach(detached)  # its own tenant may, from a new connection
+            await again.signal(detached, "hi")
+            await again.signal(detached, "quit")
+            assert [(e.event, e.message) async for e in again.events(detached)] == \
+                [("message", "got:hi"), ("completed", "bye")]
+
+    asyncio.run(main())
+
+
+def test_admin_attaches_any_tenants_detached_instance(server) -> None:
+    async def main() -> None:
+        async with await PieClient.connect(server.url, token=BOB) as bob:
+            iid = await bob.launch(await bob.upload_program(WASM), ["chat"], detached=True)
+        async with await PieClient.connect(server.url, token=ADMIN) as admin:
+            await admin.attach(iid)
+            await admin.signal(iid, "quit")
+            assert [e.event async for e in admin.events(iid)] == ["completed"]
+
+    asyncio.run(main())
+
+
+def test_programs_are_per_tenant_and_the_admin_sees_all(server) -> None:
+    h = hashlib.sha256(OTHER_WASM).hexdigest()
+
+    async def main() -> None:
+        async with (await PieClient.connect(server.url, token=ALICE) as alice,
+                    await PieClient.connect(server.url, token=BOB) as bob,
+                    await PieClient.connect(server.url, token=ADMIN) as admin):
+            assert await alice.upload_program(OTHER_WASM) == h
+            assert await alice.program_exists(h) and await admin.program_exists(h)
+            assert not await bob.program_exists(h)
+            with pytest.raises(PieError, match="unknown program"):
+                await bob.launch(h, ["echo"])
+            iid = await admin.launch(h, ["echo", "x"])  # the admin may launch any stored program
+            assert [e.event async for e in admin.events(iid)] == ["message", "completed"]
+            assert await bob.upload_program(OTHER_WASM) == h  # bob's own copy: the bytes, uploaded by bob
+            assert await bob.program_exists(h)
+            iid = await bob.launch(h, ["echo", "y"])
+            assert [e.message async for e in bob.events(iid)] == ["y", "done"]
+        assert server.store.path(h).is_file() and len(server.store.hashes()) == 1  # one file for both
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("record", ["../../../../etc/passwd", "x" * 100_000, "A" * 64, "0" * 63, 5, None])
+def test_program_exists_takes_only_a_hash(server, record) -> None:
+    async def main() -> None:
+        async with await PieClient.connect(server.url, token=ALICE) as alice:
+            with pytest.raises(PieError, match="64 lowercase hex digits") as info:
+                await alice.query("program_exists", record)
+            assert len(str(info.value)) < 300 and "internal" not in str(info.value)
+            assert await alice.ping() >= 0
+
+    asyncio.run(main())
+
+
+def test_a_connection_stays_the_tenant_it_authenticated_as(server) -> None:
+    async def main() -> None:
+        async with await PieClient.connect(server.url, token=ALICE) as alice:
+            with pytest.raises(PieError, match="already authenticated as another tenant"):
+                await alice.authenticate(BOB)
+            await alice.authenticate(ALICE)  # the same token again is fine
+            h = await alice.upload_program(WASM)
+            iid = await alice.launch(h, ["hold"])
+            assert [i["tenant"] for i in await alice.query("instances")] == ["alice"]
+            await alice.terminate(iid)
+
+    asyncio.run(main())
+
+
+def test_store_quota_evicts_a_tenants_least_recently_used_programs(tmp_path) -> None:
+    compiled: list[str] = []
+
+    def compile_fn(data: bytes) -> str:
+        compiled.append(hashlib.sha256(data).hexdigest())
+        return compiled[-1]
+
+    clock = [1000.0]
+    store = ProgramStore(tmp_path, compile_fn, (ValueError,), quota_bytes=250, ttl_s=3600, clock=lambda: clock[0])
+    a, b, c = (store.put(bytes([i]) * 100, "alice") for i in range(3))
+    store.put(bytes([9]) * 100, "bob")
+    assert store.tenant_bytes("alice") <= 250
+    assert not store.visible("alice", a) and store.visible("alice", b) and store.visible("alice", c)
+    assert not store.path(a).exists()  # nobody owns it any more: the file went
+    assert store.visible("bob", hashlib.sha256(bytes([9]) * 100).hexdigest())  # bob's quota is his own
+    clock[0] += 10
+    store.touch("alice", b)  # launched: b is now the most recently used
+    store.put(bytes([3]) * 100, "alice")
+    assert store.visible("alice", b) and not store.visible("alice", c)
+
+
+def test_programs_not_launched_for_the_ttl_are_evicted_and_it_survives_restarts(tmp_path) -> None:
+    clock = [1000.0]
+
+    def make() -> ProgramStore:
+        return ProgramStore(tmp_path, lambda d: hashlib.sha256(d).hexdigest(), (ValueError,), ttl_s=100,
+                            clock=lambda: clock[0])
+
+    store = make()
+    old, kept = store.put(b"old program", "alice"), store.put(b"kept program", "alice")
+    shared = store.put(b"shared program", "bob")
+    store.put(b"shared program", "alice")
+    clock[0] += 80
+    store.touch("alice", kept)
+    store.touch("alice", shared)
+    store = make()  # a restart reads the owners back from disk
+    assert store.visible("alice", old) and store.visible("bob", shared)
+    clock[0] += 50  # old: 130 s unused; kept, shared (alice): 50 s; shared (bob): 130 s
+    assert store.sweep(force=True) == 2
+    assert not store.visible("alice", old) and not store.path(old).exists()
+    assert store.visible("alice", kept) and store.visible("alice", shared) and not store.visible("bob", shared)
+    assert store.path(shared).exists()  # alice still owns it
