@@ -116,6 +116,7 @@ class OpenAIHandler:
     max_body_bytes: int = 8 * MIB
     read_timeout_s: float = 30.0
     write_timeout_s: float = 30.0
+    max_queued_bytes: int = 16 * MIB  # messages of one request's instance not yet sent to its client
     budget: PromptBudget | None = None  # None: PromptBudget.of(host)
     stopping: bool = False  # the server is shutting down: new requests get 503
 
@@ -164,11 +165,37 @@ class _Run:
     running count is given back."""
 
     h: OpenAIHandler
-    iid: str
     queue: asyncio.Queue[InstanceEvent]
     tenant: str
+    iid: str = ""
     ended: bool = False  # its terminal event has been seen
     closed: bool = False
+    queued_bytes: int = 0  # of the messages in `queue`, at most `h.max_queued_bytes`
+
+    def put(self, ev: InstanceEvent) -> None:
+        """On the loop: queue one event; an instance whose messages pile up (the client does not
+        read them) past `max_queued_bytes` is terminated and the request fails."""
+        if self.closed:
+            return
+        size = len(ev.message)
+        if ev.event == "message" and self.queued_bytes + size > self.h.max_queued_bytes:
+            log.warning("instance %s: %d bytes of messages queued for an HTTP client that does not read them; "
+                        "ending it", self.iid, self.queued_bytes)
+            self.terminate("client not reading")
+            return
+        self.queued_bytes += size
+        self.queue.put_nowait(ev)
+
+    async def get(self) -> InstanceEvent:
+        ev = await self.queue.get()
+        self.queued_bytes -= len(ev.message)
+        return ev
+
+    def terminate(self, reason: str) -> None:
+        try:
+            self.h.host.terminate(self.iid, reason)
+        except KeyError:
+            pass  # it ended on its own meanwhile
 
     def close(self) -> None:
         if self.closed:
@@ -177,10 +204,7 @@ class _Run:
         self.h.running.discard(self.iid)
         self.h.limits.give_instance(self.tenant)
         if not self.ended:
-            try:
-                self.h.host.terminate(self.iid, "client went away")
-            except KeyError:
-                pass  # it ended on its own meanwhile
+            self.terminate("client went away")
             self.h.metrics.instance_ended("client_disconnected")
 
 
@@ -189,7 +213,7 @@ def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local") -> _Run
         raise OpenAIError(404, f"the model {req.model!r} does not exist; this server has {h.model!r}",
                           param="model", code="model_not_found")
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[InstanceEvent] = asyncio.Queue()
+    run = _Run(h, asyncio.Queue(), tenant)
     arg = req.handler_argument()
     extra = {"tenant": tenant} if tenant != "local" else {}
     try:
@@ -197,13 +221,12 @@ def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local") -> _Run
     except TenantLimitError as e:
         raise OpenAIError(429, str(e), type_="rate_limit_error", code="rate_limit_exceeded") from None
     try:
-        iid = h.host.launch(h.program_hash, [arg],
-                            lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), **extra)
+        run.iid = h.host.launch(h.program_hash, [arg], lambda ev: loop.call_soon_threadsafe(run.put, ev), **extra)
     except HostBusy as e:
         h.limits.give_instance(tenant)
         raise OpenAIError(503, str(e), type_="server_error", code="overloaded") from None
-    h.running.add(iid)
-    return _Run(h, iid, queue, tenant)
+    h.running.add(run.iid)
+    return run
 
 
 def _first_line(text: str) -> str:
@@ -227,7 +250,7 @@ def _failure(iid: str, ev: InstanceEvent) -> OpenAIError:
 async def _messages(run: _Run) -> AsyncIterator[dict[str, Any]]:
     """The instance's JSON messages until it ends; the caller calls `run.close()` when done with it."""
     while True:
-        ev = await run.queue.get()
+        ev = await run.get()
         if ev.event == "message":
             yield json.loads(ev.message)
             continue

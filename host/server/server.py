@@ -96,7 +96,8 @@ class Server:
             self.openai = OpenAIHandler(host, openai_program, model_name or host.model_names()[0], self.metrics,
                                         auth_token=config.auth_token, tenants=config.tenants, limits=self.limits,
                                         max_body_bytes=config.max_body_bytes, read_timeout_s=config.read_timeout_s,
-                                        write_timeout_s=config.write_timeout_s)
+                                        write_timeout_s=config.write_timeout_s,
+                                        max_queued_bytes=config.max_queued_bytes)
         routes: list[BaseRoute] = (openai_routes(self.openai) if self.openai is not None
                                    else service_routes(self.metrics))
         # Protocol v1 clients connect to ws://host:port (any path: the old server took any).
