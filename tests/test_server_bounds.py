@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import select
 import socket
 import time
@@ -237,8 +238,8 @@ def test_slow_headers_and_a_stalled_body_time_out(tmp_path: Path) -> None:
 
 def _post_and_never_read(port: int | None, content: str) -> socket.socket:
     assert port is not None
-    body = ('{"model": "fake-model", "stream": true, "messages": [{"role": "user", "content": "%s"}]}'
-            % content).encode()
+    body = json.dumps({"model": "fake-model", "stream": True,
+                       "messages": [{"role": "user", "content": content}]}).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
