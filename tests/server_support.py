@@ -152,6 +152,7 @@ class FakeHost:
         self.tenants: dict[str, str] = {}  # instance id -> the tenant it was launched for
         self.terminations: list[tuple[str, str]] = []
         self.open_gates: set[str] = set()
+        self.args_seen: list[str] = []  # each launch's first argument
 
     def compile(self, wasm: bytes) -> str:
         self.compile_calls += 1
@@ -167,6 +168,7 @@ class FakeHost:
             raise KeyError(program_hash)
         inst = _FakeInstance(self, program_hash, list(args), on_event)
         self.tenants[inst.id] = tenant
+        self.args_seen.append(args[0] if args else "")
         with self.lock:
             self.running[inst.id] = inst
             self.free -= PAGES_PER_INSTANCE

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fakes import FakeBackend
 from helpers import wait_for, wasm_bytes
 from server_support import WASM, FakeHost, PeakRss, running_server
 from websockets.asyncio.client import connect
@@ -25,7 +26,6 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from host import Host, HostConfig
 from host.client import PieClient, PieError
 from host.client.protocol import CHUNK_SIZE, pack
-from tests.fakes import FakeBackend
 
 MIB = 2**20
 
