@@ -353,9 +353,9 @@ def test_hostile_input_is_4xx_and_a_client_that_hangs_up_ends_its_request(served
                                                 messages=[{"role": "user", "content": "hello " * 9000}])
     assert bad.value.code == "context_length_exceeded" and bad.value.param == "messages"
     before = served.wait_idle()
-    body = {"model": served.model, "messages": CAPITAL, "max_tokens": 2000, "temperature": 1.0, "seed": 3}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url, json=body, headers=headers, timeout=2.0)
+    body = {"model": served.model, "prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 2000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # counting on for 2,000 tokens takes far longer than 2 s
+        httpx.post(f"{served.http_url}/v1/completions", json=body, headers=headers, timeout=2.0)
     gone = time.monotonic()
     after = served.wait_idle(timeout=10)
     assert time.monotonic() - gone < 3.0
@@ -368,12 +368,13 @@ def test_sigterm_gives_each_client_its_terminal_event(tmp_path_factory: pytest.T
     [DONE], before the server closes; the process exits 0."""
     proc, base = _start(tmp_path_factory.mktemp("sigterm"), "--num-pages", "512")
     try:
-        body = {"model": base.model, "messages": CAPITAL, "max_tokens": 3000, "stream": True, "temperature": 1.0}
+        body = {"model": base.model, "messages": None, "prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 3000,
+                "stream": True, "temperature": 0}
         lines: list[str] = []
         streaming = threading.Event()
 
         def sse() -> None:
-            with httpx.stream("POST", f"{base.http_url}/v1/chat/completions", json=body, timeout=60,
+            with httpx.stream("POST", f"{base.http_url}/v1/completions", json=body, timeout=60,
                               headers={"Authorization": f"Bearer {KEY}"}) as r:
                 for line in r.iter_lines():
                     if line:
@@ -383,7 +384,7 @@ def test_sigterm_gives_each_client_its_terminal_event(tmp_path_factory: pytest.T
         reader = threading.Thread(target=sse)
         reader.start()
         with SyncPieClient(base.ws_url, token=KEY) as ws:
-            req = {**body, "prompt": None, "stream": False, "n": 1}
+            req = {**body, "stream": False, "n": 1}
             iid = ws.launch(ws.ensure_program(wasm_bytes("openai_chat")), [json.dumps(req)])
             assert streaming.wait(60)
             proc.send_signal(signal.SIGTERM)
