@@ -8,6 +8,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 from server_support import WASM, FakeHost, running_server
 
 from host.client import PieClient, PieError
@@ -179,3 +180,40 @@ def test_programs_not_launched_for_the_ttl_are_evicted_and_it_survives_restarts(
     assert not store.visible("alice", old) and not store.path(old).exists()
     assert store.visible("alice", kept) and store.visible("alice", shared) and not store.visible("bob", shared)
     assert store.path(shared).exists()  # alice still owns it
+
+
+@pytest.mark.build
+def test_kv_pages_per_tenant_are_capped_and_another_tenant_is_not_starved(tmp_path: Path) -> None:
+    """--max-pages-per-tenant 6 on a cache of 16: alice's second 4-page instance is refused its
+    pages (its instance ends with the reason), bob's get theirs."""
+    from fakes import FakeBackend
+    from helpers import wasm_bytes
+
+    from host import Host, HostConfig
+
+    host = Host(HostConfig(data_dir=tmp_path / "host", max_pages_per_tenant=6, warm_auto=0),
+                backend=FakeBackend(page_size=4, num_pages=16))
+    try:
+        with running_server(tmp_path, host=host, auth_token=ADMIN, tenants=(("alice", ALICE), ("bob", BOB))) as srv:
+            async def main() -> None:
+                async with (await PieClient.connect(srv.url, token=ALICE) as alice,
+                            await PieClient.connect(srv.url, token=BOB) as bob):
+                    wasm = wasm_bytes("misbehave")
+                    first = await alice.launch(await alice.upload_program(wasm), ["hog", "4"])
+                    events = alice.events(first)
+                    assert (await events.__anext__()).message == "holding"
+                    second = await alice.launch(await alice.upload_program(wasm), ["hog", "4"])
+                    end = [e async for e in alice.events(second)][-1]
+                    assert end.event in ("exception", "out_of_resources") and "tenant page limit" in end.message
+                    theirs = await bob.launch(await bob.upload_program(wasm), ["hog", "4"])
+                    bob_events = bob.events(theirs)
+                    assert (await bob_events.__anext__()).message == "holding"  # bob is not starved
+                    for client, iid in ((alice, first), (bob, theirs)):
+                        await client.signal(iid, "done")
+                    assert [e.event async for e in events] == ["completed"]
+                    assert [e.event async for e in bob_events] == ["completed"]
+
+            asyncio.run(main())
+        wait_for(lambda: host.free_pages() == 16, 10, "every page back")
+    finally:
+        host.shutdown()
