@@ -172,12 +172,13 @@ class RequestHandlers:
         on_event = self.instances.sink(record, asyncio.get_running_loop())
         try:
             iid = self.host.launch(req.program_hash, list(req.arguments), on_event, tenant=conn.tenant)
-        except KeyError as exc:
-            self.limits.give_instance(conn.tenant)
-            raise RequestError(f"launch_instance: host does not know program {req.program_hash}") from exc
-        except HostBusy as exc:
-            self.limits.give_instance(conn.tenant)
-            raise RequestError(f"launch_instance: {exc}") from None
+        except BaseException as exc:
+            self.limits.give_instance(conn.tenant)  # nothing was launched
+            if isinstance(exc, KeyError):
+                raise RequestError(f"launch_instance: host does not know program {req.program_hash}") from exc
+            if isinstance(exc, HostBusy):
+                raise RequestError(f"launch_instance: {exc}") from None
+            raise
         record.id = iid
         # Events wait on the loop until this returns; a disconnect is handled after this request
         # finishes (same task), so `release` sees the instance.

@@ -171,14 +171,16 @@ class _Run:
     ended: bool = False  # its terminal event has been seen
     closed: bool = False
     queued_bytes: int = 0  # of the messages in `queue`, at most `h.max_queued_bytes`
+    overflowed: bool = False  # past it: terminated, later messages dropped (its terminal event still comes)
 
     def put(self, ev: InstanceEvent) -> None:
         """On the loop: queue one event; an instance whose messages pile up (the client does not
         read them) past `max_queued_bytes` is terminated and the request fails."""
-        if self.closed:
+        if self.closed or (self.overflowed and ev.event == "message"):
             return
         size = len(ev.message)
         if ev.event == "message" and self.queued_bytes + size > self.h.max_queued_bytes:
+            self.overflowed = True
             log.warning("instance %s: %d bytes of messages queued for an HTTP client that does not read them; "
                         "ending it", self.iid, self.queued_bytes)
             self.terminate("client not reading")
@@ -222,9 +224,11 @@ def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local") -> _Run
         raise OpenAIError(429, str(e), type_="rate_limit_error", code="rate_limit_exceeded") from None
     try:
         run.iid = h.host.launch(h.program_hash, [arg], lambda ev: loop.call_soon_threadsafe(run.put, ev), **extra)
-    except HostBusy as e:
-        h.limits.give_instance(tenant)
-        raise OpenAIError(503, str(e), type_="server_error", code="overloaded") from None
+    except BaseException as e:
+        h.limits.give_instance(tenant)  # nothing was launched
+        if isinstance(e, HostBusy):
+            raise OpenAIError(503, str(e), type_="server_error", code="overloaded") from None
+        raise
     h.running.add(run.iid)
     return run
 
