@@ -114,6 +114,28 @@ def test_an_http_client_that_goes_away_ends_its_instance_within_a_second(server,
     assert host.free_pages() == host.total_pages
 
 
+@pytest.mark.parametrize("abrupt", [False, True])
+def test_a_websocket_client_that_goes_away_ends_its_instances_within_a_second(server, host, abrupt: bool) -> None:
+    """Closed cleanly or dropped without a close frame (abrupt): its instances are terminated at
+    once, except the detached one (docs/protocol.md)."""
+    async def main() -> tuple[str, str]:
+        client = await PieClient.connect(server.url)
+        h = await client.upload_program(WASM)
+        owned = await client.launch(h, ["hold"])
+        detached = await client.launch(h, ["hold"], detached=True)
+        if abrupt:
+            client._ws.transport.abort()  # the TCP connection just goes (no close frame)
+        await client.close()
+        return owned, detached
+
+    owned, detached = asyncio.run(main())
+    gone = time.monotonic()
+    wait_for(lambda: (owned, "client disconnected") in host.terminations, 5, "the owned instance to end")
+    assert time.monotonic() - gone < 1.5
+    assert detached in host.running and all(iid != detached for iid, _ in host.terminations)
+    host.terminate(detached, "test over")
+
+
 def test_per_tenant_instance_cap_over_websocket_and_http(tmp_path: Path, host: FakeHost) -> None:
     with running_server(tmp_path, host=host, openai=True, auth_token="adm",
                         tenants=(("alice", "a"), ("bob", "b")), max_instances_per_tenant=2) as srv:

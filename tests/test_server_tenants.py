@@ -42,6 +42,9 @@ def test_query_instances_shows_a_tenant_its_own_only(server) -> None:
             assert [(i["id"], i["tenant"]) for i in await alice.query("instances")] == [(secret, "alice")]
             assert sorted((i["tenant"], i["id"]) for i in await admin.query("instances")) == \
                 sorted([("alice", secret), ("bob", mine)])
+            bob_stats = (await bob.query("stats"))["server"]
+            assert bob_stats == {"connections": 1, "instances": 1, "programs": 1}  # bob's own numbers only
+            assert (await admin.query("stats"))["server"]["connections"] == 3
             await alice.terminate(secret)
 
     asyncio.run(main())

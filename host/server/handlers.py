@@ -112,8 +112,13 @@ class RequestHandlers:
             # Another tenant's instances (their arguments are prompts) are not shown, except to the admin.
             return [self._describe(info) for info in self.host.instances()
                     if conn.admin or info.get("tenant", LOCAL_TENANT) == conn.tenant]
-        server = dict(asdict(self.counters), connections=len(self.connections), instances=len(self.instances),
-                      programs=len(self.store.hashes()))
+        if conn.admin:
+            server = dict(asdict(self.counters), connections=len(self.connections), instances=len(self.instances),
+                          programs=len(self.store.hashes()))
+        else:  # a tenant learns its own numbers, not how busy the others are
+            server = {"connections": sum(c.tenant == conn.tenant for c in self.connections),
+                      "instances": sum(r.tenant == conn.tenant for r in self.instances.records.values()),
+                      "programs": self.store.count(conn.tenant)}
         return {"host": self.host.stats(), "server": server}
 
     def _describe(self, info: dict[str, Any]) -> dict[str, Any]:

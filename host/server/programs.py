@@ -173,6 +173,11 @@ class ProgramStore:
         with self._lock:
             return sorted(self._sizes)
 
+    def count(self, tenant: str) -> int:
+        """How many programs `tenant` has stored."""
+        with self._lock:
+            return len(self._used.get(tenant, {}))
+
     def tenant_bytes(self, tenant: str) -> int:
         """The bytes of the programs `tenant` owns (what its quota counts)."""
         with self._lock:
