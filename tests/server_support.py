@@ -142,8 +142,9 @@ class _FakeInstance:
 class FakeHost:
     """The `HostFacade` methods of `host.Host` (and `free_pages`, `shutdown`); no model, no wasm."""
 
-    def __init__(self, total_pages: int = 256) -> None:
+    def __init__(self, total_pages: int = 256, max_running: int | None = None) -> None:
         self.total_pages = total_pages
+        self.max_running = max_running  # like HostConfig.max_instances: past it launch raises HostBusy
         self.free = total_pages
         self.lock = threading.Lock()
         self.programs: set[str] = set()
@@ -166,6 +167,10 @@ class FakeHost:
                tenant: str = "local") -> str:
         if program_hash not in self.programs:
             raise KeyError(program_hash)
+        if self.max_running is not None and len(self.running) >= self.max_running:
+            from host.host import HostBusy
+
+            raise HostBusy(f"the host is running its maximum of {self.max_running} instances; try again later")
         inst = _FakeInstance(self, program_hash, list(args), on_event)
         self.tenants[inst.id] = tenant
         self.args_seen.append(args[0] if args else "")

@@ -191,3 +191,24 @@ def test_shutdown_gives_every_client_its_terminal_event_first(tmp_path: Path, ho
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][len("data: "):])["error"]
     assert "server shutting down" in error["message"] and error["code"] == "aborted"
+
+
+def test_a_full_host_is_a_clear_error_not_an_internal_one(tmp_path: Path) -> None:
+    host = FakeHost(max_running=1)
+    with running_server(tmp_path, host=host, openai=True) as srv:
+        async def main() -> None:
+            async with await PieClient.connect(srv.url) as client:
+                h = await client.upload_program(WASM)
+                iid = await client.launch(h, ["hold"])
+                with pytest.raises(PieError) as busy:
+                    await client.launch(h, ["hold"])
+                assert "maximum of 1 instances" in str(busy.value) and "internal" not in str(busy.value)
+                r = await asyncio.to_thread(httpx.post, f"{srv.http_url}/v1/chat/completions", json=CHAT)
+                assert r.status_code == 503 and _error_object(r)["code"] == "overloaded"
+                await client.terminate(iid)
+                assert [e.event async for e in client.events(iid)] == ["aborted"]
+                again = await client.launch(h, ["echo"])  # the tenant's count came back after each refusal
+                assert [e.event async for e in client.events(again)] == ["completed"]
+            assert not srv.limits.instances  # every launch, refused or ended, gave its count back
+
+        asyncio.run(main())
