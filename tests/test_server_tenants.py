@@ -220,3 +220,31 @@ def test_kv_pages_per_tenant_are_capped_and_another_tenant_is_not_starved(tmp_pa
         wait_for(lambda: host.free_pages() == 16, 10, "every page back")
     finally:
         host.shutdown()
+
+
+def test_query_instances_on_a_real_host_is_per_tenant(tmp_path: Path) -> None:
+    """The same over `host.Host` (stand-in backend): its `instances()` names each one's tenant."""
+    from fakes import FakeBackend
+    from helpers import wasm_bytes
+
+    from host import Host, HostConfig
+
+    host = Host(HostConfig(data_dir=tmp_path / "host", warm_auto=0), backend=FakeBackend())
+    try:
+        with running_server(tmp_path, host=host, auth_token=ADMIN, tenants=(("alice", ALICE), ("bob", BOB))) as srv:
+            async def main() -> None:
+                async with (await PieClient.connect(srv.url, token=ALICE) as alice,
+                            await PieClient.connect(srv.url, token=BOB) as bob,
+                            await PieClient.connect(srv.url, token=ADMIN) as admin):
+                    iid = await alice.launch(await alice.upload_program(wasm_bytes("wasi_sleep")), ["--secret"])
+                    assert await bob.query("instances") == []
+                    assert [(i["id"], i["tenant"], i["arguments"]) for i in await admin.query("instances")] == \
+                        [(iid, "alice", ["--secret"])]
+                    with pytest.raises(PieError, match="unknown or finished instance"):
+                        await bob.terminate(iid)
+                    await alice.terminate(iid)
+                    assert [e.event async for e in alice.events(iid)] == ["aborted"]
+
+            asyncio.run(main())
+    finally:
+        host.shutdown()
