@@ -86,6 +86,19 @@ def test_prompt_past_the_context_is_context_length_exceeded(tmp_path: Path, host
         assert json.loads(host.args_seen[-1])["max_tokens"] == 16
 
 
+def test_a_chat_template_that_refuses_the_messages_is_400(server) -> None:
+    import jinja2
+
+    def refuse(req: object) -> int:
+        raise jinja2.TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    assert server.openai is not None
+    server.openai.budget = PromptBudget(refuse, context=100, kv_tokens=1000)
+    r = httpx.post(f"{server.http_url}/v1/chat/completions", json=CHAT)
+    assert r.status_code == 400 and "roles must alternate" in _error_object(r)["message"]
+    assert _error_object(r)["param"] == "messages"
+
+
 def test_prompt_budget_lowers_an_unasked_max_tokens_to_what_fits() -> None:
     from host.server.openai_request import parse_request
 

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import jinja2
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -78,8 +79,12 @@ class PromptBudget:
         """`req` with `max_tokens` cut to what fits when it was not given; OpenAIError
         `context_length_exceeded` when the prompt (or the prompt and the `max_tokens` asked for)
         cannot fit the context or the KV pages."""
-        prompt = self.count(req)
         param = "messages" if req.messages is not None else "prompt"
+        try:
+            prompt = self.count(req)
+        except (ValueError, jinja2.TemplateError) as e:  # e.g. a template that wants roles to alternate
+            raise OpenAIError(400, f"{param}: the model's chat template cannot format these messages: "
+                              f"{str(e)[:300]}", param=param) from None
         limit, what = self.kv_tokens, f"the {self.kv_tokens} tokens the KV cache can hold for one request"
         if self.context and self.context <= limit:
             limit, what = self.context, f"the model's maximum context length of {self.context} tokens"
