@@ -26,16 +26,16 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import jinja2
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
 
 from host.events import InstanceEvent
 from host.host import HostBusy
+from host.server.http import GuardedStream, read_body, until_disconnect
 from host.server.metrics import CONTENT_TYPE, ServerMetrics
+from host.server.openai_budget import PromptBudget
 from host.server.openai_request import OpenAIError, OpenAIRequest, parse_request
 from host.server.sse import DONE, chat_chunk, completion_chunk, sse_event
 from host.server.tenants import TenantLimitError, TenantLimits
@@ -44,59 +44,6 @@ __all__ = ["OpenAIHandler", "PromptBudget", "openai_app", "openai_routes", "serv
 
 log = logging.getLogger(__name__)
 MIB = 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptBudget:
-    """What a request's tokens must fit: `count` gives a request's prompt tokens (as the handler
-    fills them), `context` is the model's context length (0 = unknown), `kv_tokens` what the KV
-    pages one request may hold can take."""
-
-    count: Callable[[OpenAIRequest], int]
-    context: int
-    kv_tokens: int
-
-    @classmethod
-    def of(cls, host: Any) -> PromptBudget | None:
-        """The budget of a `host.Host` (None for a host without a tokenizer, e.g. a test's fake)."""
-        backend = getattr(host, "backend", None)
-        config = getattr(host, "config", None)
-        if backend is None or config is None:
-            return None
-        info, tok = backend.info, backend.tokenizer
-        caps = [info.num_pages, config.max_pages_per_instance, config.max_pages_per_tenant]
-        pages = min(c for c in caps if c is not None)
-
-        def count(req: OpenAIRequest) -> int:
-            if req.messages is not None:
-                return len(tok.encode(tok.apply_chat_template([dict(m) for m in req.messages],
-                                                              add_generation_prompt=True)))
-            return len(tok.encode(req.prompt or ""))
-
-        return cls(count, info.max_position, pages * info.page_size)
-
-    def check(self, req: OpenAIRequest) -> OpenAIRequest:
-        """`req` with `max_tokens` cut to what fits when it was not given; OpenAIError
-        `context_length_exceeded` when the prompt (or the prompt and the `max_tokens` asked for)
-        cannot fit the context or the KV pages."""
-        param = "messages" if req.messages is not None else "prompt"
-        try:
-            prompt = self.count(req)
-        except (ValueError, jinja2.TemplateError) as e:  # e.g. a template that wants roles to alternate
-            raise OpenAIError(400, f"{param}: the model's chat template cannot format these messages: "
-                              f"{str(e)[:300]}", param=param) from None
-        limit, what = self.kv_tokens, f"the {self.kv_tokens} tokens the KV cache can hold for one request"
-        if self.context and self.context <= limit:
-            limit, what = self.context, f"the model's maximum context length of {self.context} tokens"
-        need = prompt + req.n * req.max_tokens
-        if prompt >= limit or (req.max_tokens_given and need > limit):
-            asked = (f"{need} tokens ({prompt} in the {param}, {req.n} x {req.max_tokens} in the completion)"
-                     if req.max_tokens_given else f"{prompt} tokens in the {param}")
-            raise OpenAIError(400, f"this request needs {asked}, more than {what}; shorten the {param} "
-                              "or lower max_tokens", param=param, code="context_length_exceeded")
-        if not req.max_tokens_given:
-            return dataclasses.replace(req, max_tokens=max(1, min(req.max_tokens, (limit - prompt) // req.n)))
-        return req
 
 
 @dataclasses.dataclass
@@ -361,74 +308,11 @@ async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) -
     yield DONE
 
 
-class _GuardedStream(StreamingResponse):
-    """An SSE response that drops a client which takes longer than `write_timeout_s` to take one
-    event (its instance is terminated as for a disconnect) and calls `on_close` when it ends,
-    however it ends. Starlette ends the stream when the client disconnects (uvicorn's h11 speaks
-    ASGI 2.3, so `StreamingResponse` listens for the disconnect while it streams)."""
-
-    def __init__(self, body: AsyncIterator[bytes], write_timeout_s: float, on_close: Callable[[], None]) -> None:
-        super().__init__(body, media_type="text/event-stream")
-        self._body = body
-        self._write_timeout_s = write_timeout_s
-        self._on_close = on_close
-
-    async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for chunk in self._body:
-            try:
-                await asyncio.wait_for(send({"type": "http.response.body", "body": chunk, "more_body": True}),
-                                       self._write_timeout_s)
-            except TimeoutError:
-                log.warning("SSE client took more than %.1f s to take an event; dropping it", self._write_timeout_s)
-                self._on_close()  # terminates the instance now
-                return  # uvicorn closes a connection whose response did not complete
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-async def _read_body(h: OpenAIHandler, request: Request) -> bytes:
-    """The request body, at most `max_body_bytes` (413, told before reading when Content-Length
-    says more), each piece within `read_timeout_s` (408)."""
-    too_large = OpenAIError(413, f"the request body is larger than this server's limit of {h.max_body_bytes} "
-                            "bytes (--max-body-mb)", code="request_too_large")
-    length = request.headers.get("content-length")
-    if length is not None:
-        if not length.isdigit() or len(length) > 20:
-            raise OpenAIError(400, f"invalid Content-Length header {length[:40]!r}")
-        if int(length) > h.max_body_bytes:
-            raise too_large
-    body = bytearray()
-    pieces = request.stream().__aiter__()
-    while True:
-        try:
-            piece = await asyncio.wait_for(pieces.__anext__(), h.read_timeout_s)
-        except StopAsyncIteration:
-            return bytes(body)
-        except TimeoutError:
-            raise OpenAIError(408, f"the request body did not arrive within {h.read_timeout_s:g} s "
-                              "(--read-timeout-s)", code="request_timeout") from None
-        body += piece
-        if len(body) > h.max_body_bytes:
-            raise too_large
-
-
-async def _until_disconnect(receive: Receive) -> None:
-    """Returns when the client has gone (after its body was read, only a disconnect comes)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _respond(h: OpenAIHandler, request: Request, chat: bool, tenant: str,
                    release: Callable[[], None]) -> Response:
     """Read, check and run one completion request; `release` is called once it has ended."""
     try:
-        body = await _read_body(h, request)
+        body = await read_body(request, h.max_body_bytes, h.read_timeout_s)
     except ClientDisconnect:
         release()
         return Response(status_code=400)  # nobody reads it
@@ -440,9 +324,9 @@ async def _respond(h: OpenAIHandler, request: Request, chat: bool, tenant: str,
         def close() -> None:
             run.close()
             release()
-        return _GuardedStream(_stream(h, req, chat, run), h.write_timeout_s, close)
+        return GuardedStream(_stream(h, req, chat, run), h.write_timeout_s, close)
     collect = asyncio.ensure_future(_collect(h, req, chat, run))
-    gone = asyncio.ensure_future(_until_disconnect(request.receive))
+    gone = asyncio.ensure_future(until_disconnect(request.receive))
     try:
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -478,7 +362,7 @@ def _completions(h: OpenAIHandler, chat: bool) -> Any:
             except BaseException:
                 release()
                 raise
-            if not isinstance(response, _GuardedStream):
+            if not isinstance(response, GuardedStream):
                 release()
             return response
         except OpenAIError as e:
