@@ -218,17 +218,14 @@ class Server:
 
     async def _websocket(self, ws: WebSocket) -> None:
         cfg = self.config
-        if len(self.connections) >= cfg.max_connections:
-            await ws.send_denial_response(PlainTextResponse(
-                f"the server has its maximum of {cfg.max_connections} connections open (--max-connections)", 503))
+        if not await self._admit(ws):
             return
-        if not cfg.requires_auth:  # every client is tenant "local" from the start
-            try:
-                self.limits.take_connection(LOCAL_TENANT)
-            except TenantLimitError as exc:
-                await ws.send_denial_response(PlainTextResponse(str(exc), 503))
-                return
-        await ws.accept()
+        try:
+            await ws.accept()
+        except BaseException:
+            if not cfg.requires_auth:
+                self.limits.give_connection(LOCAL_TENANT)
+            raise
         reader = asyncio.current_task()
         assert reader is not None
         reading = False
@@ -263,21 +260,43 @@ class Server:
         finally:
             if auth_timer is not None:
                 auth_timer.cancel()
-            if conn.counted:
-                self.limits.give_connection(conn.tenant)
-            self.handlers.discard_upload(conn)
-            self.connections.discard(conn)
-            self.instances.release(conn)
-            conn.stop()
-            if conn.dropped:
-                sender.cancel()
+            await self._end(conn, sender)
+
+    async def _admit(self, ws: WebSocket) -> bool:
+        """Whether a new WebSocket may open: the server's cap, and on a server without tokens the
+        one tenant's (counted here; with tokens a connection counts from its authentication).
+        A refused upgrade is answered HTTP 503 with the reason."""
+        cfg = self.config
+        reason = None
+        if len(self.connections) >= cfg.max_connections:
+            reason = f"the server has its maximum of {cfg.max_connections} connections open (--max-connections)"
+        elif not cfg.requires_auth:
             try:
-                await asyncio.wait_for(sender, timeout=FLUSH_TIMEOUT_S)
-            except TimeoutError:
-                log.warning("connection %s: could not flush its frames in %.0f s", conn.id, FLUSH_TIMEOUT_S)
-            except asyncio.CancelledError:
-                if not conn.dropped:
-                    raise
+                self.limits.take_connection(LOCAL_TENANT)
+            except TenantLimitError as exc:
+                reason = str(exc)
+        if reason is None:
+            return True
+        await ws.send_denial_response(PlainTextResponse(reason, 503))
+        return False
+
+    async def _end(self, conn: Connection, sender: asyncio.Task[None]) -> None:
+        """The connection is over: give back what it held, end its instances, flush its frames."""
+        if conn.counted:
+            self.limits.give_connection(conn.tenant)
+        self.handlers.discard_upload(conn)
+        self.connections.discard(conn)
+        self.instances.release(conn)
+        conn.stop()
+        if conn.dropped:
+            sender.cancel()
+        try:
+            await asyncio.wait_for(sender, timeout=FLUSH_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("connection %s: could not flush its frames in %.0f s", conn.id, FLUSH_TIMEOUT_S)
+        except asyncio.CancelledError:
+            if not conn.dropped:
+                raise
 
     def _auth_timeout(self, conn: Connection) -> None:
         if not conn.authenticated and not conn.closing:
