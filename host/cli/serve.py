@@ -16,7 +16,7 @@ from typing import Any
 from host.cli.build import BuildError, resolve_inferlet
 from host.cli.options import add_host_options, host_config_from_args
 from host.client.protocol import MAX_FRAME_BYTES
-from host.config import default_data_dir
+from host.config import HostConfig, default_data_dir
 from host.server import Server, ServerConfig
 from host.server.programs import DEFAULT_MAX_PROGRAM_BYTES
 
@@ -81,7 +81,8 @@ def _add_bounds(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-connections", type=int, default=_server_default("max_connections"),
                    help="open connections of the server, HTTP and WebSocket; past it: 503 (default %(default)s)")
     g.add_argument("--max-connections-per-tenant", type=int, default=_server_default("max_connections_per_tenant"),
-                   help="WebSocket connections and HTTP requests in progress per tenant (default %(default)s)")
+                   help="WebSocket connections and HTTP requests in progress per tenant, when the server has more "
+                        "than one identity (default %(default)s)")
     g.add_argument("--auth-timeout-s", type=float, default=_server_default("auth_timeout_s"),
                    help="a WebSocket client that has not authenticated by then is disconnected (default %(default)g)")
     g.add_argument("--read-timeout-s", type=float, default=_server_default("read_timeout_s"),
@@ -96,9 +97,9 @@ def _add_bounds(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--program-ttl-h", type=float, default=_server_default("program_ttl_s") / 3600,
                    help="a program its tenant has not launched or uploaded for this long is evicted "
                         "(default %(default)g hours)")
-    g.add_argument("--max-instances-per-tenant", type=int, default=_server_default("max_instances_per_tenant"),
+    g.add_argument("--max-instances-per-tenant", type=int, default=None,
                    help="instances one tenant may run at once, WebSocket and HTTP together; 0 = no cap "
-                        "(default %(default)s)")
+                        "(default: half of --max-instances when the server has more than one identity, else none)")
 
 
 def _tenant(value: str) -> tuple[str, str]:
@@ -123,7 +124,18 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         write_timeout_s=args.write_timeout_s,
                         max_store_bytes_per_tenant=int(args.max_store_mb * MIB),
                         program_ttl_s=args.program_ttl_h * 3600,
-                        max_instances_per_tenant=args.max_instances_per_tenant or None)
+                        max_instances_per_tenant=_instances_per_tenant(args))
+
+
+def _instances_per_tenant(args: argparse.Namespace) -> int | None:
+    """--max-instances-per-tenant, or its default: half the host's instances when tenants share it."""
+    if args.max_instances_per_tenant is not None:
+        return args.max_instances_per_tenant or None
+    identities = (1 if args.auth_token else 0) + len(args.tenant)
+    if identities <= 1:
+        return None
+    host_max: int = args.max_instances or HostConfig().max_instances
+    return max(1, host_max // 2)
 
 
 def main(argv: list[str] | None = None) -> int:

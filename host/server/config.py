@@ -49,13 +49,17 @@ class ServerConfig:
     max_upload_bytes_in_flight: int = DEFAULT_UPLOAD_BYTES_IN_FLIGHT
     max_body_bytes: int = 8 * MIB  # an HTTP request body; larger is answered 413 unread
     max_connections: int = 1024  # open connections (WebSocket and HTTP) of the server
-    max_connections_per_tenant: int = 256  # WebSocket connections / HTTP requests in progress per tenant
+    # WebSocket connections / HTTP requests in progress per tenant; a server with one identity has
+    # only max_connections (see `tenant_connection_cap`)
+    max_connections_per_tenant: int = 256
     auth_timeout_s: float = 10.0  # a WebSocket connection that has not authenticated by then is closed
     read_timeout_s: float = 30.0  # to send an HTTP request's headers, and between pieces of its body
     write_timeout_s: float = 30.0  # a client that takes longer to take one SSE event is dropped
     max_store_bytes_per_tenant: int = DEFAULT_STORE_BYTES_PER_TENANT
     program_ttl_s: float = DEFAULT_PROGRAM_TTL_S  # a program nobody launched for this long is evicted
-    max_instances_per_tenant: int | None = 512  # running at once, WebSocket and HTTP together; None = no cap
+    # running at once, WebSocket and HTTP together; None = no cap (pie-serve's default: half of
+    # --max-instances when the server has more than one identity)
+    max_instances_per_tenant: int | None = None
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.tenants]
@@ -81,6 +85,17 @@ class ServerConfig:
     @property
     def requires_auth(self) -> bool:
         return self.auth_token is not None or bool(self.tenants)
+
+    @property
+    def identities(self) -> int:
+        """How many tenants can connect: one per token, or the one `local` without tokens."""
+        return max(1, (1 if self.auth_token else 0) + len(self.tenants))
+
+    @property
+    def tenant_connection_cap(self) -> int:
+        """Connections one tenant may have open: `max_connections_per_tenant`, unless the server
+        has one identity (then there is nobody to share with: `max_connections`)."""
+        return self.max_connections_per_tenant if self.identities > 1 else self.max_connections
 
     def is_admin(self, tenant: str) -> bool:
         """Whether `tenant` sees and acts on every tenant's instances and programs: the `--auth-token`

@@ -86,7 +86,7 @@ class Server:
         self.connections: set[Connection] = set()
         self.counters = ServerCounters()
         self.metrics = ServerMetrics(host.stats, lambda: 0)
-        self.limits = TenantLimits(config.max_instances_per_tenant, config.max_connections_per_tenant)
+        self.limits = TenantLimits(config.max_instances_per_tenant, config.tenant_connection_cap)
         self.instances = InstanceTable(host.terminate, config.event_buffer_limit, self.metrics.instance_ended,
                                        self.limits)
         self.handlers = RequestHandlers(host, config, self.store, self.instances, self.connections, self.counters,
