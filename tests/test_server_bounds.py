@@ -145,7 +145,7 @@ def test_partial_uploads_are_bounded_per_server(tmp_path: Path) -> None:
                         results.append("refused")
                         return
                 results.append("held")
-                await asyncio.sleep(1.0)  # hold the partial upload while the others try
+                await asyncio.sleep(0.5)  # hold the partial upload while the others try
 
         async def main() -> list[str]:
             results: list[str] = []

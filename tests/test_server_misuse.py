@@ -115,11 +115,11 @@ def test_an_http_client_that_goes_away_ends_its_instance_within_a_second(server,
 
     def ask() -> None:
         with pytest.raises(httpx.ReadTimeout):
-            with httpx.stream("POST", f"{server.http_url}/v1/chat/completions", json=body, timeout=1.0) as r:
+            with httpx.stream("POST", f"{server.http_url}/v1/chat/completions", json=body, timeout=0.5) as r:
                 for _ in r.iter_raw():
                     pass
 
-    ask()  # the client gives up after 1 s and closes its connection
+    ask()  # the client gives up after 0.5 s and closes its connection
     gone = time.monotonic()
     wait_for(lambda: any(why == "client went away" for _, why in host.terminations), 5, "the instance to end")
     assert time.monotonic() - gone < 1.5
