@@ -225,3 +225,14 @@ def test_a_full_host_is_a_clear_error_not_an_internal_one(tmp_path: Path) -> Non
             assert not srv.limits.instances  # every launch, refused or ended, gave its count back
 
         asyncio.run(main())
+
+
+def test_a_bug_in_a_route_is_a_500_error_object_without_a_traceback(server, host, monkeypatch) -> None:
+    def broken(*args: object, **kw: object) -> str:
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(host, "launch", broken)
+    r = httpx.post(f"{server.http_url}/v1/chat/completions", json=CHAT)
+    assert r.status_code == 500 and "secret internal detail" not in r.text
+    assert _error_object(r)["type"] == "server_error"
+    assert httpx.get(f"{server.http_url}/health").status_code == 200

@@ -40,7 +40,7 @@ from host.server.openai_request import OpenAIError, OpenAIRequest, parse_request
 from host.server.sse import DONE, chat_chunk, completion_chunk, sse_event
 from host.server.tenants import TenantLimitError, TenantLimits
 
-__all__ = ["OpenAIHandler", "PromptBudget", "openai_app", "openai_routes", "service_routes"]
+__all__ = ["OpenAIHandler", "PromptBudget", "internal_error", "openai_app", "openai_routes", "service_routes"]
 
 log = logging.getLogger(__name__)
 MIB = 2**20
@@ -396,7 +396,14 @@ def openai_routes(h: OpenAIHandler) -> list[BaseRoute]:
             Route("/v1/models", models, methods=["GET"]), *service_routes(h.metrics)]
 
 
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A bug while answering: OpenAI's error object, 500, naming nothing of the server's insides (the
+    traceback goes to the log, as Starlette logs every unhandled exception)."""
+    return JSONResponse(OpenAIError(500, "internal server error; the server's log has the details",
+                                    type_="server_error").body(), status_code=500)
+
+
 def openai_app(h: OpenAIHandler) -> Starlette:
     """A Starlette app serving only the HTTP routes (`host.server.Server` serves the same routes next
     to the WebSocket protocol)."""
-    return Starlette(routes=openai_routes(h))
+    return Starlette(routes=openai_routes(h), exception_handlers={Exception: internal_error})

@@ -37,7 +37,7 @@ from host.server.handlers import RequestHandlers, ServerCounters
 from host.server.http import h11_with_header_timeout
 from host.server.instances import InstanceTable
 from host.server.metrics import ServerMetrics
-from host.server.openai_api import OpenAIHandler, openai_routes, service_routes
+from host.server.openai_api import OpenAIHandler, internal_error, openai_routes, service_routes
 from host.server.programs import ProgramStore
 from host.server.tenants import TenantLimitError, TenantLimits
 
@@ -102,7 +102,7 @@ class Server:
                                    else service_routes(self.metrics))
         # Protocol v1 clients connect to ws://host:port (any path: the old server took any).
         routes.append(WebSocketRoute("/{path:path}", self._websocket))
-        self.app = Starlette(routes=routes)
+        self.app = Starlette(routes=routes, exception_handlers={Exception: internal_error})
         self._uvicorn: _Uvicorn | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
