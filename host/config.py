@@ -37,6 +37,8 @@ class HostConfig:
     max_pages_per_tenant: KV pages the instances of one tenant may own at once together (None =
         no cap): one tenant cannot take the whole cache from the others.
     max_inbox_bytes: unread client messages (signals) per instance; a signal past it is refused.
+    max_kv_store_bytes: UTF-8 bytes of keys and values one tenant may keep in the key-value store
+        (host/state/kvstore.py); a `store.set` past it traps its caller.
     run_gate: instance threads take turns running, `run_slots` at a time (see host/gate.py);
         False lets them all contend for the GIL at once (for comparisons).
     max_instances: instances running at once; a launch beyond it is refused (`HostBusy`).
@@ -85,6 +87,7 @@ class HostConfig:
     max_pages_per_instance: int | None = None
     max_pages_per_tenant: int | None = None
     max_inbox_bytes: int = 4 * 2**20
+    max_kv_store_bytes: int = 64 * 2**20
     prefix_cache: str = "per-client"  # per-client | shared | off (host/state/prefix_cache.py)
     max_published_messages: int = 1024  # unread pub/sub messages kept per instance (oldest dropped)
     max_published_bytes: int = 2**20
@@ -148,5 +151,6 @@ class HostConfig:
             raise ValueError(f"max_pages_per_instance must be >= 1, got {self.max_pages_per_instance}")
         if self.max_pages_per_tenant is not None and self.max_pages_per_tenant < 1:
             raise ValueError(f"max_pages_per_tenant must be >= 1, got {self.max_pages_per_tenant}")
-        if self.max_inbox_bytes < 1:
-            raise ValueError(f"max_inbox_bytes must be >= 1, got {self.max_inbox_bytes}")
+        if self.max_inbox_bytes < 1 or self.max_kv_store_bytes < 1:
+            raise ValueError(f"max_inbox_bytes and max_kv_store_bytes must be >= 1, got {self.max_inbox_bytes}, "
+                             f"{self.max_kv_store_bytes}")

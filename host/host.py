@@ -136,7 +136,8 @@ class Host:
         # frees wait for an idle host (the reaper still frees each store within a second).
         busy = lambda: bool(self._instances) or any(s.busy() for s in schedulers)  # noqa: E731
         self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling, busy, _REAP_PENDING)
-        self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3")
+        self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3",
+                                     config.max_kv_store_bytes)
         self.topics = Topics()
         self.gate = RunGate(config.run_gate, slots=config.run_slots)
         self.wasm.on_tick.append(self.gate.poll)  # queued wake-ups go out even if holders stall

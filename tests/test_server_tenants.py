@@ -248,3 +248,37 @@ def test_query_instances_on_a_real_host_is_per_tenant(tmp_path: Path) -> None:
             asyncio.run(main())
     finally:
         host.shutdown()
+
+
+@pytest.mark.build
+def test_the_key_value_store_is_per_tenant_and_bounded(tmp_path: Path) -> None:
+    """bob's inferlets neither read nor list alice's keys (the SDK keeps exported contexts' token
+    histories there); a tenant's keys and values are bounded (--max-kv-store-mb)."""
+    from fakes import FakeBackend
+    from helpers import wasm_bytes
+
+    from host import Host, HostConfig
+
+    host = Host(HostConfig(data_dir=tmp_path / "host", max_kv_store_bytes=1000, warm_auto=0), backend=FakeBackend())
+    try:
+        with running_server(tmp_path, host=host, auth_token=ADMIN, tenants=(("alice", ALICE), ("bob", BOB))) as srv:
+            async def run(client: PieClient, *args: str) -> tuple[str, str]:
+                iid = await client.launch(await client.upload_program(wasm_bytes("misbehave")), list(args))
+                end = [e async for e in client.events(iid)][-1]
+                return end.event, end.message
+
+            async def main() -> None:
+                async with (await PieClient.connect(srv.url, token=ALICE) as alice,
+                            await PieClient.connect(srv.url, token=BOB) as bob):
+                    assert await run(alice, "store_put", "inferlet.context/chat", "ALICE-SECRET") == \
+                        ("completed", "stored")
+                    assert await run(bob, "store_read", "inferlet.context/chat") == ("completed", "None|")
+                    assert await run(alice, "store_read", "inferlet.context/chat") == \
+                        ("completed", "ALICE-SECRET|inferlet.context/chat")
+                    event, message = await run(alice, "store_put", "big", "x" * 2000)
+                    assert event == "exception" and "past its limit of 1000 bytes" in message
+                    assert await run(bob, "store_put", "mine", "y" * 900) == ("completed", "stored")  # bob's own
+
+            asyncio.run(main())
+    finally:
+        host.shutdown()

@@ -49,6 +49,9 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pages-per-tenant", type=int,
                         help="KV pages the instances of one tenant may hold together, so one tenant cannot take "
                              "the whole cache (default: no cap)")
+    parser.add_argument("--max-kv-store-mb", type=float,
+                        help="keys and values one tenant may keep in the inferlets' key-value store "
+                             f"(default {_default('max_kv_store_bytes') // MIB} MiB)")
     parser.add_argument("--max-inbox-kb", type=int,
                         help="unread client messages per instance; a signal past it is refused "
                              f"(default {_default('max_inbox_bytes') // 1024} KiB)")
@@ -88,6 +91,7 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
         "max_pages_per_tenant": args.max_pages_per_tenant,
         "max_inbox_bytes": None if args.max_inbox_kb is None else args.max_inbox_kb * 1024,
+        "max_kv_store_bytes": None if args.max_kv_store_mb is None else int(args.max_kv_store_mb * MIB),
         "prefix_cache": args.prefix_cache, "max_instances": args.max_instances,
         "warm_instances": args.warm_instances, "warm_auto": args.warm_auto,
         "engine": args.engine, "tp": args.tp, "replicas": args.replicas,
