@@ -282,3 +282,25 @@ def test_the_key_value_store_is_per_tenant_and_bounded(tmp_path: Path) -> None:
             asyncio.run(main())
     finally:
         host.shutdown()
+
+
+@pytest.mark.build
+def test_pub_sub_topics_are_per_tenant(tmp_path: Path) -> None:
+    """An instance of bob subscribed to "news" does not get what alice's instances publish on
+    "news"; alice's own subscriber does (and sees the topic under its own name)."""
+    from fakes import FakeBackend
+    from helpers import Run, wasm_bytes
+
+    from host import Host, HostConfig
+
+    host = Host(HostConfig(data_dir=tmp_path / "host", warm_auto=0), backend=FakeBackend())
+    try:
+        prog = host.compile(wasm_bytes("misbehave"))
+        bobs, alices = Run(host, prog, ["listen", "news"], tenant="bob"), Run(host, prog, ["listen", "news"],
+                                                                              tenant="alice")
+        assert [r.events.get(timeout=60).message for r in (bobs, alices)] == ["subscribed", "subscribed"]
+        assert Run(host, prog, ["flood", "news", "1", "3"], tenant="alice").finish(60).message == "flooded"
+        assert alices.finish(60).message == "news=000"
+        assert bobs.finish(60).message == "nothing"
+    finally:
+        host.shutdown()
