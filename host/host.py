@@ -286,7 +286,8 @@ class Host:
         self.services.grammars.release(inst)  # its grammars and matchers
         with inst.cond:
             inst.published.clear()  # unread messages go with their subscriber
-        inst.drop_inbox()  # and unread client messages: an ended instance is kept (for wait) without them
+        inst.drop_inbox()  # and unread client messages: an ended instance is kept (for wait) without them,
+        inst.args, inst.return_value = [], None  # and without its request (an OpenAI body: up to --max-body-mb)
         # A forward still queued or running finishes on its own (its pages stay pinned until it
         # has, so the backend never writes into a page someone else owns); waiting for it here
         # means the instance's pages are all free by the time its end is reported.

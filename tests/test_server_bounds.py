@@ -102,7 +102,7 @@ def test_signal_past_the_inbox_is_refused_and_an_ended_instance_lets_its_inbox_g
         with running_server(tmp_path, host=host) as srv:
             async def main() -> None:
                 async with await PieClient.connect(srv.url) as client:
-                    iid = await client.launch(await client.upload_program(wasm_bytes("wasi_sleep")))
+                    iid = await client.launch(await client.upload_program(wasm_bytes("wasi_sleep")), ["a" * 500_000])
                     taken, refused = 0, []
                     with PeakRss() as rss:
                         for _ in range(100):
@@ -116,8 +116,8 @@ def test_signal_past_the_inbox_is_refused_and_an_ended_instance_lets_its_inbox_g
                     assert rss.growth < 40 * MIB, f"server grew by {rss.growth / MIB:.0f} MiB"
                     await client.terminate(iid)
                     assert [e.event async for e in client.events(iid)] == ["aborted"]
-                    ended = host._ended[iid]  # kept for wait(), without its unread messages
-                    assert not ended.inbox and ended.inbox_bytes == 0
+                    ended = host._ended[iid]  # kept for wait(), without its unread messages or arguments
+                    assert not ended.inbox and ended.inbox_bytes == 0 and ended.args == []
 
             asyncio.run(main())
     finally:
