@@ -4,7 +4,7 @@ Programs are any bytes starting with the wasm magic. An instance runs the script
 first argument, on its own thread, emitting events through `on_event` like the real host:
   echo W...        send each word, complete with "done"
   gated G W...     wait until the test calls `host.open_gate(G)`, then like echo
-  flood N S        send N messages of S bytes
+  flood N S        send N messages of S bytes;  later G N S: the same once gate G opens
   chat             reply "got:<m>" to each signal; "quit" completes "bye"; closed input completes "eof"
   hold             hold its pages until terminated
   crash            end with an exception;  oom: end out_of_resources
@@ -119,6 +119,11 @@ class _FakeInstance:
         if cmd == "gated":
             self._wait(lambda: rest[0] in self.host.open_gates)
             return self._echo(rest[1:])
+        if cmd == "later":  # later G N S: when gate G opens, flood N messages of S bytes
+            self._wait(lambda: rest[0] in self.host.open_gates)
+            for _ in range(int(rest[1])):
+                self.emit("message", "x" * int(rest[2]))
+            return "completed", "done"
         if cmd == "flood":  # many large messages, as fast as possible
             for _ in range(int(rest[0])):
                 self.emit("message", "x" * int(rest[1]))

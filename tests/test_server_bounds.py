@@ -93,6 +93,27 @@ def test_a_client_that_does_not_read_is_dropped_not_buffered(tmp_path: Path) -> 
         asyncio.run(main())
 
 
+def test_a_detached_instance_buffers_a_bounded_tail_of_its_events(tmp_path: Path) -> None:
+    """200 events of 1 MB from a detached instance nobody is attached to (~200 MB unbounded): the
+    server keeps the last --max-queued-mb of them (and always the terminal event)."""
+    host = FakeHost()
+    with running_server(tmp_path, host=host, max_queued_bytes=4 * MIB) as srv:
+        async def main() -> list[str]:
+            async with await PieClient.connect(srv.url) as client:
+                iid = await client.launch(await client.upload_program(WASM), ["later", "g", "200", "1000000"],
+                                          detached=True)
+            with PeakRss() as rss:
+                host.open_gate("g")
+                await asyncio.to_thread(wait_for, lambda: not host.running, 30, "the flood to end")
+            assert rss.growth < 48 * MIB, f"server grew by {rss.growth / MIB:.0f} MiB"
+            async with await PieClient.connect(srv.url) as again:
+                await again.attach(iid)
+                return [e.event async for e in again.events(iid)]
+
+        events = asyncio.run(main())
+    assert events[-1] == "completed" and 1 <= events.count("message") <= 4
+
+
 def test_signal_past_the_inbox_is_refused_and_an_ended_instance_lets_its_inbox_go(tmp_path: Path) -> None:
     """100 signals of 1 MB to an instance that never reads (~100 MB unbounded): with a 2 MiB inbox
     the first two are taken, the rest refused with a clear error."""

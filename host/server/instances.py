@@ -2,11 +2,13 @@
 
 An instance belongs to the connection that launched it, and to that connection's tenant; a
 disconnect terminates it unless it was launched detached. Another tenant's instance is "unknown"
-to a connection (only the admin identity sees and attaches every tenant's instances). A detached instance with no connection attached buffers its events (up to
-`event_buffer_limit`, oldest dropped) until a connection attaches. Invariants: a record stays in
-the table until its terminal event was delivered, or, finished detached and never attached, until
-more than MAX_FINISHED_DETACHED such records exist; while a record has buffered events, new ones
-queue behind them, so attach keeps the order. Every method runs on the server's event loop.
+to a connection (only the admin identity sees and attaches every tenant's instances). A detached
+instance with no connection attached buffers its events (up to `event_buffer_limit` events and
+`event_buffer_bytes`, oldest dropped, the last one always kept) until a connection attaches.
+Invariants: a record stays in the table until its terminal event was delivered, or, finished
+detached and never attached, until more than MAX_FINISHED_DETACHED such records exist; while a
+record has buffered events, new ones queue behind them, so attach keeps the order. Every method
+runs on the server's event loop.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class InstanceRecord:
     tenant: str = "local"  # counted in TenantLimits.instances until its terminal event
     finished: bool = False
     buffer: deque[bytes] = field(default_factory=deque)
+    buffered_bytes: int = 0  # of the frames in `buffer`
     dropped: int = 0
 
 
@@ -48,8 +51,10 @@ class InstanceTable:
     told how each instance ended."""
 
     def __init__(self, terminate: Callable[[str, str], None], event_buffer_limit: int,
-                 on_end: Callable[[str], None] | None = None, limits: TenantLimits | None = None) -> None:
+                 on_end: Callable[[str], None] | None = None, limits: TenantLimits | None = None,
+                 event_buffer_bytes: int = 16 * 2**20) -> None:
         self.records: dict[str, InstanceRecord] = {}
+        self._buffer_bytes = event_buffer_bytes
         self.limits = limits  # told when each instance ends (its tenant's running count)
         self._terminate = terminate
         self._on_end = on_end  # called with each terminal event's name (metrics)
@@ -122,8 +127,10 @@ class InstanceTable:
             owner.send(frame)
         elif owner is not None or record.detached:
             record.buffer.append(frame)
-            if len(record.buffer) > self._buffer_limit:
-                record.buffer.popleft()
+            record.buffered_bytes += len(frame)
+            while len(record.buffer) > 1 and (len(record.buffer) > self._buffer_limit
+                                              or record.buffered_bytes > self._buffer_bytes):
+                record.buffered_bytes -= len(record.buffer.popleft())
                 record.dropped += 1
         if event.event in TERMINAL_EVENTS:
             record.finished = True
@@ -146,6 +153,7 @@ class InstanceTable:
             log.warning("instance %s: %d buffered events were dropped before attach", record.id, record.dropped)
         while record.buffer:
             owner.send(record.buffer.popleft())
+        record.buffered_bytes = 0
         if record.finished:
             self._forget(record)
 

@@ -88,7 +88,7 @@ class Server:
         self.metrics = ServerMetrics(host.stats, lambda: 0)
         self.limits = TenantLimits(config.max_instances_per_tenant, config.tenant_connection_cap)
         self.instances = InstanceTable(host.terminate, config.event_buffer_limit, self.metrics.instance_ended,
-                                       self.limits)
+                                       self.limits, event_buffer_bytes=config.max_queued_bytes)
         self.handlers = RequestHandlers(host, config, self.store, self.instances, self.connections, self.counters,
                                         self.limits)
         self.openai: OpenAIHandler | None = None
