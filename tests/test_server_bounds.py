@@ -302,3 +302,20 @@ def test_store_quota_per_tenant_evicts_the_least_recently_launched(tmp_path: Pat
                     await client.upload_program(WASM + bytes(3 * len(progs[0])))
 
         asyncio.run(main())
+
+
+def test_finished_detached_instances_keep_a_bounded_total_of_events() -> None:
+    """Nobody attaches to 40 finished detached instances of ~900 bytes of events each: with a
+    1,000-byte buffer bound, at most 16 x 1,000 bytes are kept, the oldest instances forgotten."""
+    from host.events import InstanceEvent
+    from host.server.instances import FINISHED_DETACHED_BUFFERS, InstanceRecord, InstanceTable
+
+    table = InstanceTable(lambda iid, why: None, event_buffer_limit=100, event_buffer_bytes=1000)
+    for i in range(40):
+        record = InstanceRecord(program="p", detached=True, owner=None, id=f"i{i}")
+        table.add(record)
+        table.on_event(record, InstanceEvent(record.id, "message", "x" * 850))
+        table.on_event(record, InstanceEvent(record.id, "completed", ""))
+    kept = sorted(int(iid[1:]) for iid in table.records)
+    assert sum(r.buffered_bytes for r in table.records.values()) <= FINISHED_DETACHED_BUFFERS * 1000
+    assert kept == list(range(40 - len(kept), 40)) and 10 <= len(kept) <= 17  # the newest

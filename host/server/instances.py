@@ -6,7 +6,8 @@ to a connection (only the admin identity sees and attaches every tenant's instan
 instance with no connection attached buffers its events (up to `event_buffer_limit` events and
 `event_buffer_bytes`, oldest dropped, the last one always kept) until a connection attaches.
 Invariants: a record stays in the table until its terminal event was delivered, or, finished
-detached and never attached, until more than MAX_FINISHED_DETACHED such records exist; while a
+detached and never attached, until more than MAX_FINISHED_DETACHED such records exist or their
+buffers pass FINISHED_DETACHED_BUFFERS times one buffer's bound; while a
 record has buffered events, new ones queue behind them, so attach keeps the order. Every method
 runs on the server's event loop.
 """
@@ -29,6 +30,9 @@ __all__ = ["InstanceRecord", "InstanceTable", "MAX_FINISHED_DETACHED"]
 log = logging.getLogger(__name__)
 
 MAX_FINISHED_DETACHED = 1024
+# Finished detached instances nobody attached to keep at most this many times one instance's
+# buffer bound, all together (oldest forgotten first).
+FINISHED_DETACHED_BUFFERS = 16
 
 
 @dataclass(eq=False)
@@ -189,8 +193,14 @@ class InstanceTable:
             record.owner.instances.discard(record.id)
 
     def _evict_finished_detached(self) -> None:
-        # Finished detached instances nobody attached to are kept (for their events) up to a bound.
-        while len(self._finished_detached) > MAX_FINISHED_DETACHED:
+        # Finished detached instances nobody attached to are kept (for their events) up to a
+        # count and up to a total of buffered bytes, the oldest forgotten first.
+        kept = [r for r in (self.records.get(i) for i in self._finished_detached) if r is not None]
+        total = sum(r.buffered_bytes for r in kept)
+        while self._finished_detached and (len(self._finished_detached) > MAX_FINISHED_DETACHED
+                                           or total > FINISHED_DETACHED_BUFFERS * self._buffer_bytes):
             record = self.records.get(self._finished_detached.popleft())
             if record is not None and record.owner is None:
+                total -= record.buffered_bytes
+                log.info("forgetting finished detached instance %s: nobody attached to take its events", record.id)
                 self._forget(record)
