@@ -34,6 +34,11 @@ class HostConfig:
     memory_limit_bytes: cap on all linear memories and tables of one instance together.
     wall_budget_s: wall-clock budget per instance (None = unlimited).
     max_pages_per_instance: KV pages one instance may own at once (None = no cap).
+    max_pages_per_tenant: KV pages the instances of one tenant may own at once together (None =
+        no cap): one tenant cannot take the whole cache from the others.
+    max_inbox_bytes: unread client messages (signals) per instance; a signal past it is refused.
+    max_kv_store_bytes: UTF-8 bytes of keys and values one tenant may keep in the key-value store
+        (host/state/kvstore.py); a `store.set` past it traps its caller.
     run_gate: instance threads take turns running, `run_slots` at a time (see host/batching/gate.py);
         False lets them all contend for the GIL at once (for comparisons).
     max_instances: instances running at once; a launch beyond it is refused (`HostBusy`).
@@ -80,6 +85,9 @@ class HostConfig:
     memory_limit_bytes: int = 512 * 2**20
     wall_budget_s: float | None = None
     max_pages_per_instance: int | None = None
+    max_pages_per_tenant: int | None = None
+    max_inbox_bytes: int = 4 * 2**20
+    max_kv_store_bytes: int = 64 * 2**20
     prefix_cache: str = "per-client"  # per-client | shared | off (host/state/prefix_cache.py)
     max_published_messages: int = 1024  # unread pub/sub messages kept per instance (oldest dropped)
     max_published_bytes: int = 2**20
@@ -141,3 +149,8 @@ class HostConfig:
                              "engine='process' (or 'auto'), not 'inproc'")
         if self.max_pages_per_instance is not None and self.max_pages_per_instance < 1:
             raise ValueError(f"max_pages_per_instance must be >= 1, got {self.max_pages_per_instance}")
+        if self.max_pages_per_tenant is not None and self.max_pages_per_tenant < 1:
+            raise ValueError(f"max_pages_per_tenant must be >= 1, got {self.max_pages_per_tenant}")
+        if self.max_inbox_bytes < 1 or self.max_kv_store_bytes < 1:
+            raise ValueError(f"max_inbox_bytes and max_kv_store_bytes must be >= 1, got {self.max_inbox_bytes}, "
+                             f"{self.max_kv_store_bytes}")

@@ -31,12 +31,12 @@ from host.state.pages import PageManager
 from host.state.prefix_cache import PrefixCache
 from host.state.topics import Topics
 from host.wasm.engine import WasmEngine
-from host.wasm.instance import Instance, InstanceEnv
+from host.wasm.instance import InboxFull, Instance, InstanceEnv
 from host.wasm.limits import InstanceLimits
 from host.wasm.pooling import PoolingConfig
 from host.wasm.warm import WarmPool
 
-__all__ = ["Host", "HostBusy"]
+__all__ = ["Host", "HostBusy", "InboxFull"]
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Host:
         self.total_pages: int = info.num_pages * len(backends)
         managers = [PageManager(info.num_pages, config.max_pages_per_instance,
                                 PrefixCache(info.page_size, config.prefix_cache) if config.prefix_cache != "off"
-                                else None) for _ in backends]
+                                else None, max_pages_per_tenant=config.max_pages_per_tenant) for _ in backends]
         for sched, b, pm in zip(schedulers, backends, managers, strict=True):
             start = getattr(b, "start_forward", None) if config.run_ahead else None
             sched.bind(b.forward, b.copy_tokens, info.page_size, pins=pm, start=start)
@@ -119,7 +119,8 @@ class Host:
             eng.on_death.append(lambda reason, r=r: self._engine_died(r, reason))
         limits = InstanceLimits(config.memory_limit_bytes, config.wall_budget_s,
                                 max_published_messages=config.max_published_messages,
-                                max_published_bytes=config.max_published_bytes)
+                                max_published_bytes=config.max_published_bytes,
+                                max_inbox_bytes=config.max_inbox_bytes)
         # pool slots: the running instances, the warm ones, the finished ones whose stores wait to be freed
         slots = config.max_instances + config.warm_instances * _WARM_PROGRAMS + config.warm_auto + _REAP_PENDING + 8
         pooling = None
@@ -132,7 +133,8 @@ class Host:
         # frees wait for an idle host (the reaper still frees each store within a second).
         busy = lambda: bool(self._instances) or any(s.busy() for s in schedulers)  # noqa: E731
         self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling, busy, _REAP_PENDING)
-        self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3")
+        self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3",
+                                     config.max_kv_store_bytes)
         self.topics = Topics()
         self.gate = RunGate(config.run_gate, slots=config.run_slots)
         self.wasm.on_tick.append(self.gate.poll)  # queued wake-ups go out even if holders stall
@@ -250,7 +252,7 @@ class Host:
         return inst
 
     def signal(self, instance_id: str, message: str) -> None:
-        """Deliver a client message to the instance's receive()."""
+        """Deliver a client message to the instance's receive(); InboxFull past `max_inbox_bytes` unread."""
         self._get(instance_id).signal(message)
 
     def close_input(self, instance_id: str) -> None:
@@ -283,6 +285,8 @@ class Host:
         self.services.grammars.release(inst)  # its grammars and matchers
         with inst.cond:
             inst.published.clear()  # unread messages go with their subscriber
+        inst.drop_inbox()  # and unread client messages: an ended instance is kept (for wait) without them,
+        inst.args, inst.return_value = [], None  # and without its request (an OpenAI body: up to --max-body-mb)
         # A forward still queued or running finishes on its own (its pages stay pinned until it
         # has, so the backend never writes into a page someone else owns); waiting for it here
         # means the instance's pages are all free by the time its end is reported.
@@ -300,11 +304,11 @@ class Host:
         self._owners.pop(inst.id, None)
 
     def instances(self) -> list[dict[str, Any]]:
-        """The running instances: id, program, arguments, state, started_at."""
+        """The running instances: id, program, arguments, state, started_at, tenant."""
         with self._lock:
             insts = list(self._instances.values())
         return [{"id": i.id, "program": i.program, "arguments": i.args, "state": i.state,
-                 "started_at": i.started_at} for i in insts]
+                 "started_at": i.started_at, "tenant": i.pages.tenant} for i in insts]
 
     # ---- introspection ----
     def model_names(self) -> list[str]:

@@ -63,13 +63,11 @@ class Served:
             time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    data = tmp_path_factory.mktemp("openai-e2e")
+def _start(data: object, *extra: str) -> tuple[subprocess.Popen[str], Served]:
+    """A `pie-serve` subprocess (token KEY) and where it listens."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "host.cli.serve", "--port", "0", "--data-dir", str(data), "--auth-token", KEY,
-         "--max-instances", str(MAX_INSTANCES), "--num-pages", "2048"],
-        stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+         *extra], stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stderr is not None
     stderr = proc.stderr
@@ -89,6 +87,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 ws_url, http_url = m.group(1), m.group(2)
         base = Served(ws_url, http_url, "")
         base.model = base.client().models.list().data[0].id
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, base
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    proc, base = _start(tmp_path_factory.mktemp("openai-e2e"), "--max-instances", str(MAX_INSTANCES),
+                        "--num-pages", "2048")
+    try:
         yield base
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -329,3 +338,62 @@ def test_websocket_protocol_on_the_same_port(served: Served) -> None:
     http = served.client().completions.create(model=served.model, prompt=req["prompt"], max_tokens=6, temperature=0)
     assert final["text"] == http.choices[0].text
 
+
+
+def test_hostile_input_is_4xx_and_a_client_that_hangs_up_ends_its_request(served: Served) -> None:
+    """Issue 37 on the real handler: a lone surrogate and a prompt past the context are 400s; a
+    non-streaming request whose client hangs up ends (and frees its pages) within a second or two."""
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    url = f"{served.http_url}/v1/chat/completions"
+    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "hi \\ud800"}]}' % served.model.encode()
+    r = httpx.post(url, content=raw, headers=headers)
+    assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        served.client().chat.completions.create(model=served.model,
+                                                messages=[{"role": "user", "content": "hello " * 9000}])
+    assert bad.value.code == "context_length_exceeded" and bad.value.param == "messages"
+    before = served.wait_idle()
+    body = {"model": served.model, "prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 2000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # counting on for 2,000 tokens takes far longer than 2 s
+        httpx.post(f"{served.http_url}/v1/completions", json=body, headers=headers, timeout=2.0)
+    gone = time.monotonic()
+    after = served.wait_idle(timeout=10)
+    assert time.monotonic() - gone < 3.0
+    key = 'pie_instance_ends_total{reason="client_disconnected"}'
+    assert after.get(key, 0) - before.get(key, 0) == 1
+
+
+def test_sigterm_gives_each_client_its_terminal_event(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 37: on SIGTERM a WebSocket client gets `aborted`, an SSE client an error event and
+    [DONE], before the server closes; the process exits 0."""
+    proc, base = _start(tmp_path_factory.mktemp("sigterm"), "--num-pages", "512")
+    try:
+        body = {"model": base.model, "messages": None, "prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 3000,
+                "stream": True, "temperature": 0}
+        lines: list[str] = []
+        streaming = threading.Event()
+
+        def sse() -> None:
+            with httpx.stream("POST", f"{base.http_url}/v1/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        streaming.set()
+
+        reader = threading.Thread(target=sse)
+        reader.start()
+        with SyncPieClient(base.ws_url, token=KEY) as ws:
+            req = {**body, "stream": False, "n": 1}
+            iid = ws.launch(ws.ensure_program(wasm_bytes("openai_chat")), [json.dumps(req)])
+            assert streaming.wait(60)
+            proc.send_signal(signal.SIGTERM)
+            events = list(ws.events(iid))
+        reader.join(30)
+        assert (events[-1].event, events[-1].message) == ("aborted", "server shutting down")
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "aborted"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -62,11 +62,12 @@ def test_disconnect_mid_stream_frees_pages(client: TestClient, real_host: Any) -
     req = parse_request(json.dumps(body).encode(), False, 4096)
 
     async def first_chunk_then_leave() -> tuple[str, bytes]:
-        iid, queue = _launch(h, req)
-        gen = _stream(h, req, False, iid, queue)
+        run = _launch(h, req)
+        gen = _stream(h, req, False, run)
         chunk = await gen.__anext__()
         await gen.aclose()  # what Starlette does when the client goes away
-        return iid, chunk
+        run.close()  # and then the response's close (_GuardedStream)
+        return run.iid, chunk
 
     iid, chunk = asyncio.run(first_chunk_then_leave())
     assert chunk.startswith(b"data: ")
@@ -76,6 +77,36 @@ def test_disconnect_mid_stream_frees_pages(client: TestClient, real_host: Any) -
     while real_host.free_pages() != real_host.total_pages and time.monotonic() < deadline:
         time.sleep(0.05)
     assert real_host.free_pages() == real_host.total_pages
+
+
+def test_prompt_past_the_context_or_the_kv_pages_is_context_length_exceeded(client: TestClient,
+                                                                           real_host: Any) -> None:
+    """Counted with the model's own tokenizer and chat template before anything is launched."""
+    import dataclasses
+
+    from host.server.openai_api import PromptBudget
+
+    context = real_host.backend.info.max_position
+    assert context > 0
+    started = real_host.stats()["instances"]
+    long = {"model": real_host.model_name, "messages": [{"role": "user", "content": "hello " * (context + 10)}]}
+    r = client.post("/v1/chat/completions", json=long)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert f"maximum context length of {context} tokens" in r.json()["error"]["message"]
+    fits = {"model": real_host.model_name, "prompt": "hello " * (context - 4000), "max_tokens": 4096}
+    r = client.post("/v1/completions", json=fits)  # the prompt fits, prompt + max_tokens does not
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    budget = PromptBudget.of(real_host)
+    assert budget is not None and budget.kv_tokens == real_host.total_pages * 16
+    small = OpenAIHandler(real_host, real_host.compile(wasm_bytes("openai_chat")), real_host.model_name,
+                          ServerMetrics(real_host.stats, lambda: 0),
+                          budget=dataclasses.replace(budget, kv_tokens=4 * 16))  # 4 pages for one request
+    with TestClient(openai_app(small)) as c:
+        r = c.post("/v1/completions", json={"model": real_host.model_name, "prompt": "hello " * 80})
+        assert r.status_code == 400 and "KV cache" in r.json()["error"]["message"]
+        ok = c.post("/v1/completions", json={"model": real_host.model_name, "prompt": "Hi", "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 16
+    assert real_host.stats()["instances"] == started
 
 
 def test_json_schema_answer_validates(client: TestClient, real_host: Any) -> None:

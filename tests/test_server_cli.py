@@ -31,6 +31,28 @@ def test_options_map_to_host_config(tmp_path) -> None:
     assert host_config_from_args(parse_args(["--num-pages", "100"])).num_pages == 100
 
 
+def test_bound_flags_map_to_server_config_with_per_tenant_defaults(tmp_path) -> None:
+    cfg = server_config_from_args(parse_args([
+        "--max-queued-mb", "2", "--max-uploads-mb", "64", "--max-body-mb", "0.5", "--max-connections", "10",
+        "--max-connections-per-tenant", "3", "--auth-timeout-s", "2", "--read-timeout-s", "4",
+        "--write-timeout-s", "6", "--max-store-mb", "100", "--program-ttl-h", "2", "--max-instances-per-tenant", "7"]))
+    assert (cfg.max_queued_bytes, cfg.max_upload_bytes_in_flight, cfg.max_body_bytes) == (2 * 2**20, 64 * 2**20, 2**19)
+    assert (cfg.max_connections, cfg.max_connections_per_tenant, cfg.auth_timeout_s, cfg.read_timeout_s,
+            cfg.write_timeout_s) == (10, 3, 2.0, 4.0, 6.0)
+    assert (cfg.max_store_bytes_per_tenant, cfg.program_ttl_s, cfg.max_instances_per_tenant) == \
+        (100 * 2**20, 7200.0, 7)
+    assert cfg.tenant_connection_cap == 10  # one identity: nobody to share with
+    single = server_config_from_args(parse_args(["--auth-token", "t"]))
+    assert single.max_instances_per_tenant is None
+    shared = server_config_from_args(parse_args(["--auth-token", "t", "--tenant", "a=x", "--max-instances", "40"]))
+    assert (shared.max_instances_per_tenant, shared.tenant_connection_cap) == (20, 256)
+    assert server_config_from_args(parse_args(["--tenant", "a=x", "--tenant", "b=y",
+                                               "--max-instances-per-tenant", "0"])).max_instances_per_tenant is None
+    assert serve_main(["--tenant", "../x=tok"]) == 2  # a tenant name that could leave the store's directory
+    cfg2 = host_config_from_args(parse_args(["--max-pages-per-tenant", "9", "--max-inbox-kb", "64"]))
+    assert (cfg2.max_pages_per_tenant, cfg2.max_inbox_bytes) == (9, 64 * 1024)
+
+
 def test_options_map_to_server_config(tmp_path) -> None:
     cfg = server_config_from_args(parse_args(["--host", "0.0.0.0", "--port", "0", "--auth-token", "",
                                               "--data-dir", str(tmp_path), "--max-program-mb", "3"]))

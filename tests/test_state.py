@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from host.state.kvstore import KeyValueStore
 from host.state.topics import Topics
 
@@ -51,6 +53,37 @@ def test_kvstore_persists_across_reopen(tmp_path: Path) -> None:
     s.close()
     s = KeyValueStore(path)
     assert s.get("a") == "3" and s.get("b") is None and s.keys() == ["a"]
+    s.close()
+
+
+def test_kvstore_keeps_one_namespace_per_tenant_with_a_byte_limit(tmp_path: Path) -> None:
+    from host.state.kvstore import StoreFull
+
+    s = KeyValueStore(tmp_path / "kv.sqlite3", max_bytes_per_tenant=20)
+    s.set("k", "alice's", tenant="alice")
+    assert s.get("k", tenant="bob") is None and s.keys(tenant="bob") == []
+    s.set("k", "bob's", tenant="bob")
+    assert s.get("k", tenant="alice") == "alice's" and s.usage("alice") == 8
+    with pytest.raises(StoreFull, match="past its limit of 20 bytes"):
+        s.set("big", "x" * 30, tenant="alice")
+    assert s.keys(tenant="alice") == ["k"]  # nothing changed
+    s.set("k", "y" * 19, tenant="alice")  # replacing counts the new value only: 1 + 19
+    s.delete("k", tenant="alice")
+    assert s.usage("alice") == 0 and s.get("k", tenant="bob") == "bob's"
+    s.close()
+
+
+def test_kvstore_moves_a_store_from_before_tenants_into_local(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE kv (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    db.execute("INSERT INTO kv VALUES ('a', '1')")
+    db.commit()
+    db.close()
+    s = KeyValueStore(path)
+    assert s.get("a") == "1" and s.get("a", tenant="alice") is None
     s.close()
 
 

@@ -46,6 +46,15 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
                         help=f"memory limit per instance, all linear memories and tables together (default {_default('memory_limit_bytes') // MIB} MiB)")
     parser.add_argument("--wall-budget-s", type=float, help="wall-clock budget per instance in seconds (default: none)")
     parser.add_argument("--max-pages-per-instance", type=int, help="KV pages one instance may hold (default: no cap)")
+    parser.add_argument("--max-pages-per-tenant", type=int,
+                        help="KV pages the instances of one tenant may hold together, so one tenant cannot take "
+                             "the whole cache (default: no cap)")
+    parser.add_argument("--max-kv-store-mb", type=float,
+                        help="keys and values one tenant may keep in the inferlets' key-value store "
+                             f"(default {_default('max_kv_store_bytes') // MIB} MiB)")
+    parser.add_argument("--max-inbox-kb", type=int,
+                        help="unread client messages per instance; a signal past it is refused "
+                             f"(default {_default('max_inbox_bytes') // 1024} KiB)")
     parser.add_argument("--prefix-cache", choices=list(PREFIX_CACHE_MODES),
                         help="automatic prefix cache: entries kept per client (tenant), shared by all clients "
                              f"(a timing side channel between them), or off (default {_default('prefix_cache')})")
@@ -80,6 +89,9 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "num_pages": args.num_pages, "kv_memory_bytes": _mib(args.kv_memory), "policy": args.policy,
         "max_batch_tokens": args.max_batch_tokens, "memory_limit_bytes": _mib(args.memory_limit_mb),
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
+        "max_pages_per_tenant": args.max_pages_per_tenant,
+        "max_inbox_bytes": None if args.max_inbox_kb is None else args.max_inbox_kb * 1024,
+        "max_kv_store_bytes": None if args.max_kv_store_mb is None else int(args.max_kv_store_mb * MIB),
         "prefix_cache": args.prefix_cache, "max_instances": args.max_instances,
         "warm_instances": args.warm_instances, "warm_auto": args.warm_auto,
         "engine": args.engine, "tp": args.tp, "replicas": args.replicas,

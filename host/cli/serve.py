@@ -5,22 +5,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from host.cli.build import BuildError, resolve_inferlet
 from host.cli.options import add_host_options, host_config_from_args
 from host.client.protocol import MAX_FRAME_BYTES
-from host.config import default_data_dir
+from host.config import HostConfig, default_data_dir
 from host.server import Server, ServerConfig
 from host.server.programs import DEFAULT_MAX_PROGRAM_BYTES
 
 __all__ = ["main", "parse_args", "server_config_from_args"]
 
 EXIT_ERROR, EXIT_USAGE = 1, 2
+MIB = 2**20
 DEFAULT_OPENAI_HANDLER = "openai_chat"
 
 
@@ -40,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="require this token (default: $PIE_AUTH_TOKEN; none = no authentication)")
     ap.add_argument("--tenant", action="append", default=[], metavar="NAME=TOKEN", type=_tenant,
                     help="another client identity with its own token (repeatable); each tenant sees only "
-                         "its own KV exports")
+                         "its own instances, programs and KV exports (the --auth-token identity sees all)")
     ap.add_argument("--openai-handler", default=DEFAULT_OPENAI_HANDLER, metavar="PATH_OR_NAME",
                     help="the inferlet that answers the OpenAI routes: a .wasm, an inferlet source folder or a "
                          f"standard inferlet name, like pie-run's INFERLET (default {DEFAULT_OPENAI_HANDLER}; "
@@ -54,8 +57,49 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"largest accepted WebSocket frame (default {MAX_FRAME_BYTES})")
     ap.add_argument("--max-program-mb", type=int, default=DEFAULT_MAX_PROGRAM_BYTES // 2**20,
                     help=f"largest accepted program (default {DEFAULT_MAX_PROGRAM_BYTES // 2**20} MiB)")
+    _add_bounds(ap)
     ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return ap
+
+
+def _server_default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(ServerConfig) if f.name == name)
+
+
+def _add_bounds(ap: argparse.ArgumentParser) -> None:
+    """The per-connection, per-tenant and per-server bounds (docs/protocol.md, "Bounds")."""
+    mib = lambda name: _server_default(name) / MIB  # noqa: E731
+    g = ap.add_argument_group("bounds", "what one connection, one tenant and the server may hold")
+    g.add_argument("--max-queued-mb", type=float, default=mib("max_queued_bytes"),
+                   help="bytes queued for one WebSocket client; a client that lets more pile up (does not read) "
+                        "is disconnected (default %(default)g MiB)")
+    g.add_argument("--max-uploads-mb", type=float, default=mib("max_upload_bytes_in_flight"),
+                   help="bytes held by all partial uploads of the server together (each connection holds one "
+                        "upload, at most --max-program-mb); a chunk past it is refused (default %(default)g MiB)")
+    g.add_argument("--max-body-mb", type=float, default=mib("max_body_bytes"),
+                   help="largest HTTP request body; larger is answered 413 before it is read (default %(default)g MiB)")
+    g.add_argument("--max-connections", type=int, default=_server_default("max_connections"),
+                   help="open connections of the server, HTTP and WebSocket; past it: 503 (default %(default)s)")
+    g.add_argument("--max-connections-per-tenant", type=int, default=_server_default("max_connections_per_tenant"),
+                   help="WebSocket connections and HTTP requests in progress per tenant, when the server has more "
+                        "than one identity (default %(default)s)")
+    g.add_argument("--auth-timeout-s", type=float, default=_server_default("auth_timeout_s"),
+                   help="a WebSocket client that has not authenticated by then is disconnected (default %(default)g)")
+    g.add_argument("--read-timeout-s", type=float, default=_server_default("read_timeout_s"),
+                   help="time to send an HTTP request's headers, and between two pieces of its body "
+                        "(default %(default)g)")
+    g.add_argument("--write-timeout-s", type=float, default=_server_default("write_timeout_s"),
+                   help="an SSE client that takes longer to take one event is dropped and its request ended "
+                        "(default %(default)g)")
+    g.add_argument("--max-store-mb", type=float, default=mib("max_store_bytes_per_tenant"),
+                   help="programs stored per tenant; an upload past it evicts the tenant's least recently "
+                        "launched programs (default %(default)g MiB)")
+    g.add_argument("--program-ttl-h", type=float, default=_server_default("program_ttl_s") / 3600,
+                   help="a program its tenant has not launched or uploaded for this long is evicted "
+                        "(default %(default)g hours)")
+    g.add_argument("--max-instances-per-tenant", type=int, default=None,
+                   help="instances one tenant may run at once, WebSocket and HTTP together; 0 = no cap "
+                        "(default: half of --max-instances when the server has more than one identity, else none)")
 
 
 def _tenant(value: str) -> tuple[str, str]:
@@ -70,7 +114,28 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, auth_token=args.auth_token or None,
                         tenants=tuple(args.tenant),
                         data_dir=args.data_dir, max_frame_bytes=args.max_frame_bytes,
-                        max_program_bytes=args.max_program_mb * 2**20)
+                        max_program_bytes=args.max_program_mb * MIB,
+                        max_queued_bytes=int(args.max_queued_mb * MIB),
+                        max_upload_bytes_in_flight=int(args.max_uploads_mb * MIB),
+                        max_body_bytes=int(args.max_body_mb * MIB),
+                        max_connections=args.max_connections,
+                        max_connections_per_tenant=args.max_connections_per_tenant,
+                        auth_timeout_s=args.auth_timeout_s, read_timeout_s=args.read_timeout_s,
+                        write_timeout_s=args.write_timeout_s,
+                        max_store_bytes_per_tenant=int(args.max_store_mb * MIB),
+                        program_ttl_s=args.program_ttl_h * 3600,
+                        max_instances_per_tenant=_instances_per_tenant(args))
+
+
+def _instances_per_tenant(args: argparse.Namespace) -> int | None:
+    """--max-instances-per-tenant, or its default: half the host's instances when tenants share it."""
+    if args.max_instances_per_tenant is not None:
+        return args.max_instances_per_tenant or None
+    identities = (1 if args.auth_token else 0) + len(args.tenant)
+    if identities <= 1:
+        return None
+    host_max: int = args.max_instances or HostConfig().max_instances
+    return max(1, host_max // 2)
 
 
 def main(argv: list[str] | None = None) -> int:

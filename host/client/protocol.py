@@ -19,6 +19,7 @@ from host.events import EVENT_KINDS, TERMINAL_EVENTS
 __all__ = [
     "PROTOCOL_VERSION",
     "CHUNK_SIZE",
+    "HASH_RE",
     "MAX_FRAME_BYTES",
     "EVENT_KINDS",
     "TERMINAL_EVENTS",
@@ -46,7 +47,7 @@ CHUNK_SIZE = 256 * 1024
 # A full chunk plus the map around it fits easily; anything larger is refused by websockets itself.
 MAX_FRAME_BYTES = 1024 * 1024
 QUERY_SUBJECTS = ("program_exists", "models", "instances", "stats")
-_HASH_RE = re.compile(r"[0-9a-f]{64}")
+HASH_RE = re.compile(r"[0-9a-f]{64}")  # a program hash: sha256 as 64 lowercase hex digits
 
 # WebSocket close codes used when a frame carries no readable corr_id.
 CLOSE_UNSUPPORTED = 1003  # text frame
@@ -153,7 +154,7 @@ def _is_str_list(v: Any) -> bool:
 
 
 _CORR = _Field("corr_id", _is_int, "an integer")
-_HASH = _Field("program_hash", lambda v: isinstance(v, str) and _HASH_RE.fullmatch(v) is not None,
+_HASH = _Field("program_hash", lambda v: isinstance(v, str) and HASH_RE.fullmatch(v) is not None,
                "a sha256 digest as 64 lowercase hex digits")
 _IID = _Field("instance_id", lambda v: isinstance(v, str), "a string")
 

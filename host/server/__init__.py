@@ -5,7 +5,9 @@ protocol v1 over WebSocket, the OpenAI-compatible routes, /health and /metrics.
 (docs/openai.md); `RequestHandlers` (handlers.py)
 answers each request; `InstanceTable` (instances.py) tracks which connection owns which
 instance and buffers detached ones' events; `ProgramStore` (programs.py) keeps uploaded
-components on disk. The server reaches the host only through `HostFacade` (config.py).
+components on disk, per tenant; `TenantLimits` (tenants.py) counts each tenant's instances and
+connections; http.py bounds HTTP itself (header and body deadlines, body size, SSE write
+timeout). The server reaches the host only through `HostFacade` (config.py).
 """
 
 from __future__ import annotations

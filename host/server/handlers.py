@@ -1,7 +1,9 @@
 """The protocol v1 requests, one handler each: authentication, queries, uploads, instance control.
 
 A handler returns the response's result or raises `RequestError` with the reason sent back; it
-reaches the host only through the `HostFacade` methods.
+reaches the host only through the `HostFacade` methods. Every handler acts only on what the
+connection's tenant owns (instances, programs); the admin identity (`ServerConfig.is_admin`)
+sees every tenant's.
 """
 
 from __future__ import annotations
@@ -12,10 +14,19 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from host.client import protocol as p
-from host.server.config import HostFacade, ServerConfig
+from host.host import HostBusy, InboxFull
+from host.server.config import LOCAL_TENANT, HostFacade, ServerConfig
 from host.server.connection import Connection, RequestError
 from host.server.instances import InstanceRecord, InstanceTable
-from host.server.programs import ProgramRejected, ProgramStore, Upload, UploadError
+from host.server.programs import (
+    ProgramRejected,
+    ProgramStore,
+    ProgramTooLarge,
+    Upload,
+    UploadBudget,
+    UploadError,
+)
+from host.server.tenants import TenantLimitError, TenantLimits
 
 __all__ = ["RequestHandlers", "ServerCounters", "MAX_AUTH_FAILURES"]
 
@@ -37,13 +48,16 @@ class RequestHandlers:
     """Carries out decoded requests for one server."""
 
     def __init__(self, host: HostFacade, config: ServerConfig, store: ProgramStore, instances: InstanceTable,
-                 connections: set[Connection], counters: ServerCounters) -> None:
+                 connections: set[Connection], counters: ServerCounters, limits: TenantLimits) -> None:
         self.host = host
         self.config = config
         self.store = store
         self.instances = instances
         self.connections = connections
         self.counters = counters
+        self.limits = limits
+        self.uploads = UploadBudget(config.max_upload_bytes_in_flight)
+        self.stopping = False  # the server is shutting down: no more launches
         self._table: dict[type, Callable[[Connection, Any], Awaitable[Any]]] = {
             p.Authenticate: self._authenticate, p.Ping: self._ping, p.Query: self._query,
             p.UploadProgram: self._upload, p.LaunchInstance: self._launch, p.SignalInstance: self._signal,
@@ -61,8 +75,20 @@ class RequestHandlers:
             conn.authenticated = True
             return "authenticated"
         tenant = self.config.tenant_for(req.token)
+        if tenant is not None and conn.authenticated:
+            if tenant != conn.tenant:
+                raise RequestError(f"already authenticated as another tenant ({conn.tenant!r}); "
+                                   "open a new connection to act as another one")
+            return "authenticated"
         if tenant is not None:
-            conn.authenticated, conn.tenant = True, tenant
+            try:
+                self.limits.take_connection(tenant)
+            except TenantLimitError as exc:
+                conn.send(p.encode_response(req.corr_id, False, str(exc)))
+                conn.close(p.CLOSE_POLICY, "too many connections for this tenant")
+                raise RequestError(str(exc)) from None
+            conn.authenticated, conn.tenant, conn.counted = True, tenant, True
+            conn.admin = self.config.is_admin(tenant)
             return "authenticated"
         conn.auth_failures += 1
         if conn.auth_failures >= MAX_AUTH_FAILURES:
@@ -75,15 +101,24 @@ class RequestHandlers:
 
     async def _query(self, conn: Connection, req: p.Query) -> Any:
         if req.subject == "program_exists":
-            if not isinstance(req.record, str):
-                raise RequestError(f"query program_exists: record must be a program hash string, got {req.record!r:.80}")
-            return self.store.exists(req.record)
+            if not isinstance(req.record, str) or p.HASH_RE.fullmatch(req.record) is None:
+                shown = repr(req.record)[:80]
+                raise RequestError("query program_exists: record must be a program hash (sha256 as 64 lowercase "
+                                   f"hex digits), got {shown}")
+            return self.store.visible(conn.tenant, req.record, conn.admin)
         if req.subject == "models":
             return self.host.model_names()
         if req.subject == "instances":
-            return [self._describe(info) for info in self.host.instances()]
-        server = dict(asdict(self.counters), connections=len(self.connections), instances=len(self.instances),
-                      programs=len(self.store.hashes()))
+            # Another tenant's instances (their arguments are prompts) are not shown, except to the admin.
+            return [self._describe(info) for info in self.host.instances()
+                    if conn.admin or info.get("tenant", LOCAL_TENANT) == conn.tenant]
+        if conn.admin:
+            server = dict(asdict(self.counters), connections=len(self.connections), instances=len(self.instances),
+                          programs=len(self.store.hashes()))
+        else:  # a tenant learns its own numbers, not how busy the others are
+            server = {"connections": sum(c.tenant == conn.tenant for c in self.connections),
+                      "instances": sum(r.tenant == conn.tenant for r in self.instances.records.values()),
+                      "programs": self.store.count(conn.tenant)}
         return {"host": self.host.stats(), "server": server}
 
     def _describe(self, info: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +129,8 @@ class RequestHandlers:
     async def _upload(self, conn: Connection, req: p.UploadProgram) -> Any:
         try:
             if req.chunk_index == 0:
-                conn.upload = Upload(req.program_hash, req.total_chunks, self.config.max_program_bytes)
+                self.discard_upload(conn)
+                conn.upload = Upload(req.program_hash, req.total_chunks, self.config.max_program_bytes, self.uploads)
             elif conn.upload is None:
                 raise UploadError(f"out-of-order chunk: got chunk_index {req.chunk_index} with no upload "
                                   "in progress (start at chunk 0)")
@@ -103,29 +139,51 @@ class RequestHandlers:
                 return req.chunk_index
             data = conn.upload.finish()
         except UploadError as exc:
-            conn.upload = None
+            self.discard_upload(conn)
             raise RequestError(f"upload_program: {exc}; upload discarded, restart at chunk 0") from exc
         conn.upload = None
         try:
-            program_hash = await asyncio.to_thread(self.store.put, data)
+            program_hash = await asyncio.to_thread(self.store.put, data, conn.tenant)
+        except ProgramTooLarge as exc:
+            raise RequestError(f"upload_program: {exc}") from exc
         except ProgramRejected as exc:
             raise RequestError(f"upload_program: program {req.program_hash} failed to compile: {exc}") from exc
         self.counters.uploads += 1
         return program_hash
 
+    def discard_upload(self, conn: Connection) -> None:
+        """Drop `conn`'s partial upload, if any (its bytes leave the server's upload budget)."""
+        if conn.upload is not None:
+            conn.upload.discard()
+            conn.upload = None
+
     async def _launch(self, conn: Connection, req: p.LaunchInstance) -> str:
-        if not self.store.exists(req.program_hash):
+        if self.stopping:
+            raise RequestError("launch_instance: the server is shutting down")
+        if not self.store.visible(conn.tenant, req.program_hash, conn.admin):
             raise RequestError(f"launch_instance: unknown program {req.program_hash}; upload it first")
+        self.store.touch(conn.tenant, req.program_hash)
         try:
             await asyncio.to_thread(self.store.ensure_compiled, req.program_hash)
+        except KeyError as exc:
+            raise RequestError(f"launch_instance: unknown program {req.program_hash}; upload it first") from exc
         except ProgramRejected as exc:
             raise RequestError(f"launch_instance: stored program no longer compiles: {exc}") from exc
-        record = InstanceRecord(program=req.program_hash, detached=req.detached, owner=conn)
+        try:
+            self.limits.take_instance(conn.tenant)
+        except TenantLimitError as exc:
+            raise RequestError(f"launch_instance: {exc}") from None
+        record = InstanceRecord(program=req.program_hash, detached=req.detached, owner=conn, tenant=conn.tenant)
         on_event = self.instances.sink(record, asyncio.get_running_loop())
         try:
             iid = self.host.launch(req.program_hash, list(req.arguments), on_event, tenant=conn.tenant)
-        except KeyError as exc:
-            raise RequestError(f"launch_instance: host does not know program {req.program_hash}") from exc
+        except BaseException as exc:
+            self.limits.give_instance(conn.tenant)  # nothing was launched
+            if isinstance(exc, KeyError):
+                raise RequestError(f"launch_instance: host does not know program {req.program_hash}") from exc
+            if isinstance(exc, HostBusy):
+                raise RequestError(f"launch_instance: {exc}") from None
+            raise
         record.id = iid
         # Events wait on the loop until this returns; a disconnect is handled after this request
         # finishes (same task), so `release` sees the instance.
@@ -134,7 +192,11 @@ class RequestHandlers:
         return iid
 
     async def _signal(self, conn: Connection, req: p.SignalInstance) -> None:
-        self._control(conn, "signal_instance", req.instance_id, lambda: self.host.signal(req.instance_id, req.message))
+        try:
+            self._control(conn, "signal_instance", req.instance_id,
+                          lambda: self.host.signal(req.instance_id, req.message))
+        except InboxFull as exc:
+            raise RequestError(f"signal_instance: {exc}") from None
 
     async def _close_input(self, conn: Connection, req: p.CloseInput) -> None:
         self._control(conn, "close_input", req.instance_id, lambda: self.host.close_input(req.instance_id))

@@ -1,11 +1,15 @@
 """Which connection owns each instance, and the events held for detached instances.
 
-An instance belongs to the connection that launched it; a disconnect terminates it unless it was
-launched detached. A detached instance with no connection attached buffers its events (up to
-`event_buffer_limit`, oldest dropped) until a connection attaches. Invariants: a record stays in
-the table until its terminal event was delivered, or, finished detached and never attached, until
-more than MAX_FINISHED_DETACHED such records exist; while a record has buffered events, new ones
-queue behind them, so attach keeps the order. Every method runs on the server's event loop.
+An instance belongs to the connection that launched it, and to that connection's tenant; a
+disconnect terminates it unless it was launched detached. Another tenant's instance is "unknown"
+to a connection (only the admin identity sees and attaches every tenant's instances). A detached
+instance with no connection attached buffers its events (up to `event_buffer_limit` events and
+`event_buffer_bytes`, oldest dropped, the last one always kept) until a connection attaches.
+Invariants: a record stays in the table until its terminal event was delivered, or, finished
+detached and never attached, until more than MAX_FINISHED_DETACHED such records exist or their
+buffers pass FINISHED_DETACHED_BUFFERS times one buffer's bound; while a
+record has buffered events, new ones queue behind them, so attach keeps the order. Every method
+runs on the server's event loop.
 """
 
 from __future__ import annotations
@@ -19,12 +23,16 @@ from dataclasses import dataclass, field
 from host.client import protocol as p
 from host.events import TERMINAL_EVENTS, InstanceEvent
 from host.server.connection import Connection, RequestError
+from host.server.tenants import TenantLimits
 
 __all__ = ["InstanceRecord", "InstanceTable", "MAX_FINISHED_DETACHED"]
 
 log = logging.getLogger(__name__)
 
 MAX_FINISHED_DETACHED = 1024
+# Finished detached instances nobody attached to keep at most this many times one instance's
+# buffer bound, all together (oldest forgotten first).
+FINISHED_DETACHED_BUFFERS = 16
 
 
 @dataclass(eq=False)
@@ -35,8 +43,10 @@ class InstanceRecord:
     detached: bool
     owner: Connection | None
     id: str = ""
+    tenant: str = "local"  # counted in TenantLimits.instances until its terminal event
     finished: bool = False
     buffer: deque[bytes] = field(default_factory=deque)
+    buffered_bytes: int = 0  # of the frames in `buffer`
     dropped: int = 0
 
 
@@ -45,8 +55,11 @@ class InstanceTable:
     told how each instance ended."""
 
     def __init__(self, terminate: Callable[[str, str], None], event_buffer_limit: int,
-                 on_end: Callable[[str], None] | None = None) -> None:
+                 on_end: Callable[[str], None] | None = None, limits: TenantLimits | None = None,
+                 event_buffer_bytes: int = 16 * 2**20) -> None:
         self.records: dict[str, InstanceRecord] = {}
+        self._buffer_bytes = event_buffer_bytes
+        self.limits = limits  # told when each instance ends (its tenant's running count)
         self._terminate = terminate
         self._on_end = on_end  # called with each terminal event's name (metrics)
         self._buffer_limit = event_buffer_limit
@@ -64,9 +77,16 @@ class InstanceTable:
         if record.owner is not None:
             record.owner.instances.add(record.id)
 
+    def visible(self, conn: Connection, iid: str) -> InstanceRecord | None:
+        """The record of `iid` if `conn`'s tenant may know of it (its own, or any for the admin)."""
+        record = self.records.get(iid)
+        if record is None or (record.tenant != conn.tenant and not conn.admin):
+            return None
+        return record
+
     def owned(self, conn: Connection, kind: str, iid: str) -> InstanceRecord:
         """The running instance `iid` if `conn` owns it; else RequestError naming request `kind`."""
-        record = self.records.get(iid)
+        record = self.visible(conn, iid)
         if record is None or record.finished:
             raise RequestError(f"{kind}: unknown or finished instance {iid!r}")
         if record.owner is not conn:
@@ -79,7 +99,7 @@ class InstanceTable:
 
         The caller sends the buffered events with `flush` after the attach response.
         """
-        record = self.records.get(iid)
+        record = self.visible(conn, iid)
         if record is None:
             raise RequestError(f"attach_instance: unknown instance {iid!r}")
         if record.owner is conn:
@@ -111,11 +131,15 @@ class InstanceTable:
             owner.send(frame)
         elif owner is not None or record.detached:
             record.buffer.append(frame)
-            if len(record.buffer) > self._buffer_limit:
-                record.buffer.popleft()
+            record.buffered_bytes += len(frame)
+            while len(record.buffer) > 1 and (len(record.buffer) > self._buffer_limit
+                                              or record.buffered_bytes > self._buffer_bytes):
+                record.buffered_bytes -= len(record.buffer.popleft())
                 record.dropped += 1
         if event.event in TERMINAL_EVENTS:
             record.finished = True
+            if self.limits is not None:
+                self.limits.give_instance(record.tenant)
             if self._on_end is not None:
                 self._on_end(event.event)
             if owner is None and record.detached:
@@ -133,6 +157,7 @@ class InstanceTable:
             log.warning("instance %s: %d buffered events were dropped before attach", record.id, record.dropped)
         while record.buffer:
             owner.send(record.buffer.popleft())
+        record.buffered_bytes = 0
         if record.finished:
             self._forget(record)
 
@@ -168,8 +193,14 @@ class InstanceTable:
             record.owner.instances.discard(record.id)
 
     def _evict_finished_detached(self) -> None:
-        # Finished detached instances nobody attached to are kept (for their events) up to a bound.
-        while len(self._finished_detached) > MAX_FINISHED_DETACHED:
+        # Finished detached instances nobody attached to are kept (for their events) up to a
+        # count and up to a total of buffered bytes, the oldest forgotten first.
+        kept = [r for r in (self.records.get(i) for i in self._finished_detached) if r is not None]
+        total = sum(r.buffered_bytes for r in kept)
+        while self._finished_detached and (len(self._finished_detached) > MAX_FINISHED_DETACHED
+                                           or total > FINISHED_DETACHED_BUFFERS * self._buffer_bytes):
             record = self.records.get(self._finished_detached.popleft())
             if record is not None and record.owner is None:
+                total -= record.buffered_bytes
+                log.info("forgetting finished detached instance %s: nobody attached to take its events", record.id)
                 self._forget(record)

@@ -3,41 +3,57 @@
 Each completion request launches one instance of the handler program with the validated
 request as its JSON argument; the instance's JSON messages (see inferlets/openai_chat and
 docs/openai.md) become the response or its SSE chunks. Invariant: a request's instance has ended
-when its handler returns — a client that goes away mid-stream terminates it, which frees its pages.
+(or been told to) when its handler returns: a client that goes away, streaming or not, or that
+stops reading an SSE stream for `write_timeout_s`, terminates it, which frees its pages.
+
+Bounds (docs/openai.md): the body is read only up to `max_body_bytes` (413 before reading when
+Content-Length says more), each piece of it within `read_timeout_s` (408); a tenant has at most
+`TenantLimits.max_connections` requests in progress and `max_instances` instances (429); a prompt
+that cannot fit the model's context or the KV pages one request may hold is a 400
+`context_length_exceeded` before anything is launched.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from host.events import InstanceEvent
 from host.host import HostBusy
+from host.server.http import GuardedStream, read_body, until_disconnect
 from host.server.metrics import CONTENT_TYPE, ServerMetrics
+from host.server.openai_budget import PromptBudget
 from host.server.openai_request import OpenAIError, OpenAIRequest, parse_request
 from host.server.sse import DONE, chat_chunk, completion_chunk, sse_event
+from host.server.tenants import TenantLimitError, TenantLimits
 
-__all__ = ["OpenAIHandler", "openai_app", "openai_routes", "service_routes"]
+__all__ = ["OpenAIHandler", "PromptBudget", "internal_error", "openai_app", "openai_routes", "service_routes"]
+
+log = logging.getLogger(__name__)
+MIB = 2**20
 
 
 @dataclasses.dataclass
 class OpenAIHandler:
-    """What the routes need: the host, the handler program, the model, auth, metrics.
+    """What the routes need: the host, the handler program, the model, auth, metrics, limits.
 
     With `auth_token` or `tenants` ((name, token) pairs, as `ServerConfig.tenants`) set, a request
     needs one of the tokens as its Bearer key; its instance then acts for that token's tenant
-    ("default" for `auth_token`), as over the WebSocket protocol.
+    ("default" for `auth_token`), as over the WebSocket protocol. `limits` (shared with the
+    WebSocket side) caps a tenant's requests in progress and running instances.
     """
 
     host: Any
@@ -48,9 +64,21 @@ class OpenAIHandler:
     max_tokens: int = 4096
     tenants: tuple[tuple[str, str], ...] = ()
     running: set[str] = dataclasses.field(default_factory=set)  # instances of requests in progress
+    limits: TenantLimits = dataclasses.field(default_factory=lambda: TenantLimits(None, 1 << 30))
+    max_body_bytes: int = 8 * MIB
+    read_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
+    max_queued_bytes: int = 16 * MIB  # messages of one request's instance not yet sent to its client
+    budget: PromptBudget | None = None  # None: PromptBudget.of(host)
+    stopping: bool = False  # the server is shutting down: new requests get 503
+
+    def __post_init__(self) -> None:
+        if self.budget is None:
+            self.budget = PromptBudget.of(self.host)
 
     def terminate_all(self, reason: str) -> None:
         """Terminate the instances of every request in progress (the server is stopping)."""
+        self.stopping = True
         for iid in list(self.running):
             try:
                 self.host.terminate(iid, reason)
@@ -59,7 +87,9 @@ class OpenAIHandler:
 
 
 def _error(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    # A 413 or 408 leaves the body unread: the connection closes after the answer.
+    headers = {"connection": "close"} if e.status in (408, 413) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def _tenant(h: OpenAIHandler, request: Request) -> str:
@@ -80,48 +110,111 @@ def _tenant(h: OpenAIHandler, request: Request) -> str:
     return found
 
 
-def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local",
-            ) -> tuple[str, asyncio.Queue[InstanceEvent]]:
+@dataclasses.dataclass
+class _Run:
+    """One request's instance. Invariant: `close` runs exactly once per launch, and then the
+    instance has ended or has been told to (terminated: the client went away) and its tenant's
+    running count is given back."""
+
+    h: OpenAIHandler
+    queue: asyncio.Queue[InstanceEvent]
+    tenant: str
+    iid: str = ""
+    ended: bool = False  # its terminal event has been seen
+    closed: bool = False
+    queued_bytes: int = 0  # of the messages in `queue`, at most `h.max_queued_bytes`
+    overflowed: bool = False  # past it: terminated, later messages dropped (its terminal event still comes)
+
+    def put(self, ev: InstanceEvent) -> None:
+        """On the loop: queue one event; an instance whose messages pile up (the client does not
+        read them) past `max_queued_bytes` is terminated and the request fails."""
+        if self.closed or (self.overflowed and ev.event == "message"):
+            return
+        size = len(ev.message)
+        if ev.event == "message" and self.queued_bytes + size > self.h.max_queued_bytes:
+            self.overflowed = True
+            log.warning("instance %s: %d bytes of messages queued for an HTTP client that does not read them; "
+                        "ending it", self.iid, self.queued_bytes)
+            self.terminate("client not reading")
+            return
+        self.queued_bytes += size
+        self.queue.put_nowait(ev)
+
+    async def get(self) -> InstanceEvent:
+        ev = await self.queue.get()
+        self.queued_bytes -= len(ev.message)
+        return ev
+
+    def terminate(self, reason: str) -> None:
+        try:
+            self.h.host.terminate(self.iid, reason)
+        except KeyError:
+            pass  # it ended on its own meanwhile
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.h.running.discard(self.iid)
+        self.h.limits.give_instance(self.tenant)
+        if not self.ended:
+            self.terminate("client went away")
+            self.h.metrics.instance_ended("client_disconnected")
+
+
+def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local") -> _Run:
     if req.model != h.model:
         raise OpenAIError(404, f"the model {req.model!r} does not exist; this server has {h.model!r}",
                           param="model", code="model_not_found")
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[InstanceEvent] = asyncio.Queue()
-    arg = json.dumps(dataclasses.asdict(req))
+    run = _Run(h, asyncio.Queue(), tenant)
+    arg = req.handler_argument()
     extra = {"tenant": tenant} if tenant != "local" else {}
     try:
-        iid = h.host.launch(h.program_hash, [arg],
-                            lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), **extra)
-    except HostBusy as e:
-        raise OpenAIError(503, str(e), type_="server_error", code="overloaded") from None
-    h.running.add(iid)
-    return iid, queue
-
-
-async def _messages(h: OpenAIHandler, iid: str, queue: asyncio.Queue[InstanceEvent],
-                    ) -> AsyncIterator[dict[str, Any]]:
-    """The instance's JSON messages until it ends; terminates it if the consumer stops early."""
-    done = False
+        h.limits.take_instance(tenant)
+    except TenantLimitError as e:
+        raise OpenAIError(429, str(e), type_="rate_limit_error", code="rate_limit_exceeded") from None
     try:
-        while True:
-            ev = await queue.get()
-            if ev.event == "message":
-                yield json.loads(ev.message)
-                continue
-            done = True
-            h.metrics.instance_ended(ev.event)
-            if ev.event != "completed":
-                raise OpenAIError(500, f"handler instance {iid} ended with {ev.event}: {ev.message}",
-                                  type_="server_error")
-            return
-    finally:
-        h.running.discard(iid)
-        if not done:
-            try:
-                h.host.terminate(iid, "client went away")
-            except KeyError:
-                pass  # it ended on its own meanwhile
-            h.metrics.instance_ended("client_disconnected")
+        run.iid = h.host.launch(h.program_hash, [arg], lambda ev: loop.call_soon_threadsafe(run.put, ev), **extra)
+    except BaseException as e:
+        h.limits.give_instance(tenant)  # nothing was launched
+        if isinstance(e, HostBusy):
+            raise OpenAIError(503, str(e), type_="server_error", code="overloaded") from None
+        raise
+    h.running.add(run.iid)
+    return run
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _failure(iid: str, ev: InstanceEvent) -> OpenAIError:
+    """The error for a handler instance that did not complete; what it said goes to the log only
+    (a trap message carries the guest's backtrace)."""
+    log.warning("OpenAI handler instance %s ended with %s: %s", iid, ev.event, ev.message)
+    if ev.event == "out_of_resources":
+        return OpenAIError(503, f"the server ran out of resources for this request (instance {iid}): "
+                           f"{_first_line(ev.message)}; try again later", type_="server_error", code="overloaded")
+    if ev.event == "aborted":
+        return OpenAIError(503, f"the request was aborted: {_first_line(ev.message)}", type_="server_error",
+                           code="aborted")
+    return OpenAIError(500, f"the handler of this request failed (instance {iid}, {ev.event}); the server's "
+                       "log has the reason", type_="server_error")
+
+
+async def _messages(run: _Run) -> AsyncIterator[dict[str, Any]]:
+    """The instance's JSON messages until it ends; the caller calls `run.close()` when done with it."""
+    while True:
+        ev = await run.get()
+        if ev.event == "message":
+            yield json.loads(ev.message)
+            continue
+        run.ended = True
+        run.h.metrics.instance_ended(ev.event)
+        if ev.event != "completed":
+            raise _failure(run.iid, ev)
+        return
 
 
 # ---- logprobs: the handler's entries in OpenAI's two shapes ------------------------------------
@@ -161,31 +254,33 @@ def _usage(u: dict[str, Any]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-async def _collect(h: OpenAIHandler, req: OpenAIRequest, chat: bool, iid: str,
-                   queue: asyncio.Queue[InstanceEvent]) -> dict[str, Any]:
+async def _collect(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) -> dict[str, Any]:
     start, first, choices, usage = time.perf_counter(), 0.0, [], {}
-    async for m in _messages(h, iid, queue):
-        if "text" in m:
-            first = first or time.perf_counter() - start
-            choices.append(_choice(chat, m))
-        elif "usage" in m:
-            usage = _usage(m["usage"])
+    try:
+        async for m in _messages(run):
+            if "text" in m:
+                first = first or time.perf_counter() - start
+                choices.append(_choice(chat, m))
+            elif "usage" in m:
+                usage = _usage(m["usage"])
+    finally:  # also when cancelled (the client went away): terminates the instance
+        run.close()
     h.metrics.observe_request(first, time.perf_counter() - start, usage.get("prompt_tokens", 0),
                               usage.get("completion_tokens", 0))
-    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{iid}", "created": int(time.time()),
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{run.iid}", "created": int(time.time()),
             "object": "chat.completion" if chat else "text_completion", "model": req.model,
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage}
 
 
-async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, iid: str,
-                  queue: asyncio.Queue[InstanceEvent]) -> AsyncIterator[bytes]:
+async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) -> AsyncIterator[bytes]:
+    """The SSE events of one request; whoever stops iterating early calls `run.close()`."""
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     start, first, usage = time.perf_counter(), 0.0, {}
     if chat:
         for i in range(req.n):
             yield sse_event(chat_chunk(rid, created, req.model, i, {"role": "assistant", "content": ""}))
     try:
-        async for m in _messages(h, iid, queue):
+        async for m in _messages(run):
             if "delta" in m:
                 first = first or time.perf_counter() - start
                 lp = _logprobs(chat, m.get("logprobs"))
@@ -200,9 +295,11 @@ async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, iid: str,
             elif "usage" in m:
                 usage = _usage(m["usage"])
     except OpenAIError as e:  # the handler failed mid-stream: OpenAI's clients raise on an error event
+        run.close()
         yield sse_event(e.body())
         yield DONE
         return
+    run.close()
     h.metrics.observe_request(first, time.perf_counter() - start, usage.get("prompt_tokens", 0),
                               usage.get("completion_tokens", 0))
     if req.include_usage:
@@ -211,15 +308,63 @@ async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, iid: str,
     yield DONE
 
 
+async def _respond(h: OpenAIHandler, request: Request, chat: bool, tenant: str,
+                   release: Callable[[], None]) -> Response:
+    """Read, check and run one completion request; `release` is called once it has ended."""
+    try:
+        body = await read_body(request, h.max_body_bytes, h.read_timeout_s)
+    except ClientDisconnect:
+        release()
+        return Response(status_code=400)  # nobody reads it
+    req = parse_request(body, chat, h.max_tokens)
+    if h.budget is not None:
+        req = await asyncio.to_thread(h.budget.check, req)
+    run = _launch(h, req, tenant)
+    if req.stream:
+        def close() -> None:
+            run.close()
+            release()
+        return GuardedStream(_stream(h, req, chat, run), h.write_timeout_s, close)
+    collect = asyncio.ensure_future(_collect(h, req, chat, run))
+    gone = asyncio.ensure_future(until_disconnect(request.receive))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():  # the client went away: cancelling terminates the instance
+            collect.cancel()
+        release()
+    with contextlib.suppress(asyncio.CancelledError):
+        return JSONResponse(await collect)
+    return Response(status_code=400)  # nobody reads it
+
+
 def _completions(h: OpenAIHandler, chat: bool) -> Any:
     async def endpoint(request: Request) -> Response:
         try:
             tenant = _tenant(h, request)
-            req = parse_request(await request.body(), chat, h.max_tokens)
-            iid, queue = _launch(h, req, tenant)
-            if req.stream:
-                return StreamingResponse(_stream(h, req, chat, iid, queue), media_type="text/event-stream")
-            return JSONResponse(await _collect(h, req, chat, iid, queue))
+            if h.stopping:
+                raise OpenAIError(503, "the server is shutting down", type_="server_error", code="overloaded")
+            try:
+                h.limits.take_connection(tenant)
+            except TenantLimitError as e:
+                raise OpenAIError(429, str(e), type_="rate_limit_error", code="rate_limit_exceeded") from None
+            released = False
+
+            def release() -> None:
+                nonlocal released
+                if not released:
+                    released = True
+                    h.limits.give_connection(tenant)
+
+            try:
+                response = await _respond(h, request, chat, tenant, release)
+            except BaseException:
+                release()
+                raise
+            if not isinstance(response, GuardedStream):
+                release()
+            return response
         except OpenAIError as e:
             return _error(e)
     return endpoint
@@ -251,7 +396,14 @@ def openai_routes(h: OpenAIHandler) -> list[BaseRoute]:
             Route("/v1/models", models, methods=["GET"]), *service_routes(h.metrics)]
 
 
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A bug while answering: OpenAI's error object, 500, naming nothing of the server's insides (the
+    traceback goes to the log, as Starlette logs every unhandled exception)."""
+    return JSONResponse(OpenAIError(500, "internal server error; the server's log has the details",
+                                    type_="server_error").body(), status_code=500)
+
+
 def openai_app(h: OpenAIHandler) -> Starlette:
     """A Starlette app serving only the HTTP routes (`host.server.Server` serves the same routes next
     to the WebSocket protocol)."""
-    return Starlette(routes=openai_routes(h))
+    return Starlette(routes=openai_routes(h), exception_handlers={Exception: internal_error})

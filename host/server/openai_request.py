@@ -8,10 +8,13 @@ naming the offending parameter. Nothing past this boundary re-checks the body.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["OpenAIError", "OpenAIRequest", "parse_request"]
+__all__ = ["OpenAIError", "OpenAIRequest", "parse_request", "SERVER_ONLY_FIELDS"]
+
+# Fields of `OpenAIRequest` the server keeps to itself: not in the handler's JSON argument.
+SERVER_ONLY_FIELDS = ("max_tokens_given",)
 
 _MAX_N = 16
 _MAX_TOP_LOGPROBS = 20
@@ -56,6 +59,16 @@ class OpenAIRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     response_format: dict[str, Any] | None = field(default=None)
+    # The client gave max_tokens (or max_completion_tokens); not sent to the handler. Without it
+    # the server may lower `max_tokens` to what fits the context (host/server/openai_api.py).
+    max_tokens_given: bool = False
+
+    def handler_argument(self) -> str:
+        """The JSON argument the handler instance gets (docs/openai.md, "The handler is an inferlet")."""
+        fields = asdict(self)
+        for name in SERVER_ONLY_FIELDS:
+            del fields[name]
+        return json.dumps(fields)
 
 
 def _bad(param: str, message: str) -> OpenAIError:
@@ -160,10 +173,19 @@ def parse_request(raw: bytes, chat: bool, max_tokens_limit: int) -> OpenAIReques
     """Parse and validate a request body; `chat` selects /v1/chat/completions rules."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise OpenAIError(400, "request body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of more than 4300 digits
+        raise OpenAIError(400, f"request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "request body must be a JSON object")
+    try:  # JSON's \ud800 escapes can make strings no UTF-8 text holds (lone surrogates)
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise OpenAIError(400, f"request body has a string that is not valid Unicode ({e.reason}: an unpaired "
+                          "\\uD800-\\uDFFF escape)") from None
+    except RecursionError:
+        raise OpenAIError(400, "request body is nested too deeply") from None
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", f"expected a model name, got {model!r}")
@@ -193,4 +215,5 @@ def parse_request(raw: bytes, chat: bool, max_tokens_limit: int) -> OpenAIReques
         stream=stream, include_usage=_stream_options(body, stream),
         logprobs=logprobs, top_logprobs=top_logprobs,
         response_format=_response_format(body.get("response_format")),
+        max_tokens_given=body.get(name) is not None,
     )

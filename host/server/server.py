@@ -6,7 +6,12 @@ OpenAI-compatible routes (host/server/openai_api.py, docs/openai.md).
 
 WebSocket: one task per connection reads frames in order and answers each request; a second task
 per connection writes that connection's frames in order (see `Connection`). Instances belong to
-the connection that launched them (see `InstanceTable`).
+the connection that launched them and to its tenant (see `InstanceTable`).
+
+Bounds (each a `ServerConfig` field and a pie-serve flag): open connections (HTTP through
+uvicorn's `limit_concurrency`, WebSocket upgrades here), connections per tenant (`TenantLimits`),
+the time to authenticate, the time to send an HTTP request's headers (`host/server/http.py`),
+bytes queued per connection, bytes in partial uploads.
 """
 
 from __future__ import annotations
@@ -21,17 +26,20 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from host.client import protocol as p
-from host.server.config import HostFacade, ServerConfig
+from host.server.config import LOCAL_TENANT, HostFacade, ServerConfig
 from host.server.connection import Connection, RequestError
 from host.server.handlers import RequestHandlers, ServerCounters
+from host.server.http import h11_with_header_timeout
 from host.server.instances import InstanceTable
 from host.server.metrics import ServerMetrics
-from host.server.openai_api import OpenAIHandler, openai_routes, service_routes
+from host.server.openai_api import OpenAIHandler, internal_error, openai_routes, service_routes
 from host.server.programs import ProgramStore
+from host.server.tenants import TenantLimitError, TenantLimits
 
 __all__ = ["Server"]
 
@@ -41,6 +49,8 @@ FLUSH_TIMEOUT_S = 10.0
 CLOSE_GOING_AWAY = 1001
 # How long stop() lets open HTTP responses and WebSocket closes finish before cancelling them.
 GRACEFUL_SHUTDOWN_S = 5
+# How long stop() waits for the terminal events of the instances it terminated, before closing.
+SHUTDOWN_EVENTS_S = 5.0
 
 
 class _Uvicorn(uvicorn.Server):
@@ -70,22 +80,29 @@ class Server:
             compile_errors = (CompileError,)
         self.host = host
         self.config = config
-        self.store = ProgramStore(config.data_dir / "programs", host.compile, compile_errors)
+        self.store = ProgramStore(config.data_dir / "programs", host.compile, compile_errors,
+                                  quota_bytes=config.max_store_bytes_per_tenant, ttl_s=config.program_ttl_s)
         self.port: int | None = None
         self.connections: set[Connection] = set()
         self.counters = ServerCounters()
         self.metrics = ServerMetrics(host.stats, lambda: 0)
-        self.instances = InstanceTable(host.terminate, config.event_buffer_limit, self.metrics.instance_ended)
-        self.handlers = RequestHandlers(host, config, self.store, self.instances, self.connections, self.counters)
+        self.limits = TenantLimits(config.max_instances_per_tenant, config.tenant_connection_cap)
+        self.instances = InstanceTable(host.terminate, config.event_buffer_limit, self.metrics.instance_ended,
+                                       self.limits, event_buffer_bytes=config.max_queued_bytes)
+        self.handlers = RequestHandlers(host, config, self.store, self.instances, self.connections, self.counters,
+                                        self.limits)
         self.openai: OpenAIHandler | None = None
         if openai_program is not None:
             self.openai = OpenAIHandler(host, openai_program, model_name or host.model_names()[0], self.metrics,
-                                        auth_token=config.auth_token, tenants=config.tenants)
+                                        auth_token=config.auth_token, tenants=config.tenants, limits=self.limits,
+                                        max_body_bytes=config.max_body_bytes, read_timeout_s=config.read_timeout_s,
+                                        write_timeout_s=config.write_timeout_s,
+                                        max_queued_bytes=config.max_queued_bytes)
         routes: list[BaseRoute] = (openai_routes(self.openai) if self.openai is not None
                                    else service_routes(self.metrics))
         # Protocol v1 clients connect to ws://host:port (any path: the old server took any).
         routes.append(WebSocketRoute("/{path:path}", self._websocket))
-        self.app = Starlette(routes=routes)
+        self.app = Starlette(routes=routes, exception_handlers={Exception: internal_error})
         self._uvicorn: _Uvicorn | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -118,7 +135,8 @@ class Server:
         config = uvicorn.Config(
             self.app, ws="websockets-sansio", ws_max_size=self.config.max_frame_bytes,
             ws_per_message_deflate=False, lifespan="off", log_config=None, access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, limit_concurrency=self.config.max_connections,
+            http=h11_with_header_timeout(self.config.read_timeout_s))
         self._uvicorn = _Uvicorn(config)
         self._serve_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
@@ -132,15 +150,26 @@ class Server:
                  f", OpenAI routes for {self.openai.model!r}" if self.openai is not None else "")
 
     async def stop(self) -> None:
-        """Close every connection (terminating their instances), then terminate detached ones."""
-        for conn in list(self.connections):
-            conn.close(CLOSE_GOING_AWAY, "server shutting down")
+        """Terminate every instance and let its client have its terminal event (`aborted`, or an
+        SSE error event and `[DONE]`), then close every connection and stop listening."""
+        self.handlers.stopping = True
+        self.instances.terminate_all("server shutting down")
         if self.openai is not None:
             self.openai.terminate_all("server shutting down")
+        deadline = asyncio.get_running_loop().time() + SHUTDOWN_EVENTS_S
+        while not self._instances_ended() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        for conn in list(self.connections):
+            conn.close(CLOSE_GOING_AWAY, "server shutting down")
         if self._uvicorn is not None and self._serve_task is not None:
             self._uvicorn.should_exit = True
             await self._serve_task
         self.instances.terminate_all("server shutting down")
+
+    def _instances_ended(self) -> bool:
+        """Every instance's terminal event has reached its connection's queue (or its request)."""
+        return (all(r.finished for r in self.instances.records.values())
+                and (self.openai is None or not self.openai.running))
 
     async def serve_forever(self) -> None:
         """Start, run until `request_stop` (or SIGINT/SIGTERM when set up by `pie-serve`), stop."""
@@ -188,7 +217,15 @@ class Server:
     # ---- WebSocket connections -------------------------------------------------------------
 
     async def _websocket(self, ws: WebSocket) -> None:
-        await ws.accept()
+        cfg = self.config
+        if not await self._admit(ws):
+            return
+        try:
+            await ws.accept()
+        except BaseException:
+            if not cfg.requires_auth:
+                self.limits.give_connection(LOCAL_TENANT)
+            raise
         reader = asyncio.current_task()
         assert reader is not None
         reading = False
@@ -197,10 +234,14 @@ class Server:
             if reading:
                 reader.cancel()
 
-        conn = Connection(ws, not self.config.requires_auth, self.config.max_queued_frames, drop)
+        conn = Connection(ws, not cfg.requires_auth, cfg.max_queued_frames, drop, cfg.max_queued_bytes,
+                          admin=not cfg.requires_auth)
+        conn.counted = not cfg.requires_auth
         self.connections.add(conn)
         self.counters.connections_total += 1
         sender = asyncio.create_task(conn.send_loop())
+        auth_timer = (asyncio.get_running_loop().call_later(cfg.auth_timeout_s, self._auth_timeout, conn)
+                      if cfg.requires_auth else None)
         try:
             while not conn.closing:
                 reading = True
@@ -217,18 +258,50 @@ class Server:
                 raise
             reader.uncancel()
         finally:
-            self.connections.discard(conn)
-            self.instances.release(conn)
-            conn.stop()
-            if conn.dropped:
-                sender.cancel()
+            if auth_timer is not None:
+                auth_timer.cancel()
+            await self._end(conn, sender)
+
+    async def _admit(self, ws: WebSocket) -> bool:
+        """Whether a new WebSocket may open: the server's cap, and on a server without tokens the
+        one tenant's (counted here; with tokens a connection counts from its authentication).
+        A refused upgrade is answered HTTP 503 with the reason."""
+        cfg = self.config
+        reason = None
+        if len(self.connections) >= cfg.max_connections:
+            reason = f"the server has its maximum of {cfg.max_connections} connections open (--max-connections)"
+        elif not cfg.requires_auth:
             try:
-                await asyncio.wait_for(sender, timeout=FLUSH_TIMEOUT_S)
-            except TimeoutError:
-                log.warning("connection %s: could not flush its frames in %.0f s", conn.id, FLUSH_TIMEOUT_S)
-            except asyncio.CancelledError:
-                if not conn.dropped:
-                    raise
+                self.limits.take_connection(LOCAL_TENANT)
+            except TenantLimitError as exc:
+                reason = str(exc)
+        if reason is None:
+            return True
+        await ws.send_denial_response(PlainTextResponse(reason, 503))
+        return False
+
+    async def _end(self, conn: Connection, sender: asyncio.Task[None]) -> None:
+        """The connection is over: give back what it held, end its instances, flush its frames."""
+        if conn.counted:
+            self.limits.give_connection(conn.tenant)
+        self.handlers.discard_upload(conn)
+        self.connections.discard(conn)
+        self.instances.release(conn)
+        conn.stop()
+        if conn.dropped:
+            sender.cancel()
+        try:
+            await asyncio.wait_for(sender, timeout=FLUSH_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("connection %s: could not flush its frames in %.0f s", conn.id, FLUSH_TIMEOUT_S)
+        except asyncio.CancelledError:
+            if not conn.dropped:
+                raise
+
+    def _auth_timeout(self, conn: Connection) -> None:
+        if not conn.authenticated and not conn.closing:
+            log.info("closing connection %s: not authenticated within %g s", conn.id, self.config.auth_timeout_s)
+            conn.close(p.CLOSE_POLICY, f"not authenticated within {self.config.auth_timeout_s:g} s")
 
     async def _on_frame(self, conn: Connection, frame: bytes | str) -> None:
         self.counters.requests += 1

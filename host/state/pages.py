@@ -56,10 +56,16 @@ class PageManager:
     """Thread-safe page allocator shared by all instances of a host."""
 
     def __init__(self, num_pages: int, max_pages_per_instance: int | None = None,
-                 cache: PrefixCache | None = None) -> None:
+                 cache: PrefixCache | None = None, max_pages_per_tenant: int | None = None) -> None:
         self.num_pages = num_pages
         self.cache = cache  # the automatic prefix cache (None: pages are freed as soon as nobody holds them)
         self.max_pages_per_instance = max_pages_per_instance
+        self.max_pages_per_tenant = max_pages_per_tenant
+        # The tenant whose instance allocated each page, until the page is let go (free or only
+        # in the prefix cache): held, exported (persistent or not) or pinned, it counts against
+        # that tenant's cap, so a tenant cannot hoard pages past it through exports.
+        self._charged_to: list[str | None] = [None] * num_pages
+        self._tenant_pages: dict[str, int] = {}
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._refs = [0] * num_pages
         self._pins = [0] * num_pages  # queued or running jobs touching each page
@@ -83,6 +89,11 @@ class PageManager:
             if cap is not None and table.owned_count + count > cap:
                 return (f"instance page limit: holds {table.owned_count}, asked {count} more, "
                         f"limit {cap} pages")
+            held = self._tenant_pages.get(table.tenant, 0)
+            tcap = self.max_pages_per_tenant
+            if tcap is not None and held + count > tcap:
+                return (f"tenant page limit: the instances of tenant {table.tenant!r} hold {held}, asked {count} "
+                        f"more, limit {tcap} pages (--max-pages-per-tenant)")
             free = self.free_count
             if count > free:
                 self.refused += 1
@@ -91,8 +102,10 @@ class PageManager:
             for p in pages:
                 self._refs[p] = 1
                 self._filled[p] = 0
+                self._charged_to[p] = table.tenant
                 table.held[p] = [1, True]
             table.owned_count += count
+            self._tenant_pages[table.tenant] = held + count
             return pages
 
     def release(self, table: InstancePages, pages: list[int]) -> None:
@@ -134,6 +147,10 @@ class PageManager:
 
     def _let_go(self, page: int) -> None:
         """Nobody holds or pins `page`: the prefix cache keeps it, or it is free."""
+        tenant = self._charged_to[page]
+        if tenant is not None:
+            self._charged_to[page] = None
+            self._tenant_pages[tenant] -= 1
         if self.cache is None or not self.cache.keep(page):
             self._free.append(page)
 
@@ -284,6 +301,11 @@ class PageManager:
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
+
+    def tenant_pages(self, tenant: str) -> int:
+        """Pages allocated by `tenant`'s instances and not let go yet (what its cap counts)."""
+        with self._lock:
+            return self._tenant_pages.get(tenant, 0)
 
     # ---- the prefix cache ----
     def attach_prefix(self, table: InstancePages, tokens: Sequence[int]) -> list[int]:

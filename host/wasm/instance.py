@@ -66,6 +66,10 @@ class Terminated(Exception):
     """Raised inside a blocking import when the instance has been told to stop."""
 
 
+class InboxFull(Exception):
+    """A client message refused: the instance's unread messages would pass `max_inbox_bytes`."""
+
+
 class StepLookahead(Protocol):
     """What the instance keeps for a guest stepping every token (host/api/lookahead.py's `Stepper`)."""
 
@@ -111,6 +115,7 @@ class Instance:
         self._waiting = False  # the thread is blocked in wait_until (guarded by cond)
         self._handed = False  # the gate has woken it for its turn (guarded by cond)
         self.inbox: deque[str] = deque()
+        self.inbox_bytes = 0  # UTF-8 bytes of the messages in `inbox` (guarded by cond)
         self.input_closed = False
         self.published = Mailbox(env.limits.max_published_messages, env.limits.max_published_bytes)
         self.topics: set[str] = set()
@@ -231,10 +236,34 @@ class Instance:
             self._wake_all()
 
     def signal(self, message: str) -> None:
-        """A client message for the guest's receive()."""
+        """A client message for the guest's receive(); InboxFull past `max_inbox_bytes` unread."""
+        size = len(message.encode("utf-8", "surrogatepass"))
+        limit = self.env.limits.max_inbox_bytes
         with self.cond:
+            if self.finished.is_set():
+                return  # nobody will read it
+            if self.inbox_bytes + size > limit:
+                raise InboxFull(f"instance {self.id} has {self.inbox_bytes} bytes of unread messages; this "
+                                f"{size}-byte message would pass its inbox limit of {limit} bytes "
+                                "(--max-inbox-kb); wait until it reads them")
             self.inbox.append(message)
+            self.inbox_bytes += size
             self._wake_all()
+
+    def take_message(self) -> str | None:
+        """The oldest unread client message, or None (cond held by the caller or not)."""
+        with self.cond:
+            if not self.inbox:
+                return None
+            message = self.inbox.popleft()
+            self.inbox_bytes -= len(message.encode("utf-8", "surrogatepass"))
+            return message
+
+    def drop_inbox(self) -> None:
+        """The instance has ended: its unread messages go."""
+        with self.cond:
+            self.inbox.clear()
+            self.inbox_bytes = 0
 
     def close_input(self) -> None:
         """From now on receive() returns none once the inbox is empty."""

@@ -77,6 +77,8 @@ class InstanceLimits:
     # unread pub/sub messages kept per instance (count, bytes); when full the oldest are dropped
     max_published_messages: int = 1024
     max_published_bytes: int = 1 * MIB
+    # bytes of client messages (signals) waiting for the guest's receive(); one past it is refused
+    max_inbox_bytes: int = 4 * MIB
 
     def __post_init__(self) -> None:
         for name in ("max_memories", "max_tables", "max_instances", "max_table_elements"):
