@@ -259,6 +259,21 @@ async def exchange(url: str, frame: bytes | str) -> dict[str, Any]:
         return msgpack.unpackb(await asyncio.wait_for(ws.recv(), 5), raw=False)
 
 
+def _fixed_mmap_threshold() -> None:
+    """glibc raises its mmap threshold each time an mmapped block is freed (up to 32 MiB), after which
+    blocks of a MB come from the heap and their memory stays resident once freed: the peak would
+    count what the process let go of. A fixed 128 KiB threshold keeps such blocks mmapped, so RSS
+    follows what is alive (Linux / glibc only; elsewhere nothing)."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+        except (OSError, AttributeError):
+            pass
+
+
 class PeakRss:
     """The largest resident set size of this process (the server runs in it) while in the block,
     sampled every 5 ms; `growth` is that peak minus the size at entry, in bytes."""
@@ -278,6 +293,7 @@ class PeakRss:
     def __enter__(self) -> PeakRss:
         import gc
 
+        _fixed_mmap_threshold()
         gc.collect()
         self.start = self.peak = self._proc.memory_info().rss
         self._thread.start()

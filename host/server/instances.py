@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,11 @@ class InstanceRecord:
     buffer: deque[bytes] = field(default_factory=deque)
     buffered_bytes: int = 0  # of the frames in `buffer`
     dropped: int = 0
+    # bytes of events handed to the event loop and not yet taken (`InstanceTable.sink`): the
+    # instance's thread waits while they pass the buffer bound, so a guest that emits faster than
+    # the loop takes its events cannot pile them up in the loop's queue
+    in_flight: int = 0
+    flow: threading.Condition = field(default_factory=threading.Condition)
 
 
 class InstanceTable:
@@ -116,10 +122,22 @@ class InstanceTable:
         """The `on_event` to launch `record`'s instance with: hands each event to `loop`."""
 
         def on_event(event: InstanceEvent) -> None:  # runs on the instance's thread
+            size = len(event.message)
+            with record.flow:  # (a terminal event never waits: it ends the flow)
+                while (record.in_flight and record.in_flight + size > self._buffer_bytes
+                       and event.event not in TERMINAL_EVENTS and not loop.is_closed()):
+                    record.flow.wait(0.1)
+                record.in_flight += size
             try:
-                loop.call_soon_threadsafe(self.on_event, record, event)
+                loop.call_soon_threadsafe(taken, event, size)
             except RuntimeError:  # loop closed: the server has stopped, nobody can receive it
                 log.debug("dropping %s event of %s: server stopped", event.event, event.instance_id)
+
+        def taken(event: InstanceEvent, size: int) -> None:  # on the loop
+            with record.flow:
+                record.in_flight -= size
+                record.flow.notify_all()
+            self.on_event(record, event)
 
         return on_event
 
