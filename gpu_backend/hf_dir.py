@@ -161,10 +161,46 @@ def _hf_pattern(pre: dict[str, Any] | None) -> str:
     raise ValueError(f"unsupported pre-tokenizer in tokenizer.json: {pre}")
 
 
+SUPPORTED_TOKENIZERS = (
+    "byte-level BPE (a ByteLevel pre-tokenizer, optionally with Split / Digits steps and an NFC, NFD, "
+    "NFKC or NFKD normalizer) and SentencePiece-style BPE (a Metaspace pre-tokenizer, or a Prepend / "
+    "Replace normalizer with no pre-tokenizer; byte fallback)"
+)
+_UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
+
+
+def _steps(node: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    """The steps of a tokenizer.json normalizer / pre-tokenizer / decoder (a Sequence flattened)."""
+    if node is None:
+        return []
+    return list(node.get(key, [])) if node.get("type") == "Sequence" else [node]
+
+
+def _tokenizer_layout(tj: dict[str, Any], where: str) -> tuple[str | None, bool]:
+    """(Unicode normalizer form, SentencePiece-style?) of a tokenizer.json; ValueError naming the
+    layout and listing the supported ones otherwise."""
+    model = tj.get("model", {}).get("type")
+    norms = _steps(tj.get("normalizer"), "normalizers")
+    pres = _steps(tj.get("pre_tokenizer"), "pretokenizers")
+    kinds = {n.get("type") for n in norms}
+    pre_kinds = {p.get("type") for p in pres}
+    sp = "Metaspace" in pre_kinds or (not pres and any(
+        n.get("type") == "Replace" and n.get("content") == "\u2581" for n in norms))
+    if model != "BPE" or (not sp and (not pre_kinds & {"ByteLevel"} or kinds - set(_UNICODE_FORMS))):
+        raise ValueError(f"{where}: unsupported tokenizer (model {model}, normalizer {sorted(map(str, kinds))}, "
+                         f"pre-tokenizer {sorted(map(str, pre_kinds))}): supported are {SUPPORTED_TOKENIZERS}")
+    if sp:
+        return None, True
+    forms = [n["type"] for n in norms]
+    if len(forms) > 1:
+        raise ValueError(f"{where}: unsupported normalizer {forms}: one of {_UNICODE_FORMS} at most")
+    return (forms[0] if forms else None), False
+
+
 def _hf_tokenizer(path: Path, cfg: dict[str, Any]) -> TokenizerSpec:
-    tj = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
-    if tj["model"].get("type") != "BPE":
-        raise ValueError(f"{path}/tokenizer.json: only byte-level BPE is supported")
+    text = (path / "tokenizer.json").read_text(encoding="utf-8")
+    tj = json.loads(text)
+    normalizer, sentencepiece = _tokenizer_layout(tj, f"{path}/tokenizer.json")
     vocab: dict[str, int] = dict(tj["model"]["vocab"])
     special: dict[str, int] = {}
     for added in tj.get("added_tokens", []):
@@ -199,12 +235,14 @@ def _hf_tokenizer(path: Path, cfg: dict[str, Any]) -> TokenizerSpec:
     return TokenizerSpec(
         tokens=tokens,
         special=special,
-        pattern=_hf_pattern(tj.get("pre_tokenizer")),
+        pattern="" if sentencepiece else _hf_pattern(tj.get("pre_tokenizer")),
         chat_template=template,
         bos_token_id=bos,
         eos_token_id=eos,
         pad_token_id=tok_id("pad_token"),
         stop_tokens=sorted(int(s) for s in stops),
+        normalizer=normalizer,
+        sentencepiece=text if sentencepiece else None,
     )
 
 
