@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import struct
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,58 @@ def load_gguf_cached(path: Path, progress: bool) -> LoadedModel:
     return loaded
 
 
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF value types: byte sizes of the fixed-size ones; 8 = string, 9 = array
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """`general.architecture` of a GGUF file, read from the header without parsing the rest (the
+    tokenizer's vocabulary takes seconds to parse); None if the file does not name one."""
+    with path.open("rb") as f:
+        def u(fmt: str) -> int:
+            return int(struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0])
+
+        def text() -> str:
+            return f.read(u("<Q")).decode("utf-8", errors="replace")
+
+        def skip(vtype: int) -> None:
+            if vtype == 8:
+                f.seek(u("<Q"), 1)
+            elif vtype == 9:
+                item, count = u("<I"), u("<Q")
+                if item in _SCALAR_BYTES:
+                    f.seek(_SCALAR_BYTES[item] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            elif vtype in _SCALAR_BYTES:
+                f.seek(_SCALAR_BYTES[vtype], 1)
+            else:
+                raise ValueError(f"{path}: GGUF value type {vtype} unknown")
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+        if u("<I") < 2:
+            raise ValueError(f"{path}: GGUF version 1 is not supported")
+        u("<Q")  # tensor count
+        for _ in range(u("<Q")):
+            key, vtype = text(), u("<I")
+            if key == "general.architecture" and vtype == 8:
+                return text()
+            skip(vtype)
+    return None
+
+
+def check_architecture(path: Path) -> str:
+    """The file's architecture; ValueError naming it and the supported ones unless we run it."""
+    arch = gguf_architecture(path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path.name}: supported are "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (or load the model's HF safetensors directory)")
+    return arch
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -81,6 +134,8 @@ _GGUF_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -89,8 +144,8 @@ _GGUF_NAMES = {
 
 def _gguf_config(reader: Any) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: expected llama or qwen2")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: supported are {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     def g(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -108,7 +163,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         intermediate_size=int(g("feed_forward_length")),
         num_heads=heads,
         num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("rope.dimension_count", hidden // heads)),
+        head_dim=int(g("attention.key_length") or g("rope.dimension_count") or hidden // heads),
         vocab_size=int(vocab),
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
@@ -116,6 +171,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
         tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         rope_scaling=scaling,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
     )
 
 
@@ -147,6 +203,7 @@ def _gguf_tokenizer(reader: Any) -> TokenizerSpec:
 def _load_gguf(path: Path, progress: bool) -> LoadedModel:
     from gguf import GGUFReader, dequantize
 
+    check_architecture(path)  # before the reader parses the whole vocabulary
     reader = GGUFReader(str(path))
     cfg = _gguf_config(reader)
     weights: dict[str, torch.Tensor] = {}

@@ -1,0 +1,113 @@
+"""GGUF files of the families llama.cpp converts to them, written here with the `gguf` library as
+llama.cpp's converter lays them out (tiny random weights of a transformers model, SmolLM2's tokenizer
+fields), against transformers on the same weights; and an unsupported architecture refused from the
+header, before the vocabulary is parsed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from parity import run_parity
+
+import gguf
+from gpu_backend import load_backend
+from gpu_backend.gguf import SUPPORTED_ARCHITECTURES, gguf_architecture
+from gpu_backend.loader import default_model_path
+
+transformers = pytest.importorskip("transformers")
+
+# HF name (after "model.layers.N.") -> GGUF name (after "blk.N.")
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+TOKENIZER_FIELDS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+                    "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+
+
+def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor]) -> Path:
+    """`state` (HF names) as a float32 GGUF of architecture `arch` with SmolLM2's tokenizer."""
+    src = gguf.GGUFReader(str(default_model_path()))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for key in TOKENIZER_FIELDS:
+        f = src.fields[key]
+        value = f.contents()
+        w.add_key_value(key, value, gguf.GGUFValueType(f.types[0]),
+                        sub_type=gguf.GGUFValueType(f.types[-1]) if len(f.types) > 1 else None)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, t in state.items():
+        arr = t.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            g = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            g = f"blk.{layer}.{LAYER_NAMES[rest]}"
+        w.add_tensor(g, np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.slow
+def test_qwen3_gguf_matches_transformers(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = transformers.Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+                                   eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    path = write_gguf(tmp_path / "qwen3.gguf", "qwen3", cfg, model.state_dict())
+    be = load_backend(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64, progress=False)
+    assert be.model.cfg.arch == "qwen3" and be.model.cfg.qk_norm and be.model.cfg.head_dim == 32
+    run_parity(be, model.float().eval(), ["The quick brown fox", "1, 2, 3, 4, 5, 6, 7"], 32, 1e-4)
+
+
+def test_unsupported_gguf_architecture_is_refused_from_the_header(tmp_path, monkeypatch):
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_token_list([f"t{i}" for i in range(50_000)])  # a vocabulary we never need to parse
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert gguf_architecture(path) == "mamba"
+    assert gguf_architecture(default_model_path()) == "llama"
+
+    def no_parse(*a, **k):
+        raise AssertionError("the whole file was parsed before the architecture was checked")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    monkeypatch.setenv("PIE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'mamba'.*supported are llama, qwen2, qwen3"):
+        load_backend(str(path), device="cpu", progress=False)
+    assert "qwen3" in SUPPORTED_ARCHITECTURES
