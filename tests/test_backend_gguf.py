@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
 from parity import run_parity
 
-import gguf
 from gpu_backend import load_backend
 from gpu_backend.gguf import SUPPORTED_ARCHITECTURES, gguf_architecture
 from gpu_backend.loader import default_model_path
