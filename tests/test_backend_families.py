@@ -158,3 +158,13 @@ def test_unsupported_model_type_is_refused_before_the_weights(tmp_path):
     with pytest.raises(ValueError, match="unsupported model_type 'falcon'.*qwen3.*phi3.*gemma2"):
         load_model_files(tmp_path, progress=False)  # no weights there: refused first
     assert {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"} <= set(SUPPORTED_MODEL_TYPES)
+
+
+def test_help_names_the_supported_families():
+    from gpu_backend.gguf import SUPPORTED_ARCHITECTURES
+    from host.cli.options import MODEL_FAMILIES
+    from host.cli.run import _parser
+
+    for name in SUPPORTED_MODEL_TYPES + SUPPORTED_ARCHITECTURES:
+        assert name in MODEL_FAMILIES
+    assert "Gemma 3" in " ".join(_parser().format_help().split())
