@@ -29,7 +29,7 @@ __all__ = ["CACHE_VERSION", "load_gguf_cached"]
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: TokenizerSpec.add_bos
 
 
 def _cache_key(path: Path) -> str:
@@ -197,6 +197,7 @@ def _gguf_tokenizer(reader: Any) -> TokenizerSpec:
         eos_token_id=None if ids["eos"] is None else int(ids["eos"]),
         pad_token_id=None if ids["pad"] is None else int(ids["pad"]),
         stop_tokens=stops,
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and ids["bos"] is not None,
     )
 
 

@@ -197,6 +197,17 @@ def _tokenizer_layout(tj: dict[str, Any], where: str) -> tuple[str | None, bool]
     return (forms[0] if forms else None), False
 
 
+def _post_processor_bos(tj: dict[str, Any], vocab: dict[str, int]) -> int | None:
+    """The special token the post-processor puts before a single sequence (a TemplateProcessing whose
+    `single` template starts with one), or None."""
+    for step in _steps(tj.get("post_processor"), "processors"):
+        if step.get("type") == "TemplateProcessing" and step.get("single"):
+            first = step["single"][0]
+            if "SpecialToken" in first:
+                return vocab.get(first["SpecialToken"]["id"])
+    return None
+
+
 def _hf_tokenizer(path: Path, cfg: dict[str, Any]) -> TokenizerSpec:
     text = (path / "tokenizer.json").read_text(encoding="utf-8")
     tj = json.loads(text)
@@ -232,6 +243,9 @@ def _hf_tokenizer(path: Path, cfg: dict[str, Any]) -> TokenizerSpec:
         stops.update(e if isinstance(e, list) else [] if e is None else [e])
     if eos is not None:
         stops.add(int(eos))
+    prefix = _post_processor_bos(tj, vocab)
+    if prefix is not None:
+        bos = prefix
     return TokenizerSpec(
         tokens=tokens,
         special=special,
@@ -243,6 +257,7 @@ def _hf_tokenizer(path: Path, cfg: dict[str, Any]) -> TokenizerSpec:
         stop_tokens=sorted(int(s) for s in stops),
         normalizer=normalizer,
         sentencepiece=text if sentencepiece else None,
+        add_bos=prefix is not None,
     )
 
 

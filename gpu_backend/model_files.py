@@ -68,6 +68,9 @@ class TokenizerSpec:
     stop_tokens: list[int]
     normalizer: str | None = None
     sentencepiece: str | None = None
+    # a raw prompt starts with BOS (the tokenizer.json post-processor's template; GGUF add_bos_token),
+    # as transformers' `tokenizer(text)` and llama.cpp add it; a rendered chat template has its own
+    add_bos: bool = False
 
 
 @dataclass

@@ -126,6 +126,14 @@ class Tokenizer:
             text = unicodedata.normalize(self.spec.normalizer, text)  # type: ignore[arg-type]
         return self.encoding.encode(text, allowed_special="all")
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw prompt as transformers' `tokenizer(text)` gives them: `encode`, after
+        BOS where the tokenizer adds one (its post-processor; GGUF add_bos_token). Not for a rendered
+        chat template, which writes its own `bos_token`."""
+        ids = self.encode(text)
+        bos = self.spec.bos_token_id
+        return [bos, *ids] if self.spec.add_bos and bos is not None else ids
+
     def encode_ordinary(self, text: str) -> list[int]:
         """Token ids of `text` with no special token recognised (text that names one is spelled out).
         Byte-level layout only: a SentencePiece-style one raises ValueError (its normalizer prepends a

@@ -138,3 +138,34 @@ def test_unsupported_tokenizer_is_refused_with_the_supported_list(tmp_path):
     path = _write(tmp_path / "wp", wp.to_str())
     with pytest.raises(ValueError, match="unsupported tokenizer.*WordPiece.*supported are byte-level BPE.*SentencePiece"):
         _hf_tokenizer(path, {})
+
+
+@pytest.mark.parametrize("layout", ["prepend", "metaspace"])
+def test_raw_prompt_starts_with_bos_where_the_post_processor_adds_it(tmp_path, layout):
+    from tokenizers import processors
+
+    tok = tokenizers.Tokenizer.from_str(_sentencepiece_json(layout))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    ours, theirs = _pair(_write(tmp_path / layout, tok.to_str()))
+    for text in ("Hello world", "<s>Hello", ""):
+        assert ours.encode_prompt(text) == theirs(text)["input_ids"]
+        assert ours.encode_prompt(text)[0] == 1 and ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+    # without a post-processor nothing is added (SmolLM2's own tokenizer adds no BOS either)
+    plain, plain_theirs = _pair(_write(tmp_path / "plain", _sentencepiece_json(layout)))
+    assert plain.encode_prompt("Hello") == plain_theirs("Hello")["input_ids"] == plain.encode("Hello")
+
+
+def test_grammar_over_a_sentencepiece_vocabulary(sentencepiece):
+    # a grammar's mask over byte-fallback pieces and "▁" words: what it allows spells its language
+    from test_grammar import Info, unpack
+
+    from gpu_backend.grammar import GrammarCompiler, Matcher, token_bytes
+
+    ours, _ = sentencepiece
+    vocab = ours.vocab_size + 3  # a model vocabulary padded past the tokenizer's
+    tb = token_bytes(ours, vocab)
+    assert tb[3 + 0x41] == b"A" and tb[-1] == b"" and tb[2] == b"</s>"
+    m = Matcher(GrammarCompiler(ours, Info(vocab_size=vocab, stop_tokens=[2]), threads=1).regex(" (the|fox)"))
+    allowed = unpack(m.fill_mask())
+    assert allowed and all(b" the".startswith(tb[i]) or b" fox".startswith(tb[i]) for i in allowed)
