@@ -209,6 +209,10 @@ def _post_processor_bos(tj: dict[str, Any], vocab: dict[str, int]) -> int | None
 
 
 def _hf_tokenizer(path: Path, cfg: dict[str, Any]) -> TokenizerSpec:
+    if not (path / "tokenizer.json").exists():
+        extra = " (only tokenizer.model there: save the tokenizer with transformers' save_pretrained to write " \
+                "tokenizer.json)" if (path / "tokenizer.model").exists() else ""
+        raise FileNotFoundError(f"{path}: tokenizer.json missing{extra}")
     text = (path / "tokenizer.json").read_text(encoding="utf-8")
     tj = json.loads(text)
     normalizer, sentencepiece = _tokenizer_layout(tj, f"{path}/tokenizer.json")

@@ -129,7 +129,7 @@ def test_ignoring_softcapping_fails(family_dir, change, attention):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family_dir", ["gemma2"], indirect=True)
+@pytest.mark.parametrize("family_dir", ["mistral", "gemma2"], indirect=True)
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_mixed_batch_with_brle_past_the_window(family_dir, attention):
     """One batch: a decode step far past the window, a prefill longer than the window, and a prefill
@@ -168,3 +168,15 @@ def test_help_names_the_supported_families():
     for name in SUPPORTED_MODEL_TYPES + SUPPORTED_ARCHITECTURES:
         assert name in MODEL_FAMILIES
     assert "Gemma 3" in " ".join(_parser().format_help().split())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family_dir", ["phi3"], indirect=True)
+def test_phi3_context_stops_where_the_short_factors_do(family_dir):
+    # only longrope's short factors are implemented: positions past original_max_position_embeddings
+    # (where transformers switches to the long ones) are refused, not computed wrongly
+    path, _ = family_dir
+    be = ours(path)
+    assert be.info.max_position == 128
+    with pytest.raises(ValueError, match="position"):
+        be.check_request(req(list(range(40)), 128, [5], 4))
