@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from tqdm import tqdm
 
 from .config import ModelConfig
@@ -85,11 +85,32 @@ def _sliding_layers(cfg: dict[str, Any], mt: str, n: int) -> tuple[int, tuple[bo
     return int(window), slides
 
 
+# Multimodal checkpoints whose text model we run: model_type -> (the text config's key, weight-name
+# prefixes of the text model -> HF text names). Other weights (vision tower, projector) are not read.
+MULTIMODAL: dict[str, tuple[str, dict[str, str]]] = {
+    "gemma3": ("text_config", {"language_model.model.": "model.", "model.language_model.": "model.",
+                               "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}),
+}
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a multimodal checkpoint (MULTIMODAL), else `cfg` itself."""
+    mt = cfg.get("model_type")
+    if mt not in MULTIMODAL:
+        return cfg
+    text = dict(cfg.get(MULTIMODAL[mt][0]) or {})
+    text.setdefault("model_type", f"{mt}_text")
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return text
+
+
 def _hf_config(cfg: dict[str, Any]) -> ModelConfig:
+    cfg = _text_config(cfg)
     mt = cfg.get("model_type", "llama")
     if mt not in FAMILIES:
-        raise ValueError(f"unsupported model_type {mt!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}"
-                         + (" (Gemma 3: load the text-only gemma3_text checkpoint)" if mt == "gemma3" else ""))
+        raise ValueError(f"unsupported model_type {mt!r}: supported are "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES + tuple(MULTIMODAL))} (multimodal: the text model)")
     fam = FAMILIES[mt]
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     n = int(cfg["num_hidden_layers"])
@@ -276,9 +297,21 @@ def load_hf_dir(path: Path, progress: bool) -> LoadedModel:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
+    rename = MULTIMODAL[raw["model_type"]][1] if raw.get("model_type") in MULTIMODAL else None
     weights: dict[str, torch.Tensor] = {}
     for f in tqdm(files, desc=f"loading {path.name}", disable=not progress):
-        for k, v in load_file(str(f)).items():
-            weights[k] = v  # cast to the compute dtype when the model is built
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = k if rename is None else _renamed(k, rename)
+                if name is not None:
+                    weights[name] = st.get_tensor(k)  # cast to the compute dtype when the model is built
     unfuse(weights, cfg)
     return LoadedModel(path.name, cfg, weights, tokenizer)
+
+
+def _renamed(name: str, prefixes: dict[str, str]) -> str | None:
+    """`name` under the text model's HF names, or None for a weight of another part of the model."""
+    for old, new in prefixes.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None

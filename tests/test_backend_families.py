@@ -15,7 +15,7 @@ from parity import run_parity
 
 from gpu_backend.backend import backend_from_weights, make_attention
 from gpu_backend.flex import FlexAttention
-from gpu_backend.hf_dir import SUPPORTED_MODEL_TYPES
+from gpu_backend.hf_dir import MULTIMODAL, SUPPORTED_MODEL_TYPES
 from gpu_backend.loader import default_model_path, load_model_files
 
 transformers = pytest.importorskip("transformers")
@@ -165,7 +165,7 @@ def test_help_names_the_supported_families():
     from host.cli.options import MODEL_FAMILIES
     from host.cli.run import _parser
 
-    for name in SUPPORTED_MODEL_TYPES + SUPPORTED_ARCHITECTURES:
+    for name in SUPPORTED_MODEL_TYPES + tuple(MULTIMODAL) + SUPPORTED_ARCHITECTURES:
         assert name in MODEL_FAMILIES
     assert "Gemma 3" in " ".join(_parser().format_help().split())
 
@@ -180,3 +180,28 @@ def test_phi3_context_stops_where_the_short_factors_do(family_dir):
     assert be.info.max_position == 128
     with pytest.raises(ValueError, match="position"):
         be.check_request(req(list(range(40)), 128, [5], 4))
+
+
+@pytest.mark.slow
+def test_gemma3_multimodal_checkpoint_runs_its_text_model(tmp_path, hf_tokenizer):
+    # Gemma 3 4B and up are `gemma3` checkpoints (text model + vision tower): the text model loads,
+    # the vision weights are not read
+    text = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(tmp_path / "g3")
+    hf_tokenizer.save_pretrained(tmp_path / "g3")
+    files = load_model_files(tmp_path / "g3", progress=False)
+    assert files.config.arch == "gemma3_text" and files.config.window == WINDOW
+    assert not any("vision" in k or "projector" in k for k in files.weights)
+    run_parity(ours(tmp_path / "g3"), model.float().eval(), PROMPTS, STEPS, TOL)

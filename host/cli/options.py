@@ -25,8 +25,8 @@ MIB = 2**20
 # What --model loads (checked against gpu_backend's own lists by tests/test_backend_families.py;
 # written out here so that `--help` and the --server path import no torch).
 MODEL_FAMILIES = ("Families: Llama 2/3 (SmolLM2), Mistral (sliding window), Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 "
-                  "(gemma3_text), Phi-3 from an HF dir (model_type llama, mistral, qwen2, qwen3, gemma2, "
-                  "gemma3_text, phi3); GGUF architectures llama, qwen2, qwen3. Tokenizers: byte-level BPE and "
+                  "(text), Phi-3 from an HF dir (model_type llama, mistral, qwen2, qwen3, gemma2, "
+                  "gemma3_text, gemma3, phi3); GGUF architectures llama, qwen2, qwen3. Tokenizers: byte-level BPE and "
                   "SentencePiece-style tokenizer.json.")
 
 
