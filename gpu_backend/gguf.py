@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from .config import ModelConfig
+from .gguf_vocab import sentencepiece_json
 from .model_files import GGUF_PRE_PATTERNS, LoadedModel, TokenizerSpec
 from .paths import default_cache_dir
 
@@ -175,14 +176,19 @@ def _gguf_config(reader: Any) -> ModelConfig:
     )
 
 
-def _gguf_tokenizer(reader: Any) -> TokenizerSpec:
+def _gguf_tokenizer(reader: Any, arch: str) -> TokenizerSpec:
     model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer {model!r}: only byte-level BPE (gpt2) is supported")
+    if model not in ("gpt2", "llama"):
+        raise ValueError(f"unsupported GGUF tokenizer {model!r}: supported are gpt2 (byte-level BPE) and llama "
+                         "(SentencePiece BPE)")
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type"))
     pre = _field(reader, "tokenizer.ggml.pre", "gpt2")
-    if pre not in GGUF_PRE_PATTERNS:
+    sp = None
+    if model == "llama":
+        sp = sentencepiece_json(arch, tokens, [float(x) for x in _field(reader, "tokenizer.ggml.scores")], types,
+                                bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)))
+    elif pre not in GGUF_PRE_PATTERNS:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}: known {sorted(GGUF_PRE_PATTERNS)}")
     # type 3 = control, 4 = user-defined: both are matched verbatim in text, like HF added tokens.
     special = {tok: i for i, (tok, t) in enumerate(zip(tokens, types, strict=True)) if t in (3, 4)}
@@ -191,13 +197,15 @@ def _gguf_tokenizer(reader: Any) -> TokenizerSpec:
     return TokenizerSpec(
         tokens=tokens,
         special=special,
-        pattern=GGUF_PRE_PATTERNS[pre],
+        pattern="" if sp is not None else GGUF_PRE_PATTERNS[pre],
         chat_template=_field(reader, "tokenizer.chat_template", "") or "",
         bos_token_id=None if ids["bos"] is None else int(ids["bos"]),
         eos_token_id=None if ids["eos"] is None else int(ids["eos"]),
         pad_token_id=None if ids["pad"] is None else int(ids["pad"]),
         stop_tokens=stops,
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and ids["bos"] is not None,
+        # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary that does not say otherwise
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")) and ids["bos"] is not None,
+        sentencepiece=sp,
     )
 
 
@@ -207,6 +215,7 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
     check_architecture(path)  # before the reader parses the whole vocabulary
     reader = GGUFReader(str(path))
     cfg = _gguf_config(reader)
+    tokenizer = _gguf_tokenizer(reader, cfg.arch)  # refused here, before the weights are dequantized
     weights: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", disable=not progress):
         arr = dequantize(t.data, t.tensor_type)
@@ -231,4 +240,4 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
             raise ValueError(f"unexpected GGUF tensor {name}")
         weights[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # own, writable copy
     name = str(_field(reader, "general.name", path.stem))
-    return LoadedModel(name, cfg, weights, _gguf_tokenizer(reader))
+    return LoadedModel(name, cfg, weights, tokenizer)

@@ -32,8 +32,14 @@ TOKENIZER_FIELDS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggm
                     "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
 
 
-def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor]) -> Path:
-    """`state` (HF names) as a float32 GGUF of architecture `arch` with SmolLM2's tokenizer."""
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter interleaves the rotary halves of Llama's q/k rows
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor], vocab: dict | None = None) -> Path:
+    """`state` (HF names) as a float32 GGUF of architecture `arch`, with SmolLM2's tokenizer or the
+    SentencePiece `vocab` (tokens, scores, types)."""
     src = gguf.GGUFReader(str(default_model_path()))
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -46,11 +52,17 @@ def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor]) -> Pa
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    for key in TOKENIZER_FIELDS:
-        f = src.fields[key]
-        value = f.contents()
-        w.add_key_value(key, value, gguf.GGUFValueType(f.types[0]),
-                        sub_type=gguf.GGUFValueType(f.types[-1]) if len(f.types) > 1 else None)
+    if vocab is None:
+        for key in TOKENIZER_FIELDS:
+            f = src.fields[key]
+            value = f.contents()
+            w.add_key_value(key, value, gguf.GGUFValueType(f.types[0]),
+                            sub_type=gguf.GGUFValueType(f.types[-1]) if len(f.types) > 1 else None)
+    else:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(vocab["tokens"])
+        w.add_token_scores(vocab["scores"])
+        w.add_token_types(vocab["types"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     for name, t in state.items():
@@ -64,6 +76,8 @@ def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor]) -> Pa
         else:
             _, _, layer, rest = name.split(".", 3)
             g = f"blk.{layer}.{LAYER_NAMES[rest]}"
+            if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+                arr = _permute(arr, cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads)
         w.add_tensor(g, np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -111,3 +125,46 @@ def test_unsupported_gguf_architecture_is_refused_from_the_header(tmp_path, monk
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'mamba'.*supported are llama, qwen2, qwen3"):
         load_backend(str(path), device="cpu", progress=False)
     assert "qwen3" in SUPPORTED_ARCHITECTURES
+
+
+def sentencepiece_vocab() -> dict:
+    """A SentencePiece-style vocabulary as llama.cpp stores it: pieces by id, scores, token types."""
+    import json
+
+    from test_tokenizer_formats import _sentencepiece_json
+
+    tj = json.loads(_sentencepiece_json("prepend"))
+    ids = dict(tj["model"]["vocab"]) | {a["content"]: a["id"] for a in tj["added_tokens"]}
+    tokens = [""] * (max(ids.values()) + 1)
+    for t, i in ids.items():
+        tokens[i] = t
+    types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x") else
+             4 if t.startswith("[") else 1 for t in tokens]
+    scores = [0.0 if k != 1 else -float(i) for i, k in enumerate(types)]
+    return {"tokens": tokens, "scores": scores, "types": types}
+
+
+@pytest.mark.slow
+def test_sentencepiece_gguf_matches_transformers(tmp_path, monkeypatch):
+    # a Llama-2 / Mistral / TinyLlama-style GGUF: llama architecture, SentencePiece vocabulary
+    from test_tokenizer_formats import CORPUS
+
+    monkeypatch.setenv("PIE_CACHE_DIR", str(tmp_path / "cache"))
+    vocab = sentencepiece_vocab()
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab["tokens"]), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+                                   eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    path = write_gguf(tmp_path / "spm.gguf", "llama", cfg, model.state_dict(), vocab)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    be = load_backend(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64, progress=False)
+    tok = be.tokenizer
+    assert not tok.byte_level
+    for text in CORPUS:
+        ids = tok.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids) == theirs.decode(ids), text
+        assert tok.encode_prompt(text) == theirs(text)["input_ids"], text  # BOS, as llama.cpp adds it
+    run_parity(be, model.float().eval(), ["The quick brown fox", "Hello world! def return"], 32, 1e-4)
