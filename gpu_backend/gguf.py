@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from .config import ModelConfig
-from .gguf_vocab import sentencepiece_json
+from .gguf_vocab import gemma_pieces, sentencepiece_json
 from .model_files import GGUF_PRE_PATTERNS, LoadedModel, TokenizerSpec
 from .paths import default_cache_dir
 
@@ -65,7 +65,7 @@ def load_gguf_cached(path: Path, progress: bool) -> LoadedModel:
     return loaded
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 # GGUF value types: byte sizes of the fixed-size ones; 8 = string, 9 = array
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
@@ -143,6 +143,14 @@ _GGUF_NAMES = {
 }
 
 
+# Gemma's four norms a layer: ffn_norm is the one before the MLP there (Llama's post_attention_layernorm)
+_GGUF_SANDWICH_NAMES = _GGUF_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
 def _gguf_config(reader: Any) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -157,14 +165,16 @@ def _gguf_config(reader: Any) -> ModelConfig:
     scaling = None
     if g("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": g("rope.scaling.type"), "factor": float(g("rope.scaling.factor", 1.0))}
+    layers = int(g("block_count"))
+    head_dim = int(g("attention.key_length") or g("rope.dimension_count") or hidden // heads)
     return ModelConfig(
         arch=arch,
-        num_layers=int(g("block_count")),
+        num_layers=layers,
         hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")),
         num_heads=heads,
         num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("attention.key_length") or g("rope.dimension_count") or hidden // heads),
+        head_dim=head_dim,
         vocab_size=int(vocab),
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
@@ -173,6 +183,27 @@ def _gguf_config(reader: Any) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         rope_scaling=scaling,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        **(_gemma(arch, g, layers, hidden, heads, head_dim) if arch in _GEMMA_SWA_PATTERN else {}),
+    )
+
+
+# Gemma as llama.cpp writes and runs it: norms stored as 1 + w (so no offset here), the sliding
+# layers every other one (Gemma 2) or five in six (Gemma 3, whose sliding layers use RoPE base 10000),
+# the query scale 1 / sqrt(head_dim) except for the 27B models (1 / sqrt(hidden / heads)).
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma(arch: str, g: Any, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    pattern = int(g("attention.sliding_window_pattern", _GEMMA_SWA_PATTERN[arch]))
+    caps = {k: None if g(k) is None else float(g(k)) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    scale_dim = hidden / heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
+    return dict(
+        sandwich_norms=True, embed_scale=hidden**0.5, activation="gelu_tanh", attn_scale=scale_dim**-0.5,
+        attn_softcap=caps["attn_logit_softcapping"], final_softcap=caps["final_logit_softcapping"],
+        sliding_window=int(g("attention.sliding_window", 0) or 0),
+        sliding_layers=tuple((i + 1) % pattern != 0 for i in range(layers)),
+        local_rope_theta=float(g("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
     )
 
 
@@ -186,8 +217,10 @@ def _gguf_tokenizer(reader: Any, arch: str) -> TokenizerSpec:
     pre = _field(reader, "tokenizer.ggml.pre", "gpt2")
     sp = None
     if model == "llama":
-        sp = sentencepiece_json(arch, tokens, [float(x) for x in _field(reader, "tokenizer.ggml.scores")], types,
-                                bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)))
+        scores = [float(x) for x in _field(reader, "tokenizer.ggml.scores")]
+        if arch.startswith("gemma"):
+            tokens, scores = gemma_pieces(tokens)
+        sp = sentencepiece_json(arch, tokens, scores, types, bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)))
     elif pre not in GGUF_PRE_PATTERNS:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}: known {sorted(GGUF_PRE_PATTERNS)}")
     # type 3 = control, 4 = user-defined: both are matched verbatim in text, like HF added tokens.
@@ -231,9 +264,10 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
             hf = "rope_freqs"  # Llama 3 RoPE scaling as per-frequency divisors
         elif name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_NAMES:
+            names = _GGUF_SANDWICH_NAMES if cfg.sandwich_norms else _GGUF_NAMES
+            if kind not in names:
                 raise ValueError(f"unexpected GGUF tensor {name}")
-            hf = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+            hf = f"model.layers.{layer}.{names[kind]}.{suffix}"
             if cfg.arch == "llama" and kind in ("attn_q", "attn_k"):
                 arr = _reverse_permute(arr, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
         else:

@@ -1,5 +1,5 @@
 """A GGUF file's SentencePiece vocabulary (`tokenizer.ggml.model` "llama": Llama 2, Mistral, TinyLlama,
-Phi-3) as a tokenizer.json, built the way transformers builds its tokenizer from the same file.
+Phi-3, Gemma) as a tokenizer.json, built the way transformers builds its tokenizer from the same file.
 
 A GGUF stores the pieces, their scores and types, not merges: the merges are recovered from the
 vocabulary (every split of a piece into two pieces, best score first, as transformers'
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["sentencepiece_json"]
+__all__ = ["gemma_pieces", "sentencepiece_json"]
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -35,13 +35,22 @@ def _added(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
             for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k in (CONTROL, USER_DEFINED)]
 
 
+def gemma_pieces(tokens: list[str]) -> tuple[list[str], list[float]]:
+    """Gemma files spell a piece of spaces with real spaces, and their scores do not follow the merge
+    order: the pieces respelled with "▁", and their order in the file as scores (as transformers does)."""
+    return ([("\u2581" * len(t)) if " " in t and not t.strip() else t for t in tokens],
+            [-float(i) for i in range(len(tokens))])
+
+
 def sentencepiece_json(arch: str, tokens: list[str], scores: list[float], types: list[int],
                        add_space_prefix: bool = True) -> str:
-    """tokenizer.json text for a GGUF SentencePiece vocabulary of architecture `arch`."""
+    """tokenizer.json text for a GGUF SentencePiece vocabulary of architecture `arch` (Gemma's pieces
+    respelled first: `gemma_pieces`)."""
+    if arch.startswith("gemma"):  # no space prefix; the normalizer writes spaces as "▁"
+        return _json(tokens, scores, types, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+                     {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
+                      "invert": False}, [], "<unk>")
     strip = [{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if add_space_prefix else []
-    decoder = {"type": "Sequence", "decoders": [
-        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-        {"type": "ByteFallback"}, {"type": "Fuse"}, *strip]}
     normalizer: dict[str, Any] | None = None
     pre: dict[str, Any] | None = {"type": "Metaspace", "replacement": "\u2581", "split": False,
                                   "prepend_scheme": "first" if add_space_prefix else "never"}
@@ -50,9 +59,16 @@ def sentencepiece_json(arch: str, tokens: list[str], scores: list[float], types:
             {"type": "Prepend", "prepend": "\u2581"},
             {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
         pre = None
-    model = {"type": "BPE", "dropout": None, "unk_token": "<unk>" if "<unk>" in tokens else None,
-             "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
-             "byte_fallback": True, "ignore_merges": False,
+    return _json(tokens, scores, types, normalizer, pre, strip, None)
+
+
+def _json(tokens: list[str], scores: list[float], types: list[int], normalizer: dict[str, Any] | None,
+          pre: dict[str, Any] | None, strip: list[dict[str, Any]], unk: str | None) -> str:
+    decoder = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"}, *strip]}
+    model = {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
              "vocab": {t: i for i, t in enumerate(tokens)}, "merges": _merges(tokens, scores)}
     return json.dumps({"version": "1.0", "truncation": None, "padding": None,
                        "added_tokens": _added(tokens, types), "normalizer": normalizer, "pre_tokenizer": pre,

@@ -205,7 +205,9 @@ def _tokenizer_layout(tj: dict[str, Any], where: str) -> tuple[str | None, bool]
     pres = _steps(tj.get("pre_tokenizer"), "pretokenizers")
     kinds = {n.get("type") for n in norms}
     pre_kinds = {p.get("type") for p in pres}
-    sp = "Metaspace" in pre_kinds or (not pres and any(
+    # Gemma's files also split on " " after the normalizer has replaced every space: a no-op
+    spaces_only = all(p.get("type") == "Split" and p.get("pattern") == {"String": " "} for p in pres)
+    sp = "Metaspace" in pre_kinds or (spaces_only and any(
         n.get("type") == "Replace" and n.get("content") == "\u2581" for n in norms))
     if model != "BPE" or (not sp and (not pre_kinds & {"ByteLevel"} or kinds - set(_UNICODE_FORMS))):
         raise ValueError(f"{where}: unsupported tokenizer (model {model}, normalizer {sorted(map(str, kinds))}, "

@@ -28,6 +28,12 @@ LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma's (llama.cpp's Gemma 2 / 3 converter): four norms, ffn_norm the one before the MLP
+GEMMA_NAMES = LAYER_NAMES | {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 TOKENIZER_FIELDS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
                     "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
 
@@ -50,7 +56,14 @@ def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor], vocab
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    gemma = arch.startswith("gemma")
+    if gemma:
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(cfg, key, None) is not None:
+                w.add_float32(f"{arch}.{key}", getattr(cfg, key))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if vocab is None:
         for key in TOKENIZER_FIELDS:
@@ -67,6 +80,10 @@ def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor], vocab
     w.add_eos_token_id(2)
     for name, t in state.items():
         arr = t.detach().float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            arr = arr + 1  # llama.cpp stores Gemma's (1 + w)
+        if gemma and name == "lm_head.weight":
+            continue  # tied
         if name == "model.embed_tokens.weight":
             g = "token_embd.weight"
         elif name == "model.norm.weight":
@@ -75,7 +92,7 @@ def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor], vocab
             g = "output.weight"
         else:
             _, _, layer, rest = name.split(".", 3)
-            g = f"blk.{layer}.{LAYER_NAMES[rest]}"
+            g = f"blk.{layer}.{(GEMMA_NAMES if gemma else LAYER_NAMES)[rest]}"
             if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 arr = _permute(arr, cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads)
         w.add_tensor(g, np.ascontiguousarray(arr))
@@ -168,3 +185,41 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path, monkeypatch):
         assert tok.decode(ids) == theirs.decode(ids), text
         assert tok.encode_prompt(text) == theirs(text)["input_ids"], text  # BOS, as llama.cpp adds it
     run_parity(be, model.float().eval(), ["The quick brown fox", "Hello world! def return"], 32, 1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_matches_transformers(tmp_path, monkeypatch, arch):
+    # as llama.cpp converts Gemma: norms + 1, softcaps and window in the metadata, a SentencePiece
+    # vocabulary; the query scale llama.cpp uses (1 / sqrt(head_dim)) is what the reference model is
+    # given, and its sliding layers follow llama.cpp's pattern (every other; five in six)
+    from test_tokenizer_formats import CORPUS
+
+    monkeypatch.setenv("PIE_CACHE_DIR", str(tmp_path / "cache"))
+    vocab = sentencepiece_vocab()
+    common = dict(vocab_size=len(vocab["tokens"]), hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=512,
+                  sliding_window=6, bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
+    if arch == "gemma2":
+        cfg = transformers.Gemma2Config(**common, num_hidden_layers=2, attn_logit_softcapping=2.0,
+                                        final_logit_softcapping=0.5, initializer_range=0.2)
+        model = transformers.Gemma2ForCausalLM(cfg)
+    else:
+        cfg = transformers.Gemma3TextConfig(**common, num_hidden_layers=6)
+        model = transformers.Gemma3ForCausalLM(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, cfg, model.state_dict(), vocab)
+    be = load_backend(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64, progress=False)
+    assert be.model.cfg.sandwich_norms and be.model.window == 6
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in CORPUS:
+        ids = be.tokenizer.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False), text
+        assert be.tokenizer.decode(ids) == theirs.decode(ids), text
+        assert be.tokenizer.encode_prompt(text) == theirs(text)["input_ids"], text
+    run_parity(be, model.float().eval(), ["The quick brown fox jumps over the lazy dog", "Hello world! def return"],
+               32, 1e-4)

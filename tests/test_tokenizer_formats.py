@@ -55,8 +55,9 @@ def _sentencepiece_json(layout: str) -> str:
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
         tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(" ", 1, 0)])
-    elif layout == "replace":  # Gemma: no space prepended
+    elif layout == "replace":  # Gemma: no space prepended (and a split on spaces the normalizer removed)
         tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
         tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     else:  # Metaspace pre-tokenizer (files written by newer tokenizers)
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
