@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .config import ModelConfig
 from .gguf_vocab import gemma_pieces, sentencepiece_json
+from .hf_dir import unfuse
 from .model_files import GGUF_PRE_PATTERNS, LoadedModel, TokenizerSpec
 from .paths import default_cache_dir
 
@@ -65,7 +66,7 @@ def load_gguf_cached(path: Path, progress: bool) -> LoadedModel:
     return loaded
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # GGUF value types: byte sizes of the fixed-size ones; 8 = string, 9 = array
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
@@ -143,6 +144,8 @@ _GGUF_NAMES = {
 }
 
 
+# Phi-3's fused projections (split into q/k/v and gate/up after loading, as from an HF directory)
+_GGUF_PHI3_NAMES = _GGUF_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Gemma's four norms a layer: ffn_norm is the one before the MLP there (Llama's post_attention_layernorm)
 _GGUF_SANDWICH_NAMES = _GGUF_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
@@ -178,13 +181,29 @@ def _gguf_config(reader: Any) -> ModelConfig:
         vocab_size=int(vocab),
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
-        max_position=int(g("context_length", 4096)),
         tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
-        rope_scaling=scaling,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        **(_gemma(arch, g, layers, hidden, heads, head_dim) if arch in _GEMMA_SWA_PATTERN else {}),
+        **({"max_position": int(g("context_length", 4096)), "rope_scaling": scaling}
+           | (_gemma(arch, g, layers, hidden, heads, head_dim) if arch in _GEMMA_SWA_PATTERN else {})
+           | (_phi3(reader, g) if arch == "phi3" else {})),
     )
+
+
+def _phi3(reader: Any, g: Any) -> dict[str, Any]:
+    """Phi-3 as llama.cpp writes it: a window on every layer; longrope as factor tensors (only the
+    short ones are used: the context is capped where they apply, as from an HF directory)."""
+    out: dict[str, Any] = {"sliding_window": int(g("attention.sliding_window", 0) or 0)}
+    short = next((t for t in reader.tensors if t.name == "rope_factors_short.weight"), None)
+    if short is not None:
+        orig = int(g("rope.scaling.original_context_length"))
+        scaling: dict[str, Any] = {"rope_type": "longrope", "short_factor": [float(x) for x in np.asarray(short.data)],
+                                   "original_max_position_embeddings": orig,
+                                   "factor": int(g("context_length", orig)) / orig}
+        if g("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(g("rope.scaling.attn_factor"))
+        out |= {"rope_scaling": scaling, "max_position": min(int(g("context_length", orig)), orig)}
+    return out
 
 
 # Gemma as llama.cpp writes and runs it: norms stored as 1 + w (so no offset here), the sliding
@@ -262,9 +281,11 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
             hf = "lm_head.weight"
         elif name == "rope_freqs.weight":
             hf = "rope_freqs"  # Llama 3 RoPE scaling as per-frequency divisors
+        elif name in ("rope_factors_short.weight", "rope_factors_long.weight"):
+            continue  # Phi-3's longrope factors: read into the config
         elif name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
-            names = _GGUF_SANDWICH_NAMES if cfg.sandwich_norms else _GGUF_NAMES
+            names = _GGUF_SANDWICH_NAMES if cfg.sandwich_norms else _GGUF_PHI3_NAMES if cfg.arch == "phi3" else _GGUF_NAMES
             if kind not in names:
                 raise ValueError(f"unexpected GGUF tensor {name}")
             hf = f"model.layers.{layer}.{names[kind]}.{suffix}"
@@ -273,5 +294,6 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
         else:
             raise ValueError(f"unexpected GGUF tensor {name}")
         weights[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # own, writable copy
+    unfuse(weights, cfg)
     name = str(_field(reader, "general.name", path.stem))
     return LoadedModel(name, cfg, weights, tokenizer)

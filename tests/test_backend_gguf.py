@@ -27,6 +27,7 @@ LAYER_NAMES = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3
 }
 # Gemma's (llama.cpp's Gemma 2 / 3 converter): four norms, ffn_norm the one before the MLP
 GEMMA_NAMES = LAYER_NAMES | {
@@ -54,11 +55,16 @@ def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor], vocab
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     w.add_rope_freq_base(rope["rope_theta"])
     gemma = arch.startswith("gemma")
+    if arch == "phi3":
+        w.add_uint32("phi3.rope.scaling.original_context_length", cfg.original_max_position_embeddings)
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
     if gemma:
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -221,5 +227,33 @@ def test_gemma_gguf_matches_transformers(tmp_path, monkeypatch, arch):
         assert ids == theirs.encode(text, add_special_tokens=False), text
         assert be.tokenizer.decode(ids) == theirs.decode(ids), text
         assert be.tokenizer.encode_prompt(text) == theirs(text)["input_ids"], text
+    run_parity(be, model.float().eval(), ["The quick brown fox jumps over the lazy dog", "Hello world! def return"],
+               32, 1e-4)
+
+
+@pytest.mark.slow
+def test_phi3_gguf_matches_transformers(tmp_path, monkeypatch):
+    # as llama.cpp converts Phi-3: fused attn_qkv and ffn_up (gate | up), longrope factor tensors,
+    # a SentencePiece vocabulary whose space prefix is a normalizer
+    from test_tokenizer_formats import CORPUS
+
+    monkeypatch.setenv("PIE_CACHE_DIR", str(tmp_path / "cache"))
+    vocab = sentencepiece_vocab()
+    cfg = transformers.Phi3Config(
+        vocab_size=len(vocab["tokens"]), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=128,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [4.0 + i for i in range(8)]})
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(cfg)
+    path = write_gguf(tmp_path / "phi3.gguf", "phi3", cfg, model.state_dict(), vocab)
+    be = load_backend(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64, progress=False)
+    assert be.info.max_position == 128 and be.model.cfg.rope_scaling is not None
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in CORPUS:
+        ids = be.tokenizer.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False), text
+        assert be.tokenizer.decode(ids) == theirs.decode(ids), text
     run_parity(be, model.float().eval(), ["The quick brown fox jumps over the lazy dog", "Hello world! def return"],
                32, 1e-4)

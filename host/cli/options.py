@@ -26,7 +26,7 @@ MIB = 2**20
 # written out here so that `--help` and the --server path import no torch).
 MODEL_FAMILIES = ("Families: Llama 2/3 (SmolLM2), Mistral (sliding window), Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 "
                   "(text), Phi-3 from an HF dir (model_type llama, mistral, qwen2, qwen3, gemma2, "
-                  "gemma3_text, gemma3, phi3); GGUF architectures llama, qwen2, qwen3, gemma2, gemma3. Tokenizers: byte-level BPE and "
+                  "gemma3_text, gemma3, phi3); GGUF architectures llama, qwen2, qwen3, gemma2, gemma3, phi3. Tokenizers: byte-level BPE and "
                   "SentencePiece (tokenizer.json; GGUF gpt2 and llama vocabularies). See docs/models.md.")
 
 
