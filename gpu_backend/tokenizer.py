@@ -1,8 +1,9 @@
 """The model's tokenizer: byte-level BPE on tiktoken, SentencePiece-style BPE on the `tokenizers`
 library (the one transformers runs), plus the model's chat template rendered with jinja2.
 
-Decoding is the same for both: each id's bytes (`token_bytes`) joined, as transformers decodes
-(special and added tokens as their text, ids the vocabulary does not define as nothing).
+Both decode as transformers does (special and added tokens as their text, ids the vocabulary does
+not define as nothing): byte-level ids by joining their bytes (`token_bytes`), SentencePiece-style
+ones through the tokenizer.json's decoder. Both hold back a character whose bytes are not all there.
 """
 
 from __future__ import annotations
