@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_backend.hf_dir import _hf_tokenizer
+from gpu_backend.hf_tokenizer import hf_tokenizer
 from gpu_backend.loader import default_model_path
 from gpu_backend.tokenizer import Tokenizer
 
@@ -74,7 +74,7 @@ def _write(path: Path, tokenizer_json: str) -> Path:
 
 
 def _pair(path: Path) -> tuple[Tokenizer, object]:
-    ours = Tokenizer(_hf_tokenizer(path, {}))
+    ours = Tokenizer(hf_tokenizer(path, {}))
     theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"),
                                                   clean_up_tokenization_spaces=False)
     return ours, theirs
@@ -138,7 +138,7 @@ def test_unsupported_tokenizer_is_refused_with_the_supported_list(tmp_path):
     wp.pre_tokenizer = pre_tokenizers.Whitespace()
     path = _write(tmp_path / "wp", wp.to_str())
     with pytest.raises(ValueError, match="unsupported tokenizer.*WordPiece.*supported are byte-level BPE.*SentencePiece"):
-        _hf_tokenizer(path, {})
+        hf_tokenizer(path, {})
 
 
 @pytest.mark.parametrize("layout", ["prepend", "metaspace"])
