@@ -50,13 +50,20 @@ def pad_batch(reqs: list[ForwardRequest], bucket: int, scratch_page: int) -> lis
 
 
 def plan_tensors(plan: BatchPlan) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor a forward pass reads from `plan` (its own and its attention metadata's), by name."""
+    """Every tensor a forward pass reads from `plan` (its own and its attention metadata's, nested
+    dataclasses included: flex's per-window block masks), by name."""
     out: list[tuple[str, torch.Tensor]] = []
-    for obj, prefix in ((plan, ""), (plan.meta, "meta.")):
-        for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if isinstance(value, torch.Tensor):
                 out.append((prefix + f.name, value))
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                walk(value, f"{prefix}{f.name}.")
+
+    walk(plan, "")
+    walk(plan.meta, "meta.")
     return out
 
 
@@ -136,7 +143,8 @@ class DecodeGraphs:
 
     def _plan(self, reqs: list[ForwardRequest], kv_slots: int) -> BatchPlan:
         return build_plan(reqs, self.page_size, self.model.device, self.model.group, self.attention,
-                          num_pages=self.cache.num_pages, kv_slots=kv_slots, static=True, all_rows=True)
+                          num_pages=self.cache.num_pages, kv_slots=kv_slots, static=True, all_rows=True,
+                          window=self.model.window)
 
     def _capture(self, bucket: int, kv_slots: int) -> _Graph:
         plan = self._plan(pad_batch([], bucket, self.scratch_page), kv_slots)

@@ -23,7 +23,7 @@ import llguidance as llg
 import numpy as np
 import numpy.typing as npt
 
-from gpu_backend.loading.tokenizer import Tokenizer, _token_bytes
+from gpu_backend.loading.tokenizer import Tokenizer
 from gpu_backend.types import BackendInfo
 from gpu_backend.validate import mask_bytes
 
@@ -43,13 +43,9 @@ def mask_words(vocab_size: int) -> int:
 
 
 def token_bytes(tokenizer: Tokenizer, vocab_size: int | None = None) -> list[bytes]:
-    """The bytes of every token id: byte-level tokens decoded, special tokens as their text, and b""
+    """The bytes of every token id (`Tokenizer.token_bytes`: special tokens as their text), and b""
     for ids the tokenizer does not define (a model vocabulary padded past the tokenizer's)."""
-    spec = tokenizer.spec
-    out = []
-    for tok in spec.tokens:
-        b = None if tok in spec.special else _token_bytes(tok)
-        out.append(tok.encode() if b is None else b)
+    out = list(tokenizer.token_bytes)
     n = len(out) if vocab_size is None else vocab_size
     return out[:n] + [b""] * (n - len(out))
 
@@ -62,11 +58,11 @@ class _Vocab:
         self.special_token_ids = sorted(set(tokenizer.spec.special.values()) | set(stop_tokens))
         self.eos_token_id = stop_tokens[0]
         self.bos_token_id = tokenizer.spec.bos_token_id
-        self._encoding = tokenizer.encoding
+        self._encode = tokenizer.encode_ordinary
 
     def __call__(self, data: bytes) -> list[int]:
         # llguidance passes valid UTF-8 here (it tokenizes a trailing partial character itself)
-        return self._encoding.encode(data.decode("utf-8", errors="replace"), disallowed_special=())
+        return self._encode(data.decode("utf-8", errors="replace"))
 
 
 class _BytesVocab:
@@ -100,7 +96,11 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_tokens: Sequence[
     grammar names them), and the model's stop tokens as EOS. Takes ~0.1 s; build it once per model."""
     if not stop_tokens:
         raise ValueError("tokenizer_info: the model has no stop token (a grammar needs one to end on)")
-    vocab = _Vocab(tokenizer, token_bytes(tokenizer, vocab_size), stop_tokens)
+    tokens = token_bytes(tokenizer, vocab_size)
+    # a SentencePiece-style tokenizer prepends a space to any text it encodes: fragments are spelled
+    # greedily from the token bytes instead
+    vocab: _Vocab | _BytesVocab = (_Vocab(tokenizer, tokens, stop_tokens) if tokenizer.byte_level
+                                   else _BytesVocab(tokens, sorted(tokenizer.spec.special.values()), stop_tokens))
     return llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=list(stop_tokens))
 
 

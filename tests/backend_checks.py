@@ -96,7 +96,8 @@ def check_tree_mask_equals_separate_branches(backend, texts, first_page=200):
     assert_close(tree[len(b1):], sep2, "branch 2")
 
 
-def tiny_backend(seed: int = 0, vocab: int = 256, page_size: int = 4, num_pages: int = 256) -> TorchBackend:
+def tiny_backend(seed: int = 0, vocab: int = 256, page_size: int = 4, num_pages: int = 256,
+                 **change: object) -> TorchBackend:
     """A 2-layer Llama with random weights and a byte-level tokenizer (token i = byte i): no model
     file needed, for fast tests of the backend's machinery (not of its numbers)."""
     from gpu_backend.build import backend_from_weights
@@ -107,6 +108,7 @@ def tiny_backend(seed: int = 0, vocab: int = 256, page_size: int = 4, num_pages:
     cfg = ModelConfig(arch="llama", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
                       num_kv_heads=2, head_dim=16, vocab_size=vocab, rms_eps=1e-6, rope_theta=10000.0,
                       max_position=4096, tie_embeddings=True)
+    cfg = replace(cfg, **change)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int) -> torch.Tensor:

@@ -65,25 +65,31 @@ def random_batch(rng: np.random.Generator, ps: int, num_pages: int, masked: bool
     return reqs
 
 
+@pytest.mark.parametrize("window", [0, 37], ids=["global", "window"])
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "brle"])
 @pytest.mark.parametrize("ps", [1, 4, 16])
-def test_page_lists_cover_what_the_rows_see(ps, masked):
+def test_page_lists_cover_what_the_rows_see(ps, masked, window):
     # every (row, slot) a request's row attends to lies on a listed page, and a page listed as full
-    # is seen whole by every real row of the tile (causal: the lists are exact)
+    # is seen whole by every real row of the tile (causal: the lists are exact); with a window, the
+    # sliding layers' lists do the same for the rows' windows
     rng = np.random.default_rng(ps + 100 * masked)
     num_pages = 1024 // ps
     reqs = random_batch(rng, ps, num_pages, masked)
-    meta = build_plan(reqs, ps, torch.device("cpu"), 3, FlexAttention(), num_pages=num_pages).meta
+    meta = build_plan(reqs, ps, torch.device("cpu"), 3, FlexAttention(), num_pages=num_pages, window=window).meta
+    blocks = meta.local if window else meta.blocks
+    assert blocks is not None
     for b, r in enumerate(reqs):
         ctx, n = r.context_len(ps), len(r.tokens)
         seen = np.zeros((n, len(r.pages) * ps), dtype=bool)
         for t in range(n):
             seen[t, : ctx + t + 1] = True if r.mask is None else brle_row(r.mask[t])
+            if window:
+                seen[t, : max(0, ctx + t + 1 - window)] = False
         for q in range(-(-n // Q_BLOCK)):
             rows = seen[q * Q_BLOCK : (q + 1) * Q_BLOCK].reshape(-1, len(r.pages), ps)
             any_, all_ = rows.any(axis=(0, 2)), rows.all(axis=(0, 2))
-            part = set(meta.kv_idx[b, 0, q, : meta.kv_num[b, 0, q]].tolist())
-            full = set(meta.full_idx[b, 0, q, : meta.full_num[b, 0, q]].tolist())
+            part = set(blocks.kv_idx[b, 0, q, : blocks.kv_num[b, 0, q]].tolist())
+            full = set(blocks.full_idx[b, 0, q, : blocks.full_num[b, 0, q]].tolist())
             want_any = {p for p, x in zip(r.pages, any_, strict=True) if x}
             want_all = {p for p, x in zip(r.pages, all_, strict=True) if x}
             assert not part & full

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from backend_checks import Pages, assert_close, req
+from backend_checks import Pages, assert_close, req, tiny_backend
 
 from gpu_backend import ForwardRequest, OutputSpec, TorchBackend, load_backend
 from gpu_backend.attention import Attention, SdpaAttention, build_plan
@@ -105,6 +105,28 @@ def test_static_buffer_path_equals_eager_on_cpu(backend, attention):
         outs.append(be.logits([req(p, len(s), [s[0]], ps) for p, s in zip(pages, seqs, strict=True)]))
     for i, (x, y) in enumerate(zip(*outs, strict=True)):
         assert_close(y, x, f"request {i}")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_static_buffer_path_honours_the_window(attention):
+    # a model whose first layer slides over 5 slots (the second is global): decode steps through
+    # the graphs' static buffers, contexts past the window, equal the eager path; and the window
+    # matters here (the same model without it decodes other logits)
+    attn: Attention = SdpaAttention() if attention == "sdpa" else FlexAttention(min_batch=4)
+    windowed = tiny_backend(seed=3, sliding_window=5, sliding_layers=(True, False))
+    graphs = with_graphs(windowed, attn, buckets=(1, 2, 4), capture=False, num_pages=63)
+    eager = eager_of(windowed, attn, num_pages=64)
+    plain = eager_of(tiny_backend(seed=3), attn, num_pages=64)
+    seqs = [list(b"the window slides"), list(b"a longer prompt, past the window")]
+    outs = []
+    for be in (eager, graphs, plain):
+        pg = Pages(be, 10)
+        pages = [pg.for_tokens(48) for _ in seqs]
+        be.logits([req(p, 0, s, 4, outputs=[]) for p, s in zip(pages, seqs, strict=True)])
+        outs.append(be.logits([req(p, len(s), [s[0]], 4) for p, s in zip(pages, seqs, strict=True)]))
+    for i in range(len(seqs)):
+        assert_close(outs[1][i], outs[0][i], f"request {i}")
+        assert (outs[2][i] - outs[0][i]).abs().max() > 1e-2, "the window changed nothing"
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -5,6 +5,11 @@ paged cache is an `Attention`: `SdpaAttention` (the default) gathers each reques
 padded [B, L] copy and runs one SDPA call per layer with the per-token masks (causal or BRLE) folded
 into one boolean mask; `gpu_backend.attention.flex.FlexAttention` reads the pages in place through a block mask.
 Both build their metadata once per batch (`prepare`) and reuse it in every layer (`attend`).
+
+A model with a sliding window (`Layout.window`) gets a second set of masks for its sliding layers,
+built alongside the first: a query in logical slot s sees slots `(s - window, s]` (also under BRLE
+rows, intersected with them). Each layer says which set it uses, and its softmax scale and score
+soft-capping, with an `AttnSpec`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,19 @@ import torch
 import torch.nn.functional as F
 
 from gpu_backend.types import ForwardRequest
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    """How one layer attends: `local` = through the sliding-window masks; `scale` = softmax scale
+    (None = head_dim ** -0.5); `softcap` = scores become cap * tanh(score / cap) before the mask."""
+
+    local: bool = False
+    scale: float | None = None
+    softcap: float | None = None
+
+
+GLOBAL = AttnSpec()
 
 
 @dataclass(frozen=True)
@@ -41,6 +59,7 @@ class Layout:
     kv_slots: int
     grid: tuple[int, int]
     static: bool = False
+    window: int = 0  # the sliding layers' window (0 = the model has none)
 
     @property
     def batch(self) -> int:
@@ -64,10 +83,10 @@ class BatchPlan:
     attention: Attention
     meta: object  # what `attention.prepare` built for this batch
 
-    def attend(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, spec: AttnSpec = GLOBAL) -> torch.Tensor:
         """q: [N, H, D]; kv: one layer of the cache [slots, 2, KVH, D] (new tokens already written).
         Returns [N, H * D]."""
-        return self.attention.attend(q, kv, self)
+        return self.attention.attend(q, kv, self, spec)
 
 
 class Attention(ABC):
@@ -84,8 +103,9 @@ class Attention(ABC):
         """Per-batch metadata (on `lay.device`) for `attend`."""
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
-        """q: [N, H, D] new tokens' queries; kv: one layer's cache [slots, 2, KVH, D]. Returns [N, H * D]."""
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan, spec: AttnSpec = GLOBAL) -> torch.Tensor:
+        """q: [N, H, D] new tokens' queries; kv: one layer's cache [slots, 2, KVH, D]; spec: the layer's
+        window, scale and soft-cap. Returns [N, H * D]."""
 
     def graph_slots(self, max_len: int) -> int:
         """The KV-axis length a CUDA graph for a batch whose longest request has `max_len` tokens is
@@ -131,12 +151,13 @@ def brle_row(runs: list[int]) -> np.ndarray:
     return np.repeat(flags, runs)
 
 
-def allowed_mask(reqs: list[ForwardRequest], lay: Layout, width: int) -> np.ndarray:
+def allowed_mask(reqs: list[ForwardRequest], lay: Layout, width: int, window: int = 0) -> np.ndarray:
     """[B, T, width] bool (B requests, T grid columns), True = query row t of request b attends to
     its logical KV slot j.
 
-    Causal (row t sees slots up to ctx + t) unless the request carries BRLE rows; padding rows
-    (t >= n_tok) see slot 0 only, so no row is empty (no NaN) and their output is dropped anyway.
+    Causal (row t sees slots up to ctx + t) unless the request carries BRLE rows; `window` > 0 also
+    hides slots at or before ctx + t - window. Padding rows (t >= n_tok) see slot 0 only, so no row
+    is empty (no NaN) and their output is dropped anyway.
     """
     rows = np.arange(lay.grid[1])[None, :, None]
     cols = np.arange(width)[None, None, :]
@@ -147,17 +168,19 @@ def allowed_mask(reqs: list[ForwardRequest], lay: Layout, width: int) -> np.ndar
         if r.mask is not None:
             for row, runs in enumerate(r.mask):
                 mask[i, row, : lay.ctx[i] + row + 1] = brle_row(runs)
+    if window > 0:
+        mask &= (cols > c + rows - window) | (rows >= t)
     return mask
 
 
 def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device, group: int = 1,
                attention: Attention | None = None, num_pages: int = 0, kv_slots: int = 0,
-               static: bool = False, all_rows: bool = False) -> BatchPlan:
+               static: bool = False, all_rows: bool = False, window: int = 0) -> BatchPlan:
     """Index tensors and attention metadata for a batch of validated requests.
 
     `group` = query heads per KV head; `num_pages` = physical pages in the cache (FlexAttention
-    addresses the whole cache); `kv_slots` / `static`: see `Layout`; `all_rows`: logits at every
-    token row instead of the requested outputs (a CUDA graph computes all rows of its bucket).
+    addresses the whole cache); `kv_slots` / `static` / `window`: see `Layout`; `all_rows`: logits at
+    every token row instead of the requested outputs (a CUDA graph computes all rows of its bucket).
     """
     attention = attention if attention is not None else SdpaAttention()
     n_tok = np.asarray([len(r.tokens) for r in reqs], dtype=np.int64)
@@ -165,7 +188,8 @@ def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device,
     lens = ctx + n_tok
     b, t_max = attention.grid(len(reqs), int(n_tok.max()), device)
     lay = Layout(ctx=ctx, n_tok=n_tok, lens=lens, page_size=page_size, num_pages=num_pages, group=group,
-                 device=device, kv_slots=max(kv_slots, int(lens.max())), grid=(b, t_max), static=static)
+                 device=device, kv_slots=max(kv_slots, int(lens.max())), grid=(b, t_max), static=static,
+                 window=window)
 
     write = write_slots(reqs, page_size, ctx, n_tok)
 
@@ -206,6 +230,7 @@ def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device,
 class SdpaMeta:
     gather: torch.Tensor  # [B, L] cache slots each request attends over (padding -> slot 0)
     mask: torch.Tensor | None  # [B, 1, G*T, L] True = attend; None = attend to all L slots
+    local_mask: torch.Tensor | None = None  # the same for the sliding layers (None = attend to all)
 
 
 class SdpaAttention(Attention):
@@ -226,15 +251,21 @@ class SdpaAttention(Attention):
         gather[cols[None, :] >= lay.lens[:, None]] = 0  # past a request's end: slot 0, masked out
         need_mask = (lay.static or any(r.mask is not None for r in reqs) or lay.max_tokens > 1
                      or int(lay.lens.min()) != l_max)
-        mask_t = None
+        mask_t = local_t = None
         if need_mask:
-            # rows ordered (query head in group, token), as attend folds them
-            m = allowed_mask(reqs, lay, l_max)
-            m = np.repeat(m[:, None], lay.group, axis=1).reshape(lay.batch, 1, lay.group * lay.max_tokens, l_max)
-            mask_t = to_device(m, lay.device)
-        return SdpaMeta(gather=to_device(gather, lay.device), mask=mask_t)
+            mask_t = self._mask(reqs, lay, 0)
+        if lay.window > 0 and (need_mask or int(lay.lens.max()) > lay.window):
+            local_t = self._mask(reqs, lay, lay.window)
+        return SdpaMeta(gather=to_device(gather, lay.device), mask=mask_t, local_mask=local_t)
 
-    def attend(self, q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+    @staticmethod
+    def _mask(reqs: list[ForwardRequest], lay: Layout, window: int) -> torch.Tensor:
+        # rows ordered (query head in group, token), as attend folds them
+        m = allowed_mask(reqs, lay, lay.kv_slots, window)
+        m = np.repeat(m[:, None], lay.group, axis=1).reshape(lay.batch, 1, lay.group * lay.max_tokens, lay.kv_slots)
+        return to_device(m, lay.device)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan, spec: AttnSpec = GLOBAL) -> torch.Tensor:
         meta = cast(SdpaMeta, plan.meta)
         n, h, d = q.shape
         b, t = plan.batch, plan.max_tokens
@@ -247,7 +278,11 @@ class SdpaAttention(Attention):
         qp = q if plan.q_index is None else q[plan.q_index]
         # [B, T, KVH, G, D] -> [B, KVH, G * T, D]
         qp = qp.view(b, t, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, d)
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask)
+        mask = meta.local_mask if spec.local else meta.mask
+        if spec.softcap is None:
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=spec.scale)
+        else:
+            o = softcapped_attention(qp, k, v, mask, d ** -0.5 if spec.scale is None else spec.scale, spec.softcap)
         o = o.view(b, kvh, group, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, h * d)
         return o if plan.o_index is None else o[plan.o_index]
 
@@ -255,3 +290,14 @@ class SdpaAttention(Attention):
         # the gathered KV axis is part of the graph's shapes: powers of two from 64 keep the number
         # of captured graphs per batch bucket logarithmic in the context length
         return max(64, 1 << (max_len - 1).bit_length())
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, cap: float) -> torch.Tensor:
+    """Attention with scores soft-capped (cap * tanh(s / cap)) before the mask, softmax in float32, as
+    transformers' eager Gemma 2 attention (SDPA has no soft-cap). q: [B, H, Tq, D]; k, v: [B, H, L, D]."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / cap) * cap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)

@@ -9,6 +9,10 @@ decides per slot. `mask_mod` only sees physical slot numbers, so it maps them ba
 causality (row t of a request sees logical slots up to ctx + t) or the BRLE rows (`allowed`, one
 row per query).
 
+A model with a sliding window gets a second block mask for its sliding layers (`FlexMeta.local`):
+`mask_mod` also hides slots at or before `ctx + t - window`, and pages wholly before the window of
+a row tile are not listed. Soft-capped scores go through a `score_mod` (one per cap value).
+
 Invariants: `mask_mod` alone is exact (eager flex_attention ignores the block lists), the block
 lists only skip work. Every row of a real request sees at least one slot; padding rows inside a row
 tile with real rows act as the request's last row (causal) or see slot 0 (BRLE); row tiles of
@@ -26,13 +30,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from gpu_backend.attention import Attention, BatchPlan, Layout, allowed_mask, page_table, to_device
+from gpu_backend.attention import (
+    GLOBAL,
+    Attention,
+    AttnSpec,
+    BatchPlan,
+    Layout,
+    allowed_mask,
+    page_table,
+    to_device,
+)
 from gpu_backend.types import ForwardRequest
 
 Q_BLOCK = 128  # query rows per block-mask row tile
@@ -54,28 +68,51 @@ _FLEX_DYNAMIC = cast(Callable[..., Any], torch.compile(flex_attention, dynamic=N
 
 
 @dataclass
-class FlexMeta:
-    """A batch's block mask and the tensors it reads (refilled in place under CUDA graphs)."""
+class FlexBlocks:
+    """One block mask and the tensors it reads (refilled in place under CUDA graphs)."""
 
     block_mask: BlockMask
     kv_num: torch.Tensor  # [B, 1, NQ] int32: partial pages per row tile
     kv_idx: torch.Tensor  # [B, 1, NQ, width] int32: their physical page ids (first kv_num valid)
     full_num: torch.Tensor  # [B, 1, NQ] int32: full pages per row tile
     full_idx: torch.Tensor  # [B, 1, NQ, width] int32
-    p2l: torch.Tensor  # [B, P] int32: index of physical page p in request b's pages, -1 = not its page
-    ctx: torch.Tensor | None  # [B] int32: cached tokens before the pass (causal batches)
-    last: torch.Tensor | None  # [B] int32: last real query row; padding rows act as it (causal batches)
     allowed: torch.Tensor | None  # [B, T, W] bool: logical slots row t sees (batches with BRLE rows)
 
 
-def _causal_mod(p2l: torch.Tensor, ctx: torch.Tensor, last: torch.Tensor, ps: int) -> MaskMod:
+@dataclass
+class FlexMeta:
+    """A batch's block masks (all layers; the sliding layers') and the tensors they share."""
+
+    blocks: FlexBlocks
+    local: FlexBlocks | None  # the sliding layers' (None when the model has no window)
+    p2l: torch.Tensor  # [B, P] int32: index of physical page p in request b's pages, -1 = not its page
+    ctx: torch.Tensor | None  # [B] int32: cached tokens before the pass (causal batches)
+    last: torch.Tensor | None  # [B] int32: last real query row; padding rows act as it (causal batches)
+
+
+def _causal_mod(p2l: torch.Tensor, ctx: torch.Tensor, last: torch.Tensor, ps: int, window: int = 0) -> MaskMod:
     # ctx + min(q, last) rather than a [B, T] table: indexing a table by q miscompiles in inductor's
     # CPU template at T == 1 (torch 2.13: "'cur_qSplitSize0' was not declared in this scope")
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         lg = p2l[b, kv // ps] * ps + kv % ps
         return (lg >= 0) & (lg <= ctx[b] + torch.minimum(q, last[b]))
 
-    return mask_mod
+    def window_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        lg = p2l[b, kv // ps] * ps + kv % ps
+        lim = ctx[b] + torch.minimum(q, last[b])
+        return (lg >= 0) & (lg <= lim) & (lg > lim - window)
+
+    return window_mod if window > 0 else mask_mod
+
+
+@cache
+def _softcap_mod(cap: float) -> Callable[..., torch.Tensor]:
+    """score_mod of scores soft-capped at `cap` (one function per value, so compiled kernels are reused)."""
+    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
+                  kv: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(score / cap) * cap
+
+    return score_mod
 
 
 def _brle_mod(p2l: torch.Tensor, allowed: torch.Tensor, ps: int) -> MaskMod:
@@ -87,8 +124,10 @@ def _brle_mod(p2l: torch.Tensor, allowed: torch.Tensor, ps: int) -> MaskMod:
     return mask_mod
 
 
-def _causal_blocks(lay: Layout, npg: np.ndarray, nq: int, maxpg: int) -> tuple[np.ndarray, np.ndarray]:
-    """The (needed, full) page flags [B, NQ, maxpg] of a causal batch (B requests)."""
+def _causal_blocks(lay: Layout, npg: np.ndarray, nq: int, maxpg: int,
+                   window: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The (needed, full) page flags [B, NQ, maxpg] of a causal batch (B requests); `window` > 0:
+    of its sliding layers."""
     t = lay.grid[1]
     rows = np.minimum(np.arange(t)[None, :], lay.n_tok[:, None] - 1)  # padding rows act as the last row
     lim = lay.ctx[:, None] + rows
@@ -97,8 +136,12 @@ def _causal_blocks(lay: Layout, npg: np.ndarray, nq: int, maxpg: int) -> tuple[n
     lim_lo = lim[:, lo][:, :, None]  # rows only grow, so the tile's first row sees the least
     lim_hi = lim[:, hi][:, :, None]
     first = np.arange(maxpg)[None, None, :] * lay.page_size
+    last_slot = first + lay.page_size - 1
     need = (first <= lim_hi) & (np.arange(maxpg)[None, None, :] < npg[:, None, None])
-    full = need & (first + lay.page_size - 1 <= lim_lo)
+    full = need & (last_slot <= lim_lo)
+    if window > 0:  # the tile's last row sees the least far back
+        need &= last_slot > lim_lo - window
+        full &= first > lim_hi - window
     return need, full
 
 
@@ -186,27 +229,43 @@ class FlexAttention(Attention):
         ri, ci = np.nonzero(valid)
         p2l[to_device(ri, dev), to_device(pages[valid], dev)] = to_device(ci.astype(np.int32), dev)
 
-        ctx_t = last_t = allowed_t = None
-        if any(r.mask is not None for r in reqs):
-            allowed = np.zeros((rows, t, maxpg * ps), dtype=bool)
-            allowed[:b] = allowed_mask(reqs, lay, maxpg * ps)
-            need, full = _brle_blocks(allowed[:b], nq, maxpg, ps)
-            allowed_t = to_device(allowed, dev)
-            mask_mod = _brle_mod(p2l, allowed_t, ps)
-        else:
-            need, full = _causal_blocks(lay, npg, nq, maxpg)
+        ctx_t = last_t = None
+        brle = any(r.mask is not None for r in reqs)
+        if not brle:
             ctx = np.zeros(rows, dtype=np.int32)
             ctx[:b] = lay.ctx
             last = np.zeros(rows, dtype=np.int32)
             last[:b] = lay.n_tok - 1
             ctx_t, last_t = to_device(ctx, dev), to_device(last, dev)
-            mask_mod = _causal_mod(p2l, ctx_t, last_t, ps)
+
+        def blocks(window: int) -> FlexBlocks:
+            allowed_t = None
+            if brle:
+                allowed = np.zeros((rows, t, maxpg * ps), dtype=bool)
+                allowed[:b] = allowed_mask(reqs, lay, maxpg * ps, window)
+                need, full = _brle_blocks(allowed[:b], nq, maxpg, ps)
+                allowed_t = to_device(allowed, dev)
+                mask_mod = _brle_mod(p2l, allowed_t, ps)
+            else:
+                assert ctx_t is not None and last_t is not None  # set for causal batches above
+                need, full = _causal_blocks(lay, npg, nq, maxpg, window)
+                mask_mod = _causal_mod(p2l, ctx_t, last_t, ps, window)
+            return self._blocks(lay, need, full, pages, mask_mod, allowed_t, nq)
+
+        local = blocks(lay.window) if lay.window > 0 else None
+        return FlexMeta(blocks=blocks(0), local=local, p2l=p2l, ctx=ctx_t, last=last_t)
+
+    @staticmethod
+    def _blocks(lay: Layout, need: np.ndarray, full: np.ndarray, pages: np.ndarray, mask_mod: MaskMod,
+                allowed: torch.Tensor | None, nq: int) -> FlexBlocks:
+        rows, t = lay.grid
+        ps, npages, dev = lay.page_size, lay.num_pages, lay.device
         # row tiles made only of padding rows read nothing (their output is dropped)
         live = (np.arange(nq) * Q_BLOCK)[None, :, None] < lay.n_tok[:, None, None]
         need, full = need & live, full & live
         # id rows as wide as the cache on CPU (inductor's CPU kernel asserts `width * page_size >= KV
         # length`) and under CUDA graphs (fixed shapes); elsewhere as wide as the longest page list
-        width = npages if dev.type == "cpu" or lay.static else maxpg
+        width = npages if dev.type == "cpu" or lay.static else pages.shape[1]
         kv_num, kv_idx = _page_lists(need & ~full, pages, rows, width, dev)
         full_num, full_idx = _page_lists(full, pages, rows, width, dev)
         # full blocks are always passed (possibly none): inductor's CPU template fails to compile
@@ -215,11 +274,12 @@ class FlexAttention(Attention):
             kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(Q_BLOCK, ps), mask_mod=mask_mod,
             seq_lengths=(t, npages * ps), compute_q_blocks=False,
         )
-        return FlexMeta(block_mask=block_mask, kv_num=kv_num, kv_idx=kv_idx, full_num=full_num,
-                        full_idx=full_idx, p2l=p2l, ctx=ctx_t, last=last_t, allowed=allowed_t)
+        return FlexBlocks(block_mask=block_mask, kv_num=kv_num, kv_idx=kv_idx, full_num=full_num,
+                          full_idx=full_idx, allowed=allowed)
 
-    def attend(self, q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, plan: BatchPlan, spec: AttnSpec = GLOBAL) -> torch.Tensor:
         meta = cast(FlexMeta, plan.meta)
+        blocks = meta.local if spec.local and meta.local is not None else meta.blocks
         n, h, d = q.shape
         b, t = plan.batch, plan.max_tokens
         # contiguous either way: the kernel is compiled for the query's strides too
@@ -232,8 +292,9 @@ class FlexAttention(Attention):
         else:
             fn = _FLEX_STATIC if self._static(q.device) else _FLEX_DYNAMIC
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            o = fn(qp, k, v, block_mask=meta.block_mask, enable_gqa=k.shape[1] != h,
-                   kernel_options=_kernel_options(q.device, meta.block_mask.BLOCK_SIZE[1]))
+            o = fn(qp, k, v, block_mask=blocks.block_mask, enable_gqa=k.shape[1] != h, scale=spec.scale,
+                   score_mod=None if spec.softcap is None else _softcap_mod(spec.softcap),
+                   kernel_options=_kernel_options(q.device, blocks.block_mask.BLOCK_SIZE[1]))
         o = o.transpose(1, 2).reshape(b * t, h * d)
         return o if plan.o_index is None else o[plan.o_index]
 

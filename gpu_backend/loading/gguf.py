@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import struct
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from gpu_backend.loading.gguf_vocab import gemma_pieces, sentencepiece_json
+from gpu_backend.loading.hf_dir import unfuse
 from gpu_backend.loading.model_files import GGUF_PRE_PATTERNS, LoadedModel, TokenizerSpec
 from gpu_backend.loading.paths import default_cache_dir
 from gpu_backend.models.config import ModelConfig
@@ -28,7 +31,7 @@ __all__ = ["CACHE_VERSION", "load_gguf_cached"]
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: TokenizerSpec.add_bos
 
 
 def _cache_key(path: Path) -> str:
@@ -63,6 +66,58 @@ def load_gguf_cached(path: Path, progress: bool) -> LoadedModel:
     return loaded
 
 
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# GGUF value types: byte sizes of the fixed-size ones; 8 = string, 9 = array
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """`general.architecture` of a GGUF file, read from the header without parsing the rest (the
+    tokenizer's vocabulary takes seconds to parse); None if the file does not name one."""
+    with path.open("rb") as f:
+        def u(fmt: str) -> int:
+            return int(struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0])
+
+        def text() -> str:
+            return f.read(u("<Q")).decode("utf-8", errors="replace")
+
+        def skip(vtype: int) -> None:
+            if vtype == 8:
+                f.seek(u("<Q"), 1)
+            elif vtype == 9:
+                item, count = u("<I"), u("<Q")
+                if item in _SCALAR_BYTES:
+                    f.seek(_SCALAR_BYTES[item] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            elif vtype in _SCALAR_BYTES:
+                f.seek(_SCALAR_BYTES[vtype], 1)
+            else:
+                raise ValueError(f"{path}: GGUF value type {vtype} unknown")
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+        if u("<I") < 2:
+            raise ValueError(f"{path}: GGUF version 1 is not supported")
+        u("<Q")  # tensor count
+        for _ in range(u("<Q")):
+            key, vtype = text(), u("<I")
+            if key == "general.architecture" and vtype == 8:
+                return text()
+            skip(vtype)
+    return None
+
+
+def check_architecture(path: Path) -> str:
+    """The file's architecture; ValueError naming it and the supported ones unless we run it."""
+    arch = gguf_architecture(path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path.name}: supported are "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (or load the model's HF safetensors directory)")
+    return arch
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -81,16 +136,28 @@ _GGUF_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
 
+# Phi-3's fused projections (split into q/k/v and gate/up after loading, as from an HF directory)
+_GGUF_PHI3_NAMES = _GGUF_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma's four norms a layer: ffn_norm is the one before the MLP there (Llama's post_attention_layernorm)
+_GGUF_SANDWICH_NAMES = _GGUF_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
 def _gguf_config(reader: Any) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: expected llama or qwen2")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: supported are {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     def g(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -101,32 +168,79 @@ def _gguf_config(reader: Any) -> ModelConfig:
     scaling = None
     if g("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": g("rope.scaling.type"), "factor": float(g("rope.scaling.factor", 1.0))}
+    layers = int(g("block_count"))
+    head_dim = int(g("attention.key_length") or g("rope.dimension_count") or hidden // heads)
     return ModelConfig(
         arch=arch,
-        num_layers=int(g("block_count")),
+        num_layers=layers,
         hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")),
         num_heads=heads,
         num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("rope.dimension_count", hidden // heads)),
+        head_dim=head_dim,
         vocab_size=int(vocab),
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
-        max_position=int(g("context_length", 4096)),
         tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
-        rope_scaling=scaling,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        **({"max_position": int(g("context_length", 4096)), "rope_scaling": scaling}
+           | (_gemma(arch, g, layers, hidden, heads, head_dim) if arch in _GEMMA_SWA_PATTERN else {})
+           | (_phi3(reader, g) if arch == "phi3" else {})),
     )
 
 
-def _gguf_tokenizer(reader: Any) -> TokenizerSpec:
+def _phi3(reader: Any, g: Any) -> dict[str, Any]:
+    """Phi-3 as llama.cpp writes it: a window on every layer; longrope as factor tensors (only the
+    short ones are used: the context is capped where they apply, as from an HF directory)."""
+    out: dict[str, Any] = {"sliding_window": int(g("attention.sliding_window", 0) or 0)}
+    short = next((t for t in reader.tensors if t.name == "rope_factors_short.weight"), None)
+    if short is not None:
+        orig = int(g("rope.scaling.original_context_length"))
+        scaling: dict[str, Any] = {"rope_type": "longrope", "short_factor": [float(x) for x in np.asarray(short.data)],
+                                   "original_max_position_embeddings": orig,
+                                   "factor": int(g("context_length", orig)) / orig}
+        if g("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(g("rope.scaling.attn_factor"))
+        out |= {"rope_scaling": scaling, "max_position": min(int(g("context_length", orig)), orig)}
+    return out
+
+
+# Gemma as llama.cpp writes and runs it: norms stored as 1 + w (so no offset here), the sliding
+# layers every other one (Gemma 2) or five in six (Gemma 3, whose sliding layers use RoPE base 10000),
+# the query scale 1 / sqrt(head_dim) except for the 27B models (1 / sqrt(hidden / heads)).
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma(arch: str, g: Any, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    pattern = int(g("attention.sliding_window_pattern", _GEMMA_SWA_PATTERN[arch]))
+    caps = {k: None if g(k) is None else float(g(k)) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    scale_dim = hidden / heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
+    return dict(
+        sandwich_norms=True, embed_scale=hidden**0.5, activation="gelu_tanh", attn_scale=scale_dim**-0.5,
+        attn_softcap=caps["attn_logit_softcapping"], final_softcap=caps["final_logit_softcapping"],
+        sliding_window=int(g("attention.sliding_window", 0) or 0),
+        sliding_layers=tuple((i + 1) % pattern != 0 for i in range(layers)),
+        local_rope_theta=float(g("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+    )
+
+
+def _gguf_tokenizer(reader: Any, arch: str) -> TokenizerSpec:
     model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer {model!r}: only byte-level BPE (gpt2) is supported")
+    if model not in ("gpt2", "llama"):
+        raise ValueError(f"unsupported GGUF tokenizer {model!r}: supported are gpt2 (byte-level BPE) and llama "
+                         "(SentencePiece BPE)")
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type"))
     pre = _field(reader, "tokenizer.ggml.pre", "gpt2")
-    if pre not in GGUF_PRE_PATTERNS:
+    sp = None
+    if model == "llama":
+        scores = [float(x) for x in _field(reader, "tokenizer.ggml.scores")]
+        if arch.startswith("gemma"):
+            tokens, scores = gemma_pieces(tokens)
+        sp = sentencepiece_json(arch, tokens, scores, types, bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)))
+    elif pre not in GGUF_PRE_PATTERNS:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}: known {sorted(GGUF_PRE_PATTERNS)}")
     # type 3 = control, 4 = user-defined: both are matched verbatim in text, like HF added tokens.
     special = {tok: i for i, (tok, t) in enumerate(zip(tokens, types, strict=True)) if t in (3, 4)}
@@ -135,20 +249,25 @@ def _gguf_tokenizer(reader: Any) -> TokenizerSpec:
     return TokenizerSpec(
         tokens=tokens,
         special=special,
-        pattern=GGUF_PRE_PATTERNS[pre],
+        pattern="" if sp is not None else GGUF_PRE_PATTERNS[pre],
         chat_template=_field(reader, "tokenizer.chat_template", "") or "",
         bos_token_id=None if ids["bos"] is None else int(ids["bos"]),
         eos_token_id=None if ids["eos"] is None else int(ids["eos"]),
         pad_token_id=None if ids["pad"] is None else int(ids["pad"]),
         stop_tokens=stops,
+        # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary that does not say otherwise
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")) and ids["bos"] is not None,
+        sentencepiece=sp,
     )
 
 
 def _load_gguf(path: Path, progress: bool) -> LoadedModel:
     from gguf import GGUFReader, dequantize
 
+    check_architecture(path)  # before the reader parses the whole vocabulary
     reader = GGUFReader(str(path))
     cfg = _gguf_config(reader)
+    tokenizer = _gguf_tokenizer(reader, cfg.arch)  # refused here, before the weights are dequantized
     weights: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", disable=not progress):
         arr = dequantize(t.data, t.tensor_type)
@@ -162,15 +281,19 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
             hf = "lm_head.weight"
         elif name == "rope_freqs.weight":
             hf = "rope_freqs"  # Llama 3 RoPE scaling as per-frequency divisors
+        elif name in ("rope_factors_short.weight", "rope_factors_long.weight"):
+            continue  # Phi-3's longrope factors: read into the config
         elif name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_NAMES:
+            names = _GGUF_SANDWICH_NAMES if cfg.sandwich_norms else _GGUF_PHI3_NAMES if cfg.arch == "phi3" else _GGUF_NAMES
+            if kind not in names:
                 raise ValueError(f"unexpected GGUF tensor {name}")
-            hf = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+            hf = f"model.layers.{layer}.{names[kind]}.{suffix}"
             if cfg.arch == "llama" and kind in ("attn_q", "attn_k"):
                 arr = _reverse_permute(arr, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
         else:
             raise ValueError(f"unexpected GGUF tensor {name}")
         weights[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # own, writable copy
+    unfuse(weights, cfg)
     name = str(_field(reader, "general.name", path.stem))
-    return LoadedModel(name, cfg, weights, _gguf_tokenizer(reader))
+    return LoadedModel(name, cfg, weights, tokenizer)

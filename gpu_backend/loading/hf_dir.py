@@ -1,4 +1,6 @@
-"""Read a Hugging Face model directory: config.json, tokenizer.json and *.safetensors."""
+"""Read a Hugging Face model directory: config.json (`FAMILIES`: what each model_type adds to Llama),
+*.safetensors (fused tensors split, a multimodal checkpoint's text model only), and its tokenizer
+(`hf_tokenizer.py`)."""
 
 from __future__ import annotations
 
@@ -7,30 +9,133 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from tqdm import tqdm
 
-from gpu_backend.loading.model_files import GPT2_PATTERN, SMOLLM_PATTERN, LoadedModel, TokenizerSpec
+from gpu_backend.loading.hf_tokenizer import SUPPORTED_TOKENIZERS, hf_tokenizer
+from gpu_backend.loading.hf_tokenizer import (
+    hf_tokenizer as _hf_tokenizer,  # the name bench/gpu_suite.py imports
+)
+from gpu_backend.loading.model_files import LoadedModel
 from gpu_backend.models.config import ModelConfig
 
-__all__ = ["load_hf_dir"]
+__all__ = ["FAMILIES", "MULTIMODAL", "SUPPORTED_MODEL_TYPES", "SUPPORTED_TOKENIZERS", "_hf_tokenizer", "load_hf_dir",
+           "unfuse"]
+
+
+# What each supported `model_type` adds to Llama's architecture (the rest is read from config.json).
+_GEMMA: dict[str, Any] = {"norm_offset": 1.0, "sandwich_norms": True}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "phi3": {},
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA | {"qk_norm": True},
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(theta, scaling of the global layers, theta of the sliding layers or None), from either layout:
+    `rope_theta` / `rope_scaling` / `rope_local_base_freq` (config files) or `rope_parameters`
+    (transformers 5; per layer type for Gemma 3)."""
+    params = cfg.get("rope_parameters")
+    local_theta = cfg.get("rope_local_base_freq")
+    if isinstance(params, dict) and "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope scaling {local.get('rope_type')!r} on the sliding layers")
+        local_theta = local.get("rope_theta", local_theta)
+        params = params["full_attention"]
+    scaling = cfg.get("rope_scaling")
+    theta = cfg.get("rope_theta")
+    if theta is None and isinstance(params, dict):
+        scaling = params
+        theta = params.get("rope_theta")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    if scaling is not None and float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor {scaling['partial_rotary_factor']}: RoPE over the "
+                         "whole head only")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        scaling = dict(scaling)
+        orig = int(scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        scaling["original_max_position_embeddings"] = orig
+        if scaling.get("factor") is None:
+            scaling["factor"] = int(cfg.get("max_position_embeddings", orig)) / orig
+    return float(theta or 10000.0), scaling, None if local_theta is None else float(local_theta)
+
+
+def _sliding_layers(cfg: dict[str, Any], mt: str, n: int) -> tuple[int, tuple[bool, ...]]:
+    """(window, which layers slide) as transformers decides them; (0, ()) = no sliding window."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is not None:
+        slides = tuple(t == "sliding_attention" for t in types)
+        if any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise ValueError(f"unsupported layer_types {sorted(set(types))}: sliding_attention and full_attention")
+    elif mt in ("qwen2", "qwen3"):
+        first = int(cfg.get("max_window_layers", n))
+        slides = tuple(bool(cfg.get("use_sliding_window")) and i >= first for i in range(n))
+    elif mt == "gemma2":
+        slides = tuple(i % 2 == 0 for i in range(n))
+    elif mt == "gemma3_text":
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        slides = tuple((i + 1) % pattern != 0 for i in range(n))
+    else:
+        slides = (True,) * n
+    if not any(slides) or window is None:
+        return 0, ()
+    return int(window), slides
+
+
+# Multimodal checkpoints whose text model we run: model_type -> (the text config's key, weight-name
+# prefixes of the text model -> HF text names). Other weights (vision tower, projector) are not read.
+MULTIMODAL: dict[str, tuple[str, dict[str, str]]] = {
+    "gemma3": ("text_config", {"language_model.model.": "model.", "model.language_model.": "model.",
+                               "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}),
+}
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a multimodal checkpoint (MULTIMODAL), else `cfg` itself."""
+    mt = cfg.get("model_type")
+    if mt not in MULTIMODAL:
+        return cfg
+    text = dict(cfg.get(MULTIMODAL[mt][0]) or {})
+    text.setdefault("model_type", f"{mt}_text")
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return text
 
 
 def _hf_config(cfg: dict[str, Any]) -> ModelConfig:
+    cfg = _text_config(cfg)
     mt = cfg.get("model_type", "llama")
-    if mt not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"unsupported model_type {mt!r}: expected llama, qwen2 or mistral")
+    if mt not in FAMILIES:
+        raise ValueError(f"unsupported model_type {mt!r}: supported are "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES + tuple(MULTIMODAL))} (multimodal: the text model)")
+    fam = FAMILIES[mt]
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    scaling = cfg.get("rope_scaling")
-    rope_theta = cfg.get("rope_theta")
-    if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
-        scaling = cfg["rope_parameters"]
-        rope_theta = scaling.get("rope_theta")
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
+    n = int(cfg["num_hidden_layers"])
+    theta, scaling, local_theta = _rope(cfg)
+    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {act!r}: supported are {sorted(_ACTIVATIONS)}")
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    if scaling is not None and "original_max_position_embeddings" in scaling and scaling.get(
+            "rope_type", scaling.get("type")) in ("longrope", "su"):
+        # only the short factors are implemented: cap the context where transformers uses them
+        max_pos = min(max_pos, int(scaling["original_max_position_embeddings"]))
+    window, slides = _sliding_layers(cfg, mt, n)
+    qpas = cfg.get("query_pre_attn_scalar")
+    gemma = fam.get("sandwich_norms", False)
     return ModelConfig(
         arch=mt,
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=n,
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
         num_heads=heads,
@@ -38,72 +143,37 @@ def _hf_config(cfg: dict[str, Any]) -> ModelConfig:
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         vocab_size=int(cfg["vocab_size"]),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta or 10000.0),
-        max_position=int(cfg.get("max_position_embeddings", 4096)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
+        rope_theta=theta,
+        max_position=max_pos,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        qkv_bias=bool(cfg.get("attention_bias", fam.get("qkv_bias", False))),
         rope_scaling=scaling,
+        qk_norm=fam.get("qk_norm", False),
+        norm_offset=fam.get("norm_offset", 0.0),
+        sandwich_norms=gemma,
+        embed_scale=hidden**0.5 if gemma else 1.0,
+        activation=_ACTIVATIONS[act],
+        attn_scale=None if qpas is None else float(qpas) ** -0.5,
+        attn_softcap=None if cfg.get("attn_logit_softcapping") is None else float(cfg["attn_logit_softcapping"]),
+        final_softcap=None if cfg.get("final_logit_softcapping") is None else float(cfg["final_logit_softcapping"]),
+        sliding_window=window,
+        sliding_layers=slides,
+        local_rope_theta=local_theta if any(slides) else None,
     )
 
 
-def _hf_pattern(pre: dict[str, Any] | None) -> str:
-    if pre is None:
-        return GPT2_PATTERN
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    digits = any(s.get("type") == "Digits" and s.get("individual_digits") for s in steps)
-    for s in steps:
-        if s.get("type") == "Split" and "Regex" in s.get("pattern", {}):
-            return str(s["pattern"]["Regex"])
-    if any(s.get("type") == "ByteLevel" for s in steps):
-        return SMOLLM_PATTERN if digits else GPT2_PATTERN
-    raise ValueError(f"unsupported pre-tokenizer in tokenizer.json: {pre}")
-
-
-def _hf_tokenizer(path: Path, cfg: dict[str, Any]) -> TokenizerSpec:
-    tj = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
-    if tj["model"].get("type") != "BPE":
-        raise ValueError(f"{path}/tokenizer.json: only byte-level BPE is supported")
-    vocab: dict[str, int] = dict(tj["model"]["vocab"])
-    special: dict[str, int] = {}
-    for added in tj.get("added_tokens", []):
-        vocab[added["content"]] = added["id"]
-        special[added["content"]] = added["id"]
-    tokens = [""] * (max(vocab.values()) + 1)
-    for tok, i in vocab.items():
-        tokens[i] = tok
-    tc_file = path / "tokenizer_config.json"
-    tc = json.loads(tc_file.read_text(encoding="utf-8")) if tc_file.exists() else {}
-    template = tc.get("chat_template") or ""
-    if (path / "chat_template.jinja").exists():
-        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-
-    def tok_id(key: str) -> int | None:
-        v = tc.get(key)
-        if isinstance(v, dict):
-            v = v.get("content")
-        return vocab.get(v) if isinstance(v, str) else None
-
-    bos = tok_id("bos_token") if tok_id("bos_token") is not None else cfg.get("bos_token_id")
-    eos = tok_id("eos_token") if tok_id("eos_token") is not None else cfg.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0]
-    stops: set[int] = set()
-    gc_file = path / "generation_config.json"
-    for src in (cfg, json.loads(gc_file.read_text()) if gc_file.exists() else {}):
-        e = src.get("eos_token_id")
-        stops.update(e if isinstance(e, list) else [] if e is None else [e])
-    if eos is not None:
-        stops.add(int(eos))
-    return TokenizerSpec(
-        tokens=tokens,
-        special=special,
-        pattern=_hf_pattern(tj.get("pre_tokenizer")),
-        chat_template=template,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=tok_id("pad_token"),
-        stop_tokens=sorted(int(s) for s in stops),
-    )
+def unfuse(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Split checkpoints' fused projections (Phi-3's qkv_proj, gate_up_proj) into the HF names the
+    model reads, in place (views, no copy)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for name in [k for k in weights if k.endswith((".qkv_proj.weight", ".qkv_proj.bias"))]:
+        base, kind = name.rsplit(".qkv_proj.", 1)
+        for part, t in zip("qkv", weights.pop(name).split([q, kv, kv]), strict=True):
+            weights[f"{base}.{part}_proj.{kind}"] = t
+    for name in [k for k in weights if k.endswith(".gate_up_proj.weight")]:
+        base = name.removesuffix(".gate_up_proj.weight")
+        gate, up = weights.pop(name).split(cfg.intermediate_size)
+        weights[f"{base}.gate_proj.weight"], weights[f"{base}.up_proj.weight"] = gate, up
 
 
 def load_hf_dir(path: Path, progress: bool) -> LoadedModel:
@@ -113,11 +183,25 @@ def load_hf_dir(path: Path, progress: bool) -> LoadedModel:
         raise FileNotFoundError(f"{path} is not an HF model directory: config.json missing")
     raw = json.loads(cfg_file.read_text())
     cfg = _hf_config(raw)
+    tokenizer = hf_tokenizer(path, raw)  # refused here, before the weights are read, if unsupported
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
+    rename = MULTIMODAL[raw["model_type"]][1] if raw.get("model_type") in MULTIMODAL else None
     weights: dict[str, torch.Tensor] = {}
     for f in tqdm(files, desc=f"loading {path.name}", disable=not progress):
-        for k, v in load_file(str(f)).items():
-            weights[k] = v  # cast to the compute dtype when the model is built
-    return LoadedModel(path.name, cfg, weights, _hf_tokenizer(path, raw))
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = k if rename is None else _renamed(k, rename)
+                if name is not None:
+                    weights[name] = st.get_tensor(k)  # cast to the compute dtype when the model is built
+    unfuse(weights, cfg)
+    return LoadedModel(path.name, cfg, weights, tokenizer)
+
+
+def _renamed(name: str, prefixes: dict[str, str]) -> str | None:
+    """`name` under the text model's HF names, or None for a weight of another part of the model."""
+    for old, new in prefixes.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None

@@ -49,7 +49,14 @@ GGUF_PRE_PATTERNS = {
 
 @dataclass
 class TokenizerSpec:
-    """Byte-level BPE vocabulary: `tokens[i]` is token i in GPT-2's byte-to-unicode form."""
+    """A BPE vocabulary, of one of two layouts.
+
+    Byte-level (GPT-2, Llama 3, Qwen, SmolLM): `tokens[i]` is token i in GPT-2's byte-to-unicode
+    form, split by `pattern` (run by tiktoken) after the Unicode `normalizer` form (NFC, ...) if any.
+    SentencePiece-style (Llama 2, Mistral, Gemma, Phi-3; `sentencepiece` set to the tokenizer.json
+    text, run by the `tokenizers` library as transformers does): `tokens[i]` is the piece, "▁" for
+    a space, `<0xNN>` for a byte-fallback byte.
+    """
 
     tokens: list[str]
     special: dict[str, int]  # tokens recognised verbatim in text (control / added tokens)
@@ -59,6 +66,11 @@ class TokenizerSpec:
     eos_token_id: int | None
     pad_token_id: int | None
     stop_tokens: list[int]
+    normalizer: str | None = None
+    sentencepiece: str | None = None
+    # a raw prompt starts with BOS (the tokenizer.json post-processor's template; GGUF add_bos_token),
+    # as transformers' `tokenizer(text)` and llama.cpp add it; a rendered chat template has its own
+    add_bos: bool = False
 
 
 @dataclass

@@ -1,8 +1,16 @@
-"""Byte-level BPE tokenizer on tiktoken, plus the model's chat template rendered with jinja2."""
+"""The model's tokenizer: byte-level BPE on tiktoken, SentencePiece-style BPE on the `tokenizers`
+library (the one transformers runs), plus the model's chat template rendered with jinja2.
+
+Both decode as transformers does (special and added tokens as their text, ids the vocabulary does
+not define as nothing): byte-level ids by joining their bytes (`token_bytes`), SentencePiece-style
+ones through the tokenizer.json's decoder. Both hold back a character whose bytes are not all there.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -36,6 +44,15 @@ def _token_bytes(tok: str) -> bytes | None:
         return bytes(table[ch] for ch in tok)
     except KeyError:
         return None  # not a byte-level token (e.g. a non-special added token written in plain text)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _piece_bytes(piece: str) -> bytes:
+    """A SentencePiece piece's bytes: `<0xNN>` is byte NN (byte fallback), "▁" a space."""
+    m = _BYTE_PIECE.fullmatch(piece)
+    return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
 
 
 def _utf8_complete_prefix(data: bytes) -> bytes:
@@ -72,19 +89,30 @@ class Tokenizer:
     """Encode/decode token ids and render chat prompts for one model."""
 
     def __init__(self, spec: TokenizerSpec, name: str = "model") -> None:
+        self.spec = spec
+        self._template = _compile_template(spec.chat_template) if spec.chat_template else None
+        self._special_ids = set(spec.special.values())
+        self._sp = None
+        if spec.sentencepiece is not None:
+            import tokenizers
+
+            self._sp = tokenizers.Tokenizer.from_str(spec.sentencepiece)
+            self.token_bytes = [tok.encode() if tok in spec.special else _piece_bytes(tok) for tok in spec.tokens]
+            self._byte_piece = [tok not in spec.special and _BYTE_PIECE.fullmatch(tok) is not None
+                                for tok in spec.tokens]
+            self.encoding: tiktoken.Encoding | None = None
+            return
         ranks: dict[bytes, int] = {}
+        self.token_bytes = []
         for i, tok in enumerate(spec.tokens):
-            if tok in spec.special or not tok:
-                continue
-            b = _token_bytes(tok)
-            if b is not None:
+            b = None if tok in spec.special else _token_bytes(tok)
+            # an added token written in plain text, or an id the file leaves out, decodes as its text
+            self.token_bytes.append(tok.encode() if b is None else b)
+            if b is not None and tok:
                 ranks.setdefault(b, i)
         self.encoding = tiktoken.Encoding(
             name=f"pie-{name}", pat_str=spec.pattern, mergeable_ranks=ranks, special_tokens=dict(spec.special)
         )
-        self.spec = spec
-        self._template = _compile_template(spec.chat_template) if spec.chat_template else None
-        self._special_ids = set(spec.special.values())
 
     @property
     def vocab_size(self) -> int:
@@ -92,15 +120,56 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text (e.g. `<|im_end|>`) are recognised."""
+        if self._sp is not None:
+            return list(self._sp.encode(text, add_special_tokens=False).ids)
+        assert self.encoding is not None  # the byte-level layout
+        if self.spec.normalizer is not None:
+            text = unicodedata.normalize(self.spec.normalizer, text)  # type: ignore[arg-type]
         return self.encoding.encode(text, allowed_special="all")
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw prompt as transformers' `tokenizer(text)` gives them: `encode`, after
+        BOS where the tokenizer adds one (its post-processor; GGUF add_bos_token). Not for a rendered
+        chat template, which writes its own `bos_token`."""
+        ids = self.encode(text)
+        bos = self.spec.bos_token_id
+        return [bos, *ids] if self.spec.add_bos and bos is not None else ids
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Token ids of `text` with no special token recognised (text that names one is spelled out).
+        Byte-level layout only: a SentencePiece-style one raises ValueError (its normalizer prepends a
+        space to any text, so fragments do not tokenize apart from their context)."""
+        if self.encoding is None:
+            raise ValueError("encode_ordinary: only byte-level tokenizers encode text fragments")
+        if self.spec.normalizer is not None:
+            text = unicodedata.normalize(self.spec.normalizer, text)  # type: ignore[arg-type]
+        return self.encoding.encode_ordinary(text)
+
+    @property
+    def byte_level(self) -> bool:
+        """True for the byte-level layout (tiktoken), False for the SentencePiece-style one."""
+        return self.encoding is not None
+
     def decode(self, ids: list[int]) -> str:
-        """Text of `ids`; an incomplete UTF-8 sequence at the end is dropped (it completes later)."""
-        data = self.encoding.decode_bytes(ids)
-        return _utf8_complete_prefix(data).decode("utf-8", errors="replace")
+        """Text of `ids` as transformers decodes it (ids past the vocabulary decode to nothing); an
+        incomplete UTF-8 sequence at the end is held back (it completes with later tokens)."""
+        if self._sp is None:
+            return _utf8_complete_prefix(self.decode_bytes(ids)).decode("utf-8", errors="replace")
+        n = len(self.token_bytes)
+        ids = [i for i in ids if 0 <= i < n]
+        k = len(ids)  # hold back byte-fallback pieces (one byte each) that end mid-character
+        while k > 0 and self._byte_piece[ids[k - 1]]:
+            k -= 1
+        tail = b"".join(self.token_bytes[i] for i in ids[k:])
+        # the decoder (Replace / ByteFallback / Fuse / Strip or Metaspace) joins pieces between
+        # added tokens as transformers does
+        return str(self._sp.decode(ids[: k + len(_utf8_complete_prefix(tail))], skip_special_tokens=False))
 
     def decode_bytes(self, ids: list[int]) -> bytes:
-        return self.encoding.decode_bytes(ids)
+        """The bytes of `ids` joined (b"" for an id past the vocabulary); SentencePiece-style pieces
+        as they are, before the decoder drops a prepended space."""
+        table, n = self.token_bytes, len(self.token_bytes)
+        return b"".join(table[i] if 0 <= i < n else b"" for i in ids)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids

@@ -1,22 +1,30 @@
-"""Llama-family decoder (Llama, SmolLM, Qwen2) over the paged KV cache.
+"""The decoder (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3) over the paged KV cache.
 
 Weights are fused at build time (q|k|v into one matrix, gate|up into another) so a layer is four
-matmuls; RoPE tables are precomputed. The layer loop touches no per-request Python: everything
-request-specific lives in the BatchPlan.
+matmuls; RoPE tables are precomputed. What differs between families and layers is data read from
+`ModelConfig` when the model is built (optional norms, the activation, the embedding scale, each
+layer's `AttnSpec` and RoPE table), so the forward has one body. The layer loop touches no
+per-request Python: everything request-specific lives in the BatchPlan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from gpu_backend.attention import BatchPlan
+from gpu_backend.attention import AttnSpec, BatchPlan
 from gpu_backend.kv_cache import KVCache
 from gpu_backend.models.config import ModelConfig
 from gpu_backend.models.rope import cos_sin_table
+
+ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),
+}
 
 
 @dataclass
@@ -28,16 +36,23 @@ class LayerWeights:
     mlp_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    attn: AttnSpec  # the layer's window, softmax scale and soft-cap
+    rope: int  # index of the layer's RoPE table
+    qk_norm: torch.Tensor | None = None  # [H + KVH, D]: q_norm per query head, then k_norm per KV head
+    attn_out_norm: torch.Tensor | None = None  # sandwich norms (Gemma): on the attention output
+    mlp_out_norm: torch.Tensor | None = None  # and on the MLP output
 
 
 class LlamaModel:
-    """Weights plus the batched forward pass."""
+    """Weights plus the batched forward pass (every supported family; see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype) -> None:
         self.cfg = cfg
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.device, self.dtype = device, dtype
+        self.window = cfg.window  # the sliding layers' window (what the batch plan builds masks for)
+        self.act = ACTIVATION_FNS[cfg.activation]
         # tensor parallel (gpu_backend/engine/tp.py): sums the partial outputs of the row-parallel matmuls
         # (o_proj, down) across ranks, in place; None on a single rank
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -47,40 +62,68 @@ class LlamaModel:
                 raise KeyError(f"weight {name} missing from the checkpoint")
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
+        def norm(name: str) -> torch.Tensor:
+            # Gemma's norms scale by (1 + weight): fold the offset in once, in float32
+            if not cfg.norm_offset:
+                return w(name)
+            if name not in weights:
+                raise KeyError(f"weight {name} missing from the checkpoint")
+            return (weights[name].float() + cfg.norm_offset).to(device=device, dtype=dtype).contiguous()
+
         self.embed = w("model.embed_tokens.weight")
-        self.norm = w("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_embeddings else w("lm_head.weight")
+        specs = cfg.layer_specs()
         self.layers: list[LayerWeights] = []
-        for i in range(cfg.num_layers):
+        for i, spec in enumerate(specs):
             p = f"model.layers.{i}."
             att = p + "self_attn."
             bias = None
             if cfg.qkv_bias:
                 bias = torch.cat([w(att + f"{x}_proj.bias") for x in "qkv"])
+            qk_norm = None
+            if cfg.qk_norm:
+                qk_norm = torch.cat([norm(att + "q_norm.weight").expand(cfg.num_heads, -1),
+                                     norm(att + "k_norm.weight").expand(cfg.num_kv_heads, -1)])
+            # Gemma names its norms by place: post_attention_layernorm is on the attention output
+            # there, where Llama's is the norm before the MLP
+            sandwich = cfg.sandwich_norms
             self.layers.append(
                 LayerWeights(
-                    attn_norm=w(p + "input_layernorm.weight"),
+                    attn_norm=norm(p + "input_layernorm.weight"),
                     qkv=torch.cat([w(att + f"{x}_proj.weight") for x in "qkv"]),
                     qkv_bias=bias,
                     o_proj=w(att + "o_proj.weight"),
-                    mlp_norm=w(p + "post_attention_layernorm.weight"),
+                    mlp_norm=norm(p + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")
+                                  + ".weight"),
                     gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
                     down=w(p + "mlp.down_proj.weight"),
+                    attn=AttnSpec(local=spec.window > 0, scale=cfg.attn_scale, softcap=cfg.attn_softcap),
+                    rope=spec.rope,
+                    qk_norm=qk_norm,
+                    attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
+                    mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
                 )
             )
         half = cfg.head_dim // 2
-        cos, sin = cos_sin_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position, device, dtype,
-                                 weights.get("rope_freqs"))
-        self.cos = cos
-        # rotate_half(x) * sin == flip-halves(x) * [-sin_lo, sin_hi]
-        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self.cos: list[torch.Tensor] = []
+        self.sin_signed: list[torch.Tensor] = []
+        for ti, (theta, scaling) in enumerate(cfg.rope_tables()):
+            # GGUF's rope_freqs divisors belong to the model's own table (0)
+            cos, sin = cos_sin_table(cfg.head_dim, theta, scaling, cfg.max_position, device, dtype,
+                                     weights.get("rope_freqs") if ti == 0 else None)
+            self.cos.append(cos)
+            # rotate_half(x) * sin == flip-halves(x) * [-sin_lo, sin_hi]
+            self.sin_signed.append(torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))
+        # multiplied in the weights' dtype, as transformers does
+        self.embed_scale = None if cfg.embed_scale == 1.0 else torch.tensor(cfg.embed_scale, dtype=dtype)
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (each matrix once; tied embeddings count once)."""
         tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         for lw in self.layers:
             tensors += [lw.attn_norm, lw.qkv, lw.o_proj, lw.mlp_norm, lw.gate_up, lw.down]
-            tensors += [] if lw.qkv_bias is None else [lw.qkv_bias]
+            tensors += [t for t in (lw.qkv_bias, lw.attn_out_norm, lw.mlp_out_norm) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def forward(self, plan: BatchPlan, cache: KVCache) -> torch.Tensor:
@@ -89,24 +132,32 @@ class LlamaModel:
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         hid, inter, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_eps
         x = self.embed[plan.tokens]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         n = x.shape[0]
-        cos = self.cos[plan.positions].unsqueeze(1)
-        sin = self.sin_signed[plan.positions].unsqueeze(1)
-        reduce = self.reduce
+        cos = [c[plan.positions].unsqueeze(1) for c in self.cos]
+        sin = [s[plan.positions].unsqueeze(1) for s in self.sin_signed]
+        reduce, act = self.reduce, self.act
         for li, lw in enumerate(self.layers):
             y = F.rms_norm(x, (hid,), lw.attn_norm, eps)
             qkv = F.linear(y, lw.qkv, lw.qkv_bias).view(n, h + 2 * kvh, d)
             qk = qkv[:, : h + kvh]
-            qk = qk * cos + qk.view(n, h + kvh, 2, d // 2).flip(2).view(n, h + kvh, d) * sin
+            if lw.qk_norm is not None:
+                qk = F.rms_norm(qk, (d,), None, eps) * lw.qk_norm
+            qk = qk * cos[lw.rope] + qk.view(n, h + kvh, 2, d // 2).flip(2).view(n, h + kvh, d) * sin[lw.rope]
             kv_new = torch.cat([qk[:, h:], qkv[:, h + kvh :]], dim=1).view(n, 2, kvh, d)
             layer_cache = cache.data[li]
             layer_cache.index_copy_(0, plan.write_slots, kv_new)
-            attn = plan.attend(qk[:, :h], layer_cache)
-            o = F.linear(attn, lw.o_proj)
-            x = x + (o if reduce is None else reduce(o))
+            o = F.linear(plan.attend(qk[:, :h], layer_cache, lw.attn), lw.o_proj)
+            o = o if reduce is None else reduce(o)
+            x = x + (o if lw.attn_out_norm is None else F.rms_norm(o, (hid,), lw.attn_out_norm, eps))
             y = F.rms_norm(x, (hid,), lw.mlp_norm, eps)
             gu = F.linear(y, lw.gate_up)
-            o = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down)
-            x = x + (o if reduce is None else reduce(o))
+            o = F.linear(act(gu[:, :inter]) * gu[:, inter:], lw.down)
+            o = o if reduce is None else reduce(o)
+            x = x + (o if lw.mlp_out_norm is None else F.rms_norm(o, (hid,), lw.mlp_out_norm, eps))
         x = F.rms_norm(x[plan.output_rows], (hid,), self.norm, eps)
-        return F.linear(x, self.lm_head).float()
+        logits = F.linear(x, self.lm_head).float()
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits

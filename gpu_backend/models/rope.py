@@ -9,7 +9,9 @@ import torch
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Per-pair inverse frequencies, with `linear` or `llama3` scaling applied (as transformers does)."""
+    """Per-pair inverse frequencies, with `linear`, `llama3` or `longrope` scaling applied (as transformers
+does). `longrope` (Phi-3's `su`) uses its short factors: the model's context is capped at
+`original_max_position_embeddings` (`hf_dir.py`), within which transformers uses them too."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv
@@ -27,7 +29,26 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
         out = torch.where(wavelen > old_ctx / low, inv / factor, inv)
         is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(is_mid, mid, out)
-    raise ValueError(f"unsupported rope scaling type {kind!r}: supported are linear and llama3")
+    if kind in ("longrope", "su"):
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+        if short.numel() != inv.numel():
+            raise ValueError(f"longrope short_factor has {short.numel()} entries, head_dim / 2 is {inv.numel()}")
+        return inv / short
+    raise ValueError(f"unsupported rope scaling type {kind!r}: supported are {ROPE_TYPES}")
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "longrope (su)")
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: 1, except under longrope (transformers' default formula)."""
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling.get("factor", 1.0))
+    orig = float(scaling["original_max_position_embeddings"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
 
 def cos_sin_table(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int,
@@ -44,4 +65,5 @@ def cos_sin_table(head_dim: int, theta: float, scaling: dict[str, Any] | None, m
         inv = inv_frequencies(head_dim, theta, scaling).float()
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    scale = attention_factor(None if freq_factors is not None else scaling)
+    return (emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype)

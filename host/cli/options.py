@@ -22,6 +22,14 @@ __all__ = ["add_host_options", "host_config_from_args", "split_inferlet_args", "
 MIB = 2**20
 
 
+# What --model loads (checked against gpu_backend's own lists by tests/test_backend_families.py;
+# written out here so that `--help` and the --server path import no torch).
+MODEL_FAMILIES = ("Families: Llama 2/3 (SmolLM2), Mistral (sliding window), Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 "
+                  "(text), Phi-3 from an HF dir (model_type llama, mistral, qwen2, qwen3, gemma2, "
+                  "gemma3_text, gemma3, phi3); GGUF architectures llama, qwen2, qwen3, gemma2, gemma3, phi3. Tokenizers: byte-level BPE and "
+                  "SentencePiece (tokenizer.json; GGUF gpt2 and llama vocabularies). See docs/models.md.")
+
+
 def _default(name: str) -> Any:
     """HostConfig's default for field `name`, shown in the help so it is stated in one place."""
     return next(f.default for f in dataclasses.fields(HostConfig) if f.name == name)
@@ -29,7 +37,7 @@ def _default(name: str) -> Any:
 
 def add_host_options(parser: argparse.ArgumentParser) -> None:
     """Add the model, KV cache, batching and per-instance limit flags to `parser`."""
-    parser.add_argument("--model", help="GGUF file or HF safetensors dir (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help=f"GGUF file or HF safetensors dir (default: SmolLM2-135M-Instruct). {MODEL_FAMILIES}")
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="weights/KV dtype (default: float32 on CPU, bfloat16 on CUDA; "
