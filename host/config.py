@@ -59,10 +59,11 @@ class HostConfig:
         in the batch after the one that drew its token, while the guest runs (`Stepper` in
         host/api/lookahead.py; the guest's call claims it if its arguments are the predicted ones). False:
         every step waits for its guest's call (for comparisons).
-    run_ahead: with a backend that overlaps (`start_forward`: the stand-in; a GPU backend may),
-        launch each batch of host-side generation loops as soon as the last one's tokens are
-        drawn, their steps prepared while it ran (docs/architecture.md, "Loops run ahead").
-        False: every loop's step is made between two backend calls (for comparisons).
+    run_ahead: use the backend's own `start_forward` (the torch backend's: on CUDA no host sync,
+        on CPU a worker thread; the stand-in's): each batch of host-side generation loops is
+        launched as soon as the last one's tokens are drawn, their steps prepared while it ran
+        (docs/architecture.md, "Loops run ahead"). False: the backend's `forward` is run through
+        `gpu_backend.types.started` on the same run path, so nothing overlaps (for comparisons).
     tune_gc: once started, move every object then alive (the model, tokenizer, modules: ~190k
         objects) out of reach of Python's cyclic GC (`gc.freeze`), so a full collection, which
         otherwise stops every thread for ~100-150 ms while the host serves, scans only what came
