@@ -10,7 +10,7 @@ it has torch, transformers, tiktoken and jinja2). The run installs the wheels in
 folder, builds its models on the device from `transformers` configs with random weights (weight
 values do not change speed): the Llama-3.2-1B and Llama-3.1-8B shapes, with SmolLM2's BPE padded by
 placeholder tokens up to Llama 3's 128,256-token vocabulary (the host needs a tokenizer that can
-decode every id the model draws). Qwen3 is not a supported family yet (issue 36): listed as skipped.
+decode every id the model draws); and Qwen3-0.6B's shape (its own config class, q/k norms).
 
 Sections, in this order, each within what is left of `--budget-s` (results are written after each,
 so a run cut short keeps what it measured): env (GPU, copy bandwidth), parity (logits vs
@@ -18,7 +18,7 @@ transformers, tree mask and hidden token vs separate runs, graphs on == off, ove
 decode (tokens/s at batch 1 / 8 / 64 / 256 for each attention path with graphs off and on, vs
 transformers with a static cache, vs the HBM bound at batch 1), run256 (256 requests x 256 tokens),
 host (text_completion through the host vs the backend's own greedy loop at 1 / 64 / 256), decode8b,
-pytest (`pytest -m gpu` on a small model saved to disk). Writes DIR/gpu_suite.json and
+qwen3 (Qwen3-0.6B's shape, SDPA with graphs off and on vs transformers), pytest (`pytest -m gpu` on a small model saved to disk). Writes DIR/gpu_suite.json and
 DIR/gpu_suite.md.
 """
 
@@ -56,6 +56,10 @@ SHAPES: dict[str, dict[str, Any]] = {
                      rope_theta=500000.0, max_position_embeddings=8192,
                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Qwen3-0.6B (q/k norms): the model Pie, vLLM and SGLang publish serving numbers for
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                       rope_theta=1000000.0, max_position_embeddings=8192, rms_norm_eps=1e-6),
     # parity and the pytest model: SmolLM2-135M's shape (the real tokenizer's vocabulary)
     "small": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                   num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
@@ -182,13 +186,15 @@ def hf_model(shape: str, suite: Suite, dtype: Any) -> Any:
     if suite.plan.dry:
         kw |= TINY
         kw["vocab_size"] = 49152
-    cfg = transformers.LlamaConfig(**kw, bos_token_id=1, eos_token_id=2)
+    family = "Qwen3" if shape.startswith("qwen3") else "Llama"
+    cfg = getattr(transformers, f"{family}Config")(**kw, bos_token_id=1, eos_token_id=2)
+    cls = getattr(transformers, f"{family}ForCausalLM")
     torch.manual_seed(0)
     with torch.device(suite.device):
         try:
-            m = transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype)
+            m = cls._from_config(cfg, dtype=dtype)
         except TypeError:  # transformers before 4.56 calls it torch_dtype
-            m = transformers.LlamaForCausalLM._from_config(cfg, torch_dtype=dtype)
+            m = cls._from_config(cfg, torch_dtype=dtype)
     if not suite.plan.dry:  # the default init (std 0.02) gives near-flat logits: spread them a little
         with torch.no_grad():
             m.model.embed_tokens.weight.normal_(0, 1.0)
@@ -611,6 +617,11 @@ def sec_decode8b(s: Suite) -> dict[str, Any]:
     return sec_decode(s, "llama-8b", s.plan.b8_batches)
 
 
+def sec_qwen3(s: Suite) -> dict[str, Any]:
+    """Qwen3-0.6B's shape at every batch size (its serving numbers are the ones the field publishes)."""
+    return sec_decode(s, "qwen3-0.6b")
+
+
 def sec_pytest(s: Suite) -> dict[str, Any]:
     """`pytest -m gpu` with PIE_TEST_MODEL = the small shape saved (random weights, the real tokenizer)."""
     import torch
@@ -640,7 +651,7 @@ def sec_pytest(s: Suite) -> dict[str, Any]:
 
 SECTIONS: dict[str, Callable[[Suite], dict[str, Any]]] = {
     "env": sec_env, "parity": sec_parity, "decode": sec_decode, "run256": sec_run256, "host": sec_host,
-    "decode8b": sec_decode8b, "pytest": sec_pytest,
+    "decode8b": sec_decode8b, "qwen3": sec_qwen3, "pytest": sec_pytest,
 }  # the default order; --sections picks and orders
 
 
@@ -656,7 +667,7 @@ def markdown(res: dict[str, Any]) -> str:
     lines.append(f"{env.get('gpu', env.get('device', '?'))}, torch {env.get('torch', '?')}, "
                  f"copy bandwidth {env.get('copy_bandwidth_bytes_per_s', 0) / 1e12:.2f} TB/s"
                  f"{' (dry run)' if env.get('dry_run') else ''}")
-    for key in ("decode", "decode8b"):
+    for key in ("decode", "decode8b", "qwen3"):
         d = res.get(key)
         if not isinstance(d, dict) or "tokens_per_s" not in d:
             continue

@@ -21,7 +21,7 @@ def test_dry_run_runs_every_section(tmp_path):
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_suite.json").read_text())
-    assert set(res) == {"env", "parity", "decode", "run256", "host", "decode8b", "pytest"}
+    assert set(res) == {"env", "parity", "decode", "run256", "host", "decode8b", "qwen3", "pytest"}
     assert not [k for k, v in res.items() if "error" in v], res
     p = res["parity"]
     assert p["small_fp32_max_logit_diff"] < 1e-3 and p["sdpa_graphs_on_equals_off"] and p["sdpa_overlap_on_equals_off"]
@@ -29,6 +29,7 @@ def test_dry_run_runs_every_section(tmp_path):
     for key in ("sdpa", "sdpa+graphs", "transformers"):
         assert all(isinstance(v, float) and v > 0 for v in res["decode"]["tokens_per_s"][key].values()), key
     assert res["run256"]["sdpa+graphs"]["tokens_per_s"] > 0
+    assert all(isinstance(v, float) and v > 0 for v in res["qwen3"]["tokens_per_s"]["sdpa"].values())
     row = res["host"]["concurrency"]["4"]
     assert row["host_ahead_tokens_per_s"] > 0 and row["host_no_ahead_tokens_per_s"] > 0
     assert res["pytest"]["returncode"] == 0  # (every GPU test skips on CPU; collection must succeed)
