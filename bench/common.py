@@ -55,11 +55,11 @@ class BatchLog:
         backend.forward = timed
         start_forward = getattr(backend, "start_forward", None)
         if start_forward is not None:
-            def timed_start(reqs: Any) -> Any:
+            def timed_start(reqs: Any, *args: Any) -> Any:  # (args: the torch backend's Feed)
                 if inside[0]:
-                    return start_forward(reqs)
+                    return start_forward(reqs, *args)
                 start = time.perf_counter()
-                return _TimedStep(start_forward(reqs), start, len(reqs), calls)
+                return _TimedStep(start_forward(reqs, *args), start, len(reqs), calls)
 
             backend.start_forward = timed_start
 
@@ -67,10 +67,22 @@ class BatchLog:
         """From each call's end to the next call's start, for the calls that start in [t0, t1]."""
         return [1000 * (b[0] - a[1]) for a, b in zip(self.calls, self.calls[1:], strict=False) if t0 <= a[0] <= t1]
 
+    def periods_ms(self, n: int) -> list[float]:
+        """Start-to-start periods between consecutive calls that both hold `n` requests (decode steps
+        of all n loops: the steady state; calls may overlap)."""
+        c = sorted(self.calls)
+        return [1000 * (b[0] - a[0]) for a, b in zip(c, c[1:], strict=False) if a[2] == n and b[2] == n]
+
 
 class _TimedStep:
+    """A started batch, timed to its `wait()`; anything else (`tokens`, what a `Feed` reads) is the
+    step's own."""
+
     def __init__(self, step: Any, start: float, size: int, calls: list[tuple[float, float, int]]) -> None:
         self._step, self._start, self._size, self._calls = step, start, size, calls
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._step, name)
 
     def wait(self) -> Any:
         try:

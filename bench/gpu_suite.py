@@ -118,8 +118,9 @@ class Suite:
 KIT_WHEELS = ("wasmtime==50.0.1", "llguidance==1.9.1")
 
 
-def prepare(kit: Path) -> None:
-    """Write the kit folder (run here, where the default model and a package registry are)."""
+def prepare(kit: Path, wheels: bool = True) -> None:
+    """Write the kit folder (run here, where the default model is): the tokenizer and the component,
+    and with `wheels` what the GPU machine lacks (needs a package registry; the dry run skips it)."""
     import transformers
 
     from gpu_backend.loading.loader import default_model_path
@@ -129,13 +130,15 @@ def prepare(kit: Path) -> None:
     path = default_model_path()
     transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(kit / "tokenizer")
     (kit / "text_completion.wasm").write_bytes(resolve_inferlet("text_completion", quiet=True).read_bytes())
-    wheels = kit / "wheels"
-    wheels.mkdir(exist_ok=True)
+    if not wheels:
+        return
+    wheel_dir = kit / "wheels"
+    wheel_dir.mkdir(exist_ok=True)
     for spec in KIT_WHEELS:
         for tag in ("manylinux1_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64"):
             r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                                 "--python-version", "3.12", "--implementation", "cp", "--platform", tag,
-                                "-d", str(wheels), spec], capture_output=True, text=True)
+                                "-d", str(wheel_dir), spec], capture_output=True, text=True)
             if r.returncode == 0:
                 break
         else:
@@ -512,6 +515,8 @@ def sec_host(s: Suite) -> dict[str, Any]:
     prompt = "Write a short story about a robot learning to paint."
     seq = be.tokenizer.encode(be.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
     args = ["--prompt", prompt, "--max-tokens", str(plan.host_tokens)]
+    from common import BatchLog
+
     log = BatchLog(be)  # before the host binds the backend's methods: every backend call is timed
     for ahead in (True, False):
         with tempfile.TemporaryDirectory() as data:
@@ -551,49 +556,6 @@ def sec_host(s: Suite) -> dict[str, Any]:
     del be
     free()
     return out
-
-
-class BatchLog:
-    """Every backend call (forward, or start_forward to its wait's return): (start, end, batch size)."""
-
-    def __init__(self, backend: Any) -> None:
-        self.calls: list[tuple[float, float, int]] = []
-        start_forward, calls = backend.start_forward, self.calls
-
-        class Timed:
-            def __init__(self, step: Any, t: float, n: int) -> None:
-                self.step, self.t, self.n = step, t, n
-
-            @property
-            def tokens(self) -> Any:
-                return self.step.tokens
-
-            @property
-            def _device_tokens(self) -> Any:
-                return self.step._device_tokens
-
-            @property
-            def _reqs(self) -> Any:
-                return self.step._reqs
-
-            def wait(self) -> Any:
-                try:
-                    return self.step.wait()
-                finally:
-                    calls.append((self.t, time.perf_counter(), self.n))
-
-        def timed_start(reqs: Any, feed: Any = None) -> Any:
-            if feed is not None and isinstance(feed.source, Timed):
-                feed.source = feed.source.step
-            return Timed(start_forward(reqs, feed), time.perf_counter(), len(reqs))
-
-        backend.start_forward = timed_start
-
-    def periods_ms(self, n: int) -> list[float]:
-        """Start-to-start periods between consecutive calls that both hold `n` requests (decode steps
-        of all n loops: the steady state)."""
-        c = sorted(self.calls)
-        return [1000 * (b[0] - a[0]) for a, b in zip(c, c[1:], strict=False) if a[2] == n and b[2] == n]
 
 
 def host_run(host: Any, program: str, args: list[str], n: int, tokens: int) -> tuple[float, int]:
@@ -726,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     kit = a.kit
     if a.dry_run and not (kit / "tokenizer").is_dir():
         kit = Path(tempfile.mkdtemp(prefix="pie-gpu-kit-"))
-        prepare_local(kit)
+        prepare(kit, wheels=False)
     install_wheels(kit)
     import torch
 
@@ -755,18 +717,6 @@ def main(argv: list[str] | None = None) -> int:
         suite.write()
     print(markdown(suite.results))
     return 1 if failed else 0
-
-
-def prepare_local(kit: Path) -> None:
-    """The dry run's kit without a registry: the tokenizer and the component (its wheels are installed)."""
-    import transformers
-
-    from gpu_backend.loading.loader import default_model_path
-    from host.cli.build import resolve_inferlet
-
-    path = default_model_path()
-    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(kit / "tokenizer")
-    (kit / "text_completion.wasm").write_bytes(resolve_inferlet("text_completion", quiet=True).read_bytes())
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from gpu_backend.attention import Attention, BatchPlan, build_plan
+from gpu_backend.attention import Attention, BatchPlan, build_plan, to_device
 from gpu_backend.kv_cache import KVCache
 from gpu_backend.models.llama import LlamaModel
 from gpu_backend.types import ForwardRequest
@@ -138,8 +139,7 @@ class DecodeGraphs:
             out = g.logits
         # one token per request: request i's outputs are all row i
         rows = [i for i, r in enumerate(reqs) for _ in r.outputs]
-        index = torch.tensor(rows, dtype=torch.long)
-        return out[index if out.device.type == "cpu" else index.to(out.device, non_blocking=True)]
+        return out[to_device(np.asarray(rows, dtype=np.int64), out.device)]
 
     def _plan(self, reqs: list[ForwardRequest], kv_slots: int) -> BatchPlan:
         return build_plan(reqs, self.page_size, self.model.device, self.model.group, self.attention,

@@ -113,7 +113,6 @@ class Host:
         self.replicas = [Replica(r, pm, sched) for r, (pm, sched) in enumerate(zip(managers, schedulers, strict=True))]
         self.pages: PageManager = managers[0]
         self.scheduler: Scheduler = schedulers[0]
-        self._owners: dict[str, int] = {}  # instance id -> its replica, for on_block (which gets an id)
         self._load = [0] * len(backends)  # running instances per replica (placement)
         for r, eng in enumerate(self.engines):
             eng.on_death.append(lambda reason, r=r: self._engine_died(r, reason))
@@ -212,17 +211,17 @@ class Host:
         if len(self._load) > 1:
             up = [i for i, e in enumerate(self.engines) if e.alive] or list(range(len(self._load)))
             r = min(up, key=lambda i: (self._load[i], -self.replicas[i].pages.free_count))
-            self._owners[inst.id] = r
         inst.pages.replica = r
         self._load[r] += 1
 
     def _unplace(self, inst: Instance) -> None:
         self._load[inst.pages.replica] -= 1
-        self._owners.pop(inst.id, None)
 
     def _forget(self, instance_id: str) -> None:
-        """The instance blocks on something other than a forward: its replica's scheduler need not wait."""
-        self.replicas[self._owners.get(instance_id, 0)].scheduler.forget(instance_id)
+        """The instance blocks on something other than a forward: its replica's scheduler need not wait
+        (a warm instance, not launched yet, is on replica 0 until placed)."""
+        inst = self._instances.get(instance_id)
+        self.replicas[inst.pages.replica if inst is not None else 0].scheduler.forget(instance_id)
 
     def _engine_died(self, replica: int, reason: str) -> None:
         """On the engine's watcher thread, before it is restarted: the KV cache of that replica is
@@ -301,7 +300,6 @@ class Host:
         rep = self.replicas[inst.pages.replica]
         rep.pages.release_all(inst.pages)
         rep.scheduler.forget(inst.id)
-        self._owners.pop(inst.id, None)
 
     def instances(self) -> list[dict[str, Any]]:
         """The running instances: id, program, arguments, state, started_at, tenant."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -525,22 +526,16 @@ def test_a_loops_steps_are_the_same_on_the_fast_path() -> None:
     gen = Generation(first, SamplerParams(), StopRules(100, frozenset({3}), (), 1000), 4, pm, table,
                      lambda ids: "", None)
     advanced = 0
-    advance = gen.advance
 
-    def counted(token: int) -> bool:
-        nonlocal advanced
-        advanced += 1
-        return advance(token)
+    def counted(method: Any) -> Any:
+        def call(token: int) -> bool:
+            nonlocal advanced
+            advanced += 1
+            return method(token)
+        return call
 
-    gen.advance = counted  # type: ignore[method-assign]
-    took = gen.took
-
-    def counted_took(token: int) -> bool:
-        nonlocal advanced
-        advanced += 1
-        return took(token)
-
-    gen.took = counted_took  # type: ignore[method-assign]
+    gen.advance = counted(gen.advance)  # type: ignore[method-assign]
+    gen.took = counted(gen.took)  # type: ignore[method-assign]
     s = Scheduler(AdaptivePolicy())
     s.bind(backend, None, 4, pins=pm)
     try:
