@@ -81,6 +81,7 @@ class Plan:
     run_tokens: int = 256
     host_conc: tuple[int, ...] = (1, 64, 256)
     host_tokens: int = 64
+    host_tokens_long: int = 256
     hf_tokens: int = 32
     attentions: tuple[str, ...] = ("sdpa", "flex")
     b8_batches: tuple[int, ...] = (1, 8)
@@ -91,7 +92,7 @@ class Plan:
         if not dry:
             return cls(dry=False)
         return cls(dry=True, batches=(1, 4), prompt_len=8, new_tokens=8, run_reqs=4, run_tokens=4,
-                   host_conc=(1, 4), host_tokens=4, hf_tokens=3, b8_batches=(1,))
+                   host_conc=(1, 4), host_tokens=4, host_tokens_long=6, hf_tokens=3, b8_batches=(1,))
 
 
 @dataclass
@@ -498,7 +499,10 @@ def sec_run256(s: Suite) -> dict[str, Any]:
 
 def sec_host(s: Suite) -> dict[str, Any]:
     """text_completion through the host (the real backend) vs the backend's own greedy loop, same
-    prompts (the chat-templated prompt's tokens), same token counts; run_ahead on and off."""
+    prompts (the chat-templated prompt's tokens), same token counts: the default host (run ahead;
+    the torch backend takes a `Feed`, so batches of loops go one ahead, their tokens read on the
+    device) and run_ahead off. `concurrency`: `host_tokens` new tokens each (the ramp of n starts
+    weighs in); `concurrency_long`: `host_tokens_long` each, default host only."""
     import torch
 
     from host import Host, HostConfig
@@ -507,55 +511,66 @@ def sec_host(s: Suite) -> dict[str, Any]:
     wasm = s.kit / "text_completion.wasm"
     hf = hf_model("llama-1b", s, torch.bfloat16 if s.device == "cuda" else torch.float32)
     n_max = max(plan.host_conc)
-    pages = n_max * math.ceil((64 + plan.host_tokens) / 16) + 64
+    longest = max(plan.host_tokens, plan.host_tokens_long)
+    pages = n_max * math.ceil((64 + longest) / 16) + 64
     be = ours(hf, s, pages, graphs=True)
     assert be.info.stop_tokens == []  # (tokenizer_spec): every loop runs to its max tokens
     del hf
-    out: dict[str, Any] = {"new_tokens": plan.host_tokens, "concurrency": {}}
+    out: dict[str, Any] = {"new_tokens": plan.host_tokens, "long_new_tokens": plan.host_tokens_long,
+                           "fed": bool(be.feeds), "concurrency": {}, "concurrency_long": {}}
     prompt = "Write a short story about a robot learning to paint."
     seq = be.tokenizer.encode(be.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
-    args = ["--prompt", prompt, "--max-tokens", str(plan.host_tokens)]
     from common import BatchLog
 
     log = BatchLog(be)  # before the host binds the backend's methods: every backend call is timed
+    runs = [(True, "concurrency", plan.host_tokens), (True, "concurrency_long", plan.host_tokens_long),
+            (False, "concurrency", plan.host_tokens)]
     for ahead in (True, False):
         with tempfile.TemporaryDirectory() as data:
             host = Host(HostConfig(data_dir=Path(data), run_ahead=ahead, prefix_cache="off"), backend=be)
             try:
                 program = host.compile(wasm.read_bytes())
-                for n in plan.host_conc:
-                    if s.left() < 30:
-                        break
-                    row = out["concurrency"].setdefault(str(n), {})
-                    key = "host_ahead" if ahead else "host_no_ahead"
-                    own_loop(be, [seq] * n, plan.host_tokens)  # warm-up (graphs for this bucket)
-                    host_run(host, program, args, n, plan.host_tokens)  # warm-up (the warm pool learns n)
-                    # alternating, best of 2 each: the two sides see the same machine
-                    own_s = host_s = math.inf
-                    own_p: list[float] = []
-                    host_p: list[float] = []
-                    for _ in range(2):
-                        log.calls.clear()
-                        own_s = min(own_s, own_loop(be, [seq] * n, plan.host_tokens)[0])
-                        own_p += log.periods_ms(n)
-                        log.calls.clear()
-                        host_s = min(host_s, host_run(host, program, args, n, plan.host_tokens)[0])
-                        host_p += log.periods_ms(n)
-                    own_tps = n * plan.host_tokens / own_s
-                    row[key + "_own_tokens_per_s"] = round(own_tps, 1)
-                    row[key + "_tokens_per_s"] = round(n * plan.host_tokens / host_s, 1)
-                    row[key + "_tax"] = round(1 - own_s / host_s, 4)
-                    # the steady state: start-to-start period of the backend calls holding all n loops
-                    if own_p and host_p:
-                        o, h = statistics.median(own_p), statistics.median(host_p)
-                        row[key + "_step_ms"] = {"own": round(o, 3), "host": round(h, 3)}
-                        row[key + "_step_tax"] = round(1 - o / h, 4)
-                    s.write()
+                for _, table, tokens in [r for r in runs if r[0] == ahead]:
+                    for n in plan.host_conc:
+                        if s.left() < 30:
+                            break
+                        row = out[table].setdefault(str(n), {})
+                        row.update(host_tax(be, log, host, program, seq, n, tokens, "host_ahead" if ahead
+                                            else "host_no_ahead"))
+                        s.write()
             finally:
                 host.shutdown()
     del be
     free()
     return out
+
+
+def host_tax(be: Any, log: Any, host: Any, program: str, seq: list[int], n: int, tokens: int,
+             key: str) -> dict[str, Any]:
+    """n instances of text_completion vs the own loop over n copies of `seq`, `tokens` new each:
+    alternating, best of 2 each (the two sides see the same machine), after a warm-up of each."""
+    args = ["--prompt", "Write a short story about a robot learning to paint.", "--max-tokens", str(tokens)]
+    own_loop(be, [seq] * n, tokens)  # warm-up (graphs for this bucket)
+    host_run(host, program, args, n, tokens)  # warm-up (the warm pool learns n)
+    own_s = host_s = math.inf
+    own_p: list[float] = []
+    host_p: list[float] = []
+    for _ in range(2):
+        log.calls.clear()
+        own_s = min(own_s, own_loop(be, [seq] * n, tokens)[0])
+        own_p += log.periods_ms(n)
+        log.calls.clear()
+        host_s = min(host_s, host_run(host, program, args, n, tokens)[0])
+        host_p += log.periods_ms(n)
+    row: dict[str, Any] = {key + "_own_tokens_per_s": round(n * tokens / own_s, 1),
+                           key + "_tokens_per_s": round(n * tokens / host_s, 1),
+                           key + "_tax": round(1 - own_s / host_s, 4)}
+    # the steady state: start-to-start period of the backend calls holding all n loops
+    if own_p and host_p:
+        o, h = statistics.median(own_p), statistics.median(host_p)
+        row[key + "_step_ms"] = {"own": round(o, 3), "host": round(h, 3)}
+        row[key + "_step_tax"] = round(1 - o / h, 4)
+    return row
 
 
 def host_run(host: Any, program: str, args: list[str], n: int, tokens: int) -> tuple[float, int]:
@@ -657,6 +672,15 @@ def markdown(res: dict[str, Any]) -> str:
         for n, row in h["concurrency"].items():
             lines.append(" | ".join([f"| {n}"] + [str(row.get(f"host_{k}_{c}")) for k in ("ahead", "no_ahead")
                                                   for c in ("own_tokens_per_s", "tokens_per_s", "tax")]) + " |")
+        lines += ["", f"Per token count ({h.get('new_tokens')} / {h.get('long_new_tokens')} new each; default host, "
+                  f"fed: {h.get('fed')}): end-to-end tax, and the steady state's (median start-to-start period "
+                  "of the backend calls holding all n loops, own / host ms)", "",
+                  "| concurrent | tax | step tax | step ms | tax, long | step tax, long | step ms, long |",
+                  "|---|---|---|---|---|---|---|"]
+        for n, row in h["concurrency"].items():
+            long = h.get("concurrency_long", {}).get(n, {})
+            lines.append(" | ".join([f"| {n}"] + [str(r.get(f"host_ahead_{c}")) for r in (row, long)
+                                                  for c in ("tax", "step_tax", "step_ms")]) + " |")
     for key in ("parity", "pytest"):
         if key in res:
             lines += ["", f"## {key}", "", "```", json.dumps(res[key], indent=1, default=str)[:4000], "```"]

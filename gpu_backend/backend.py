@@ -23,7 +23,7 @@ from gpu_backend.loading.tokenizer import Tokenizer
 from gpu_backend.models.config import ModelInfo
 from gpu_backend.models.llama import LlamaModel
 from gpu_backend.sampling import Drawn, SampleError, Sampler
-from gpu_backend.types import ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
+from gpu_backend.types import Feed, ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
 from gpu_backend.validate import as_sampler, check_batch, check_request
 
 log = logging.getLogger(__name__)
@@ -32,38 +32,31 @@ GREEDY = SamplerParams()  # frozen, safe as a default
 _T = TypeVar("_T")
 
 
-class Feed:
-    """Requests of a batch whose one new token is drawn by an earlier started batch (`TorchStep`), read
-    on the device: `requests[k]` takes the token of `source`'s request `rows[k]` (its first output)."""
+class _FedPlan:
+    """A checked `Feed` into a batch: where its tokens go in the batch's token list."""
 
-    __slots__ = ("source", "requests", "rows", "_dst")
+    __slots__ = ("feed", "dst")
 
-    def __init__(self, source: TorchStep, requests: Sequence[int], rows: Sequence[int]) -> None:
-        if len(requests) != len(rows):
-            raise ValueError("Feed: requests and rows differ in length")
-        self.source, self.requests, self.rows = source, list(requests), list(rows)
-        self._dst: list[int] = []
-
-    def check(self, reqs: list[ForwardRequest]) -> None:
-        """Raise ValueError unless every fed request has one new token and every row draws one; note
-        where the fed tokens go in the batch's token list."""
-        src = self.source._reqs
+    def __init__(self, feed: Feed, reqs: list[ForwardRequest]) -> None:
+        """Raise ValueError unless every fed request has one new token and every row draws one."""
+        src = feed.source._reqs  # type: ignore[attr-defined]  # a TorchStep (or a wrapper of one)
         offsets = list(accumulate((len(r.tokens) for r in reqs), initial=0))
-        for i, j in zip(self.requests, self.rows, strict=True):
+        for i, j in zip(feed.requests, feed.rows, strict=True):
             if not 0 <= i < len(reqs) or len(reqs[i].tokens) != 1:
                 raise ValueError(f"Feed: request {i} is not a one-token request of the batch")
             if not 0 <= j < len(src) or not src[j].outputs or src[j].outputs[0].sample is None:
                 raise ValueError(f"Feed: row {j} of the source batch draws no token")
-        self._dst = [offsets[i] for i in self.requests]
+        self.feed, self.dst = feed, [offsets[i] for i in feed.requests]
 
     def patch(self, plan: BatchPlan) -> None:
         """Write the fed tokens into `plan.tokens` on the device (queued behind the source batch)."""
-        drawn = self.source._device_tokens
+        source = self.feed.source
+        drawn = source._device_tokens  # type: ignore[attr-defined]
         if drawn is None:
             raise RuntimeError("Feed: the source batch has not drawn its tokens (started on another backend?)")
-        out_rows = list(accumulate((len(r.outputs) for r in self.source._reqs), initial=0))
-        dst = to_device(np.asarray(self._dst, dtype=np.int64), plan.tokens.device)
-        sel = to_device(np.asarray([out_rows[j] for j in self.rows], dtype=np.int64), drawn.device)
+        out_rows = list(accumulate((len(r.outputs) for r in source._reqs), initial=0))  # type: ignore[attr-defined]
+        dst = to_device(np.asarray(self.dst, dtype=np.int64), plan.tokens.device)
+        sel = to_device(np.asarray([out_rows[j] for j in self.feed.rows], dtype=np.int64), drawn.device)
         plan.tokens.index_copy_(0, dst, drawn.index_select(0, sel))
 
 
@@ -156,29 +149,27 @@ class TorchBackend:
         self._check_write_conflicts(checked)
         if not checked:
             return TorchStep(self, [], None, None)
-        if feed is not None:
-            feed.check(checked)
+        fed = _FedPlan(feed, checked) if feed is not None else None
         if self.model.device.type == "cuda":
-            step = TorchStep(self, checked, self._launch(checked, feed), None)
-            return step
+            return TorchStep(self, checked, self._launch(checked, fed), None)
         # the worker reads the requests later: give it copies (the caller may change them at once)
         snap = [replace(r, pages=list(r.pages), tokens=list(r.tokens), positions=list(r.positions),
                         outputs=list(r.outputs)) for r in checked]
         step = TorchStep(self, snap, None, None)
 
         def run() -> list[list[OutputResult]]:
-            drawn = self._launch(snap, feed)
+            drawn = self._launch(snap, fed)
             step._device_tokens = None if drawn is None else drawn.tokens
             return self._results(snap, drawn)
 
         step._future = self._worker().submit(run)
         return step
 
-    def _launch(self, checked: list[ForwardRequest], feed: Feed | None = None) -> Drawn | None:
+    def _launch(self, checked: list[ForwardRequest], fed: _FedPlan | None = None) -> Drawn | None:
         """Queue one pass and its draws (on CUDA without a host sync); None if nothing is drawn."""
         with self._lock, torch.inference_mode():
             specs = [o for r in checked for o in r.outputs]
-            logits = self._logits(checked, None if feed is None else feed.patch)
+            logits = self._logits(checked, None if fed is None else fed.patch)
             return self.sampler.launch(logits, specs) if specs else None
 
     def _results(self, checked: list[ForwardRequest], drawn: Drawn | None) -> list[list[OutputResult]]:
@@ -248,7 +239,7 @@ class TorchBackend:
 
     def _logits(self, reqs: list[ForwardRequest], patch: Callable[[BatchPlan], None] | None = None) -> torch.Tensor:
         """One pass over validated requests (graph replay when one serves it): logits [outputs, vocab].
-        `patch` changes the plan on the device first (`Feed.patch`)."""
+        `patch` changes the plan on the device first (`_FedPlan.patch`)."""
         if self.graphs is not None and self.graphs.accepts(reqs):
             return self.graphs.logits(reqs, patch)
         plan = self.plan(reqs)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gpu_backend.types import ForwardRequest, OutputResult
+from gpu_backend.types import Feed, ForwardRequest, OutputResult
 from gpu_backend.validate import check_batch
 
 __all__ = ["StandInBackend", "StandInInfo", "StandInStep", "StandInTokenizer"]
@@ -96,11 +96,14 @@ class StandInStep:
 class StandInBackend:
     """Deterministic tokens, optional sleep per batch; records batch sizes and slot contents."""
 
+    feeds = True  # start_forward takes a `Feed` (as the torch backend's)
+
     def __init__(self, page_size: int = 4, num_pages: int = 64, delay_s: float = 0.0) -> None:
         self.info = StandInInfo(page_size=page_size, num_pages=num_pages)
         self.tokenizer = StandInTokenizer()
         self.delay_s = delay_s
         self.batches: list[int] = []
+        self._free_at = 0.0  # when the "device" is done with the batches started so far
         self._lock = threading.Lock()
         # the "KV cache": the token stored in each slot, so reads of foreign pages are detectable
         self.slots: dict[tuple[int, int], int] = {}
@@ -108,28 +111,42 @@ class StandInBackend:
     def forward(self, reqs: Sequence[ForwardRequest]) -> list[list[OutputResult]]:
         return self.start_forward(reqs).wait()
 
-    def start_forward(self, reqs: Sequence[ForwardRequest]) -> StandInStep:
+    def start_forward(self, reqs: Sequence[ForwardRequest], feed: Feed | None = None) -> StandInStep:
         """Start a batch as a GPU does: read the requests and "enqueue" it (its outputs are computed
-        now, deterministically), return at once; `wait()` returns when `delay_s` has passed since
-        the call. Invalid requests raise ForwardError here, as `forward` does."""
+        now, deterministically), return at once; `wait()` returns `delay_s` after the call, or after
+        the batches started before it are done, as a device runs its queue. Invalid requests
+        raise ForwardError here, as `forward` does. `feed`: the fed requests' token is the one
+        drawn by `feed.source`'s row (a `StandInStep` of this backend)."""
         start = time.perf_counter()
         reqs = check_batch(reqs, self.info)  # the real validator: same errors as the model
         ps = self.info.page_size
+        fed: dict[int, int] = {}
+        if feed is not None:
+            src: list[list[OutputResult]] = feed.source.outputs  # type: ignore[attr-defined]
+            for i, j in zip(feed.requests, feed.rows, strict=True):
+                if not 0 <= i < len(reqs) or len(reqs[i].tokens) != 1 or not 0 <= j < len(src) or not src[j] \
+                        or src[j][0].token is None:
+                    raise ValueError(f"Feed: request {i} / row {j} cannot be fed")
+                fed[i] = src[j][0].token  # type: ignore[assignment]
         out = []
         with self._lock:
             self.batches.append(len(reqs))
-            for r in reqs:
+            for i, r in enumerate(reqs):
+                tokens = [fed[i]] if i in fed else r.tokens
                 ctx = r.context_len(ps)
-                for j, t in enumerate(r.tokens):
+                for j, t in enumerate(tokens):
                     slot = ctx + j
                     self.slots[(r.pages[slot // ps], slot % ps)] = t
                 res = []
                 for o in r.outputs:
-                    nxt = (r.tokens[o.index] + 1) % self.info.vocab_size
+                    nxt = (tokens[o.index] + 1) % self.info.vocab_size
                     res.append(OutputResult(token=nxt if o.sample else None,
                                             ids=[nxt][: o.dist], probs=[1.0][: o.dist]))
                 out.append(res)
-        return StandInStep(out, start + self.delay_s if self.delay_s else 0.0)
+            until = 0.0
+            if self.delay_s:
+                until = self._free_at = max(start, self._free_at) + self.delay_s
+        return StandInStep(out, until)
 
     def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:
         for i in range(count):

@@ -161,6 +161,20 @@ class StartedForward(Protocol):
     # after `wait()`: the scheduler takes the loops' next tokens from it (one list, not two objects per row)
 
 
+class Feed:
+    """Requests of a batch whose one new token is the token an earlier started batch (`source`, from
+    the same backend's `start_forward`) draws, read where it is drawn (on the device) instead of by
+    the host: `requests[k]` takes the first output's token of `source`'s request `rows[k]` (their
+    own `tokens` hold a placeholder). A backend that takes it says so with `feeds = True`."""
+
+    __slots__ = ("source", "requests", "rows")
+
+    def __init__(self, source: StartedForward, requests: Sequence[int], rows: Sequence[int]) -> None:
+        if len(requests) != len(rows):
+            raise ValueError("Feed: requests and rows differ in length")
+        self.source, self.requests, self.rows = source, list(requests), list(rows)
+
+
 class Started:
     """A batch that has already run: what `started(backend.forward(reqs))` gives a backend that cannot
     overlap, so every backend has `start_forward`'s shape (the scheduler has one run path)."""
@@ -179,9 +193,11 @@ def started(outputs: list[list[OutputResult]]) -> Started:
     return Started(outputs)
 
 
-# An overlapping backend also has `start_forward(reqs) -> StartedForward`, as a GPU runs a batch:
+# An overlapping backend also has `start_forward(reqs, feed=None) -> StartedForward`, as a GPU runs a batch:
 # it validates (raising ForwardError as `forward` does) and reads every request before it
 # returns, runs its calls in the order they are made, and the batch's time passes while the host
 # goes on. The scheduler then prepares the next batch while this one runs (host/batching/
-# scheduler.py, "ahead"). `gpu_backend.standin.StandInBackend` has it; a backend whose
-# `forward` computes synchronously gains nothing from it and leaves it out.
+# scheduler.py, "ahead"). One with `feeds = True` takes a `Feed`: the scheduler then launches the
+# loops' next batch before it waits for the last (its tokens read on the device). The torch backend
+# and `gpu_backend.standin.StandInBackend` have both; a backend whose `forward` computes
+# synchronously gains nothing from them and leaves them out.

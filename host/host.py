@@ -107,7 +107,8 @@ class Host:
                                 else None, max_pages_per_tenant=config.max_pages_per_tenant) for _ in backends]
         for sched, b, pm in zip(schedulers, backends, managers, strict=True):
             start = getattr(b, "start_forward", None) if config.run_ahead else None
-            sched.bind(b.forward, b.copy_tokens, info.page_size, pins=pm, start=start)
+            sched.bind(b.forward, b.copy_tokens, info.page_size, pins=pm, start=start,
+                       feeds=bool(getattr(b, "feeds", False)))
         # each instance lives on one replica, its WIT imports reach that replica's pages and
         # scheduler (host/replicas.py); `pages` / `scheduler`: the first's (the only one by default)
         self.replicas = [Replica(r, pm, sched) for r, (pm, sched) in enumerate(zip(managers, schedulers, strict=True))]

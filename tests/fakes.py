@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpu_backend.standin import StandInBackend, StandInStep
-from gpu_backend.types import ForwardRequest
+from gpu_backend.types import Feed, ForwardRequest
 
 __all__ = ["FakeBackend"]
 
@@ -22,8 +22,8 @@ class FakeBackend(StandInBackend):
         super().__init__(page_size=page_size, num_pages=num_pages, delay_s=delay_s)
         self.fail_next = False
 
-    def start_forward(self, reqs: Sequence[ForwardRequest]) -> StandInStep:
+    def start_forward(self, reqs: Sequence[ForwardRequest], feed: Feed | None = None) -> StandInStep:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected backend failure")
-        return super().start_forward(reqs)
+        return super().start_forward(reqs, feed)

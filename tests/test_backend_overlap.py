@@ -6,6 +6,8 @@ checks (tests/test_backend_gpu.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from backend_checks import tiny_backend
 from test_scheduler_ahead import PS, SPECS, _run
@@ -97,6 +99,23 @@ def test_loops_run_ahead_on_the_real_backend_give_what_step_at_a_time_gives():
     # the random model draws other tokens than the stand-in: the loops really ran on it
     assert any(r[0] != tuple(range(sp.prompt[-1] + 1, sp.prompt[-1] + 1 + len(r[0])))
                for r, sp in zip(ahead.results.values(), SPECS, strict=True))
+
+
+def test_fed_loops_on_the_real_backend_give_what_step_at_a_time_gives():
+    """Each loop's step launched before the last one's token is read on the host (`Feed`, read by
+    the model from the batch before): the same tokens, pages and cache views as step at a time."""
+    free = _run(False, SPECS, backend=tiny_backend(page_size=PS))
+    # stop tokens the model draws mid-way (from the free run), besides the stand-in's own specs
+    # (no stop strings: a loop that cannot run ahead keeps the batches it is in from being fed)
+    specs = [sp for sp in SPECS if not sp.stop_strings]
+    specs += [replace(SPECS[k], stop=(free.results[f"loop{k}"][0][2],), max_tokens=12) for k in (0, 3, 4, 7)]
+    fed = _run(True, specs, backend=tiny_backend(page_size=PS), fed=True)
+    step = _run(False, specs, backend=tiny_backend(page_size=PS))
+    assert fed.results == step.results
+    assert fed.streamed == step.streamed
+    assert fed.filled == step.filled and fed.cached == step.cached
+    assert fed.free == step.free == 256
+    assert any(len(fed.rows[n]) > len(r) for n, r in step.rows.items())  # a step was launched past a stop
 
 
 def _reference_generate(be, prompts, max_tokens, sampler, stops):

@@ -30,9 +30,9 @@ from host.wasm.instance import Instance
 class MaskedStandIn(StandInBackend):
     seen: list[ForwardRequest]
 
-    def start_forward(self, reqs: Any) -> StandInStep:
+    def start_forward(self, reqs: Any, feed: Any = None) -> StandInStep:
         self.__dict__.setdefault("seen", []).extend(reqs)
-        step = super().start_forward(reqs)
+        step = super().start_forward(reqs, feed)
         out = step.outputs
         vocab = self.info.vocab_size
         for i, (req, res) in enumerate(zip(reqs, out, strict=True)):

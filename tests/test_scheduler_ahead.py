@@ -13,7 +13,8 @@ a page that must be given back), by length, by position, out of pages, with seed
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -76,8 +77,11 @@ def _record(rows: dict[str, list[tuple[Any, ...]]], reqs: Any) -> None:
         rows.setdefault(r.name, []).append((tuple(r.tokens), tuple(r.positions), len(r.pages), r.last_page_len, seed))
 
 
-def _run(ahead: bool, specs: list[Spec], cancel: str | None = None, backend: Any = None) -> Outcome:
-    """`specs` as loops through a scheduler (`backend`: the stand-in unless given; page size PS, 256 pages)."""
+def _run(ahead: bool, specs: list[Spec], cancel: str | None = None, backend: Any = None,
+         fed: bool = False) -> Outcome:
+    """`specs` as loops through a scheduler (`backend`: the stand-in unless given; page size PS, 256 pages).
+    `fed`: the loops' steps are launched before the batch drawing their tokens is waited for
+    (`Feed`); the rows are recorded with the tokens the backend read."""
     be = backend if backend is not None else StandInBackend(page_size=PS, num_pages=256, delay_s=0.001)
     pm = PageManager(256, CAP, PrefixCache(PS))
     sched = Scheduler()
@@ -89,12 +93,16 @@ def _run(ahead: bool, specs: list[Spec], cancel: str | None = None, backend: Any
             _record(out.rows, reqs)
         return be.forward(reqs)
 
-    def start(reqs: Any) -> Any:
+    def start(reqs: Any, feed: Any = None) -> Any:
         with lock:
+            if feed is not None and hasattr(feed.source, "outputs"):  # the stand-in's fed tokens, as it reads them
+                src = feed.source.outputs
+                reqs = [replace(r, tokens=[src[feed.rows[feed.requests.index(i)]][0].token])
+                        if i in feed.requests else r for i, r in enumerate(reqs)]
             _record(out.rows, reqs)
-        return be.start_forward(reqs)
+        return be.start_forward(reqs, feed)
 
-    sched.bind(forward, be.copy_tokens, PS, pins=pm, start=start if ahead else None)
+    sched.bind(forward, be.copy_tokens, PS, pins=pm, start=start if ahead else None, feeds=fed)
     futs, gens, tables = {}, {}, {}
     try:
         for k, sp in enumerate(specs):
@@ -166,8 +174,60 @@ def test_the_reference_path_gives_the_stand_ins_tokens() -> None:
         assert res[3] == ("stop-token" if tokens[-1] in sp.stop else "length")
 
 
+def test_fed_loops_give_what_step_at_a_time_gives() -> None:
+    """Each step launched before the last one's token is read on the host: the same results, steps,
+    slots and cache views; a loop that ends on a stop token had one step more launched (its token
+    the stop token, written past its end and given back), none other did."""
+    fed, step = _run(True, SPECS, fed=True), _run(False, SPECS)
+    assert fed.results == step.results
+    assert fed.streamed == step.streamed
+    assert fed.slots == step.slots and fed.filled == step.filled
+    assert fed.cached == step.cached
+    assert fed.free == step.free == 256
+    for name, rows in step.rows.items():
+        extra = fed.rows[name][len(rows):]
+        assert fed.rows[name][: len(rows)] == rows, name
+        if step.results[name][3] == "stop-token" and len(rows) > 1:
+            assert len(extra) <= 1 and all(e[0] == (step.results[name][0][-1],) for e in extra), name
+        else:
+            assert extra == [], name
+    assert any(len(fed.rows[n]) > len(r) for n, r in step.rows.items())  # some step was wasted
+
+
+def test_fed_loops_overlap_the_batch_before() -> None:
+    """Fed, the next batch is launched while the last one runs: the stand-in's device queue holds two."""
+    be = StandInBackend(page_size=PS, num_pages=256, delay_s=0.01)
+    starts: list[float] = []
+    waits: list[float] = []
+    real = be.start_forward
+
+    class Timed:
+        def __init__(self, step: Any) -> None:
+            self.step = step
+
+        def __getattr__(self, name: str) -> Any:  # what a Feed reads
+            return getattr(self.step, name)
+
+        def wait(self) -> Any:
+            try:
+                return self.step.wait()
+            finally:
+                waits.append(time.perf_counter())
+
+    def start_forward(reqs: Any, feed: Any = None) -> Any:
+        starts.append(time.perf_counter())
+        return Timed(real(reqs, feed))
+
+    be.start_forward = start_forward  # type: ignore[method-assign]
+    _run(True, [Spec([10, 11, 12], 20)], backend=be, fed=True)
+    # every later launch comes before the batch before it is waited for
+    ahead = sum(1 for k in range(1, len(starts)) if starts[k] < waits[k - 1])
+    assert ahead >= len(starts) - 3, (len(starts), ahead)
+
+
+@pytest.mark.parametrize("fed", [False, True])
 @pytest.mark.parametrize("which", [0, 3, 8])
-def test_a_cancelled_loop_ends_and_frees_what_it_pinned(which: int) -> None:
-    out = _run(True, SPECS, cancel=f"loop{which}")
+def test_a_cancelled_loop_ends_and_frees_what_it_pinned(which: int, fed: bool) -> None:
+    out = _run(True, SPECS, cancel=f"loop{which}", fed=fed)
     assert out.results[f"loop{which}"][3] == "cancelled"
     assert out.free == 256

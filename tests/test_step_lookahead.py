@@ -16,7 +16,7 @@ from fakes import FakeBackend
 from helpers import Run, wasm_bytes
 
 from gpu_backend.standin import StandInStep
-from gpu_backend.types import ForwardRequest, OutputResult
+from gpu_backend.types import Feed, ForwardRequest, OutputResult
 from host import Host, HostConfig
 
 VOCAB = 256
@@ -26,8 +26,8 @@ pytestmark = pytest.mark.build
 class ContextBackend(FakeBackend):
     """The stand-in, but the sampled token is sum(tokens in the slots up to the output) % vocab."""
 
-    def start_forward(self, reqs: Sequence[ForwardRequest]) -> StandInStep:
-        step = super().start_forward(reqs)  # writes every request's slots (the batch's pages do not overlap)
+    def start_forward(self, reqs: Sequence[ForwardRequest], feed: Feed | None = None) -> StandInStep:
+        step = super().start_forward(reqs, feed)  # writes every request's slots (the batch's pages do not overlap)
         out = step.outputs
         ps = self.info.page_size
         for r, res in zip(reqs, out, strict=True):

@@ -43,17 +43,24 @@ class Loops:
         self.broken: list[ForwardFuture] = []
         self.finals: list[tuple[ForwardFuture, int | None, bool]] = []
         self.last_batch = (0.0, 0.0)  # the last batch's start and end
+        # Fed: `ahead` launched before the batch drawing their tokens has been waited for (`feed`):
+        # each one's row in that batch, and the loops whose fed step turned out to be wasted
+        # (their token is a stop token: they end once the batch holding that step has run).
+        self.ahead_rows: list[int] = []
+        self.wasted: dict[int, tuple[ForwardFuture, int | None]] = {}
 
     def after_launch(self, batch: list[ForwardFuture], ahead: int, loops: int) -> None:
         """While `batch` runs: end the loops left out of it, and for each loop in it that runs ahead,
         take the token its step writes and prepare its next step (`fill`, with its row), or note
         that this step is its last (`lasts`). A common step is done inline (`Generation.fast`)."""
         self.end_finals(hold=loops == 0)
-        fill = self.fill
+        fill, wasted = self.fill, self.wasted
         for i in range(ahead):
             f = batch[i]
             gen = f.generation
             assert gen is not None  # batch[:ahead] are loops
+            if wasted and id(f) in wasted:  # fed a stop token: it ends once this batch has run
+                continue
             req = gen.request
             if gen.fast > 0 and not gen.cancelled:
                 gen.fast_step(req.tokens[0])
@@ -81,23 +88,46 @@ class Loops:
         else:
             self.lasts.append((fut, row))
 
-    def fill_ahead(self, results: list[list[OutputResult]], drawn: list[int | None] | None) -> None:
+    def feed(self) -> None:
+        """The prepared steps go into the next batch before this one's tokens are read (`fed`: the
+        backend writes each one's token from its row of the batch still running); `fill` stays,
+        for `fill_ahead` to check those tokens once that batch has run."""
+        self.ahead = [e[0] for e in self.fill]
+        self.ahead_reqs = [e[2] for e in self.fill]
+        self.ahead_rows = [e[4] for e in self.fill]
+
+    def unfeed(self) -> None:
+        """The fed steps were not launched: `fill_ahead` writes their tokens in instead."""
+        self.ahead, self.ahead_reqs, self.ahead_rows = [], [], []
+
+    def fill_ahead(self, results: list[list[OutputResult]], drawn: list[int | None] | None, fed: bool) -> None:
         """The batch's drawn tokens (`drawn`: the backend's flat list of each request's first output's
         token, if it gives one: a few cache lines instead of two objects per row; else read from
         `results`) into the prepared steps: those loops go first into the next batch;
         a loop whose token is a stop token or whose step was its last (or that was cancelled before
-        the launch) ends after the next launch (`finals`)."""
+        the launch) ends after the next launch (`finals`). `fed`: the prepared steps have been
+        launched already (`feed`); one whose token is a stop token is wasted: that loop ends
+        after the batch holding it has run (the next call)."""
         ahead, reqs, finals = self.ahead, self.ahead_reqs, self.finals
+        if self.wasted:  # their wasted step was in the batch that has just run
+            finals.extend((f, token, True) for f, token in self.wasted.values())
+            self.wasted = {}
         if drawn is None or len(drawn) != len(results):
             drawn = [r[0].token if r else None for r in results]
         for f, stop_tokens, req, tokens, i in self.fill:
             token = drawn[i]
+            if fed and f.done():  # its fed step failed at the launch: ended already
+                continue
             if token is None or token in stop_tokens:
-                finals.append((f, token, True))
+                if fed:
+                    self.wasted[id(f)] = (f, token)
+                else:
+                    finals.append((f, token, True))
                 continue
             tokens[0] = token
-            ahead.append(f)
-            reqs.append(req)
+            if not fed:
+                ahead.append(f)
+                reqs.append(req)
         for f, i in self.lasts:
             finals.append((f, drawn[i], False))
         self.fill.clear()
@@ -114,6 +144,8 @@ class Loops:
         for f, token, prepared in finals:
             gen = f.generation
             assert gen is not None
+            if f.done():  # a fed step of it failed at a launch: ended already
+                continue
             try:
                 done = gen.finish(token, prepared)
             except Exception as e:  # a host bug (or the backend drew no token) ends this loop only

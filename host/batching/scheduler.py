@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from gpu_backend.types import ForwardError, ForwardRequest, OutputResult, StartedForward, started
+from gpu_backend.types import Feed, ForwardError, ForwardRequest, OutputResult, StartedForward, started
 from host.batching.future import CopyRequest, ForwardFuture, Job
 from host.batching.generation import Generation
 from host.batching.loops import Loops
@@ -30,7 +30,7 @@ __all__ = ["Scheduler", "SchedulerStats", "ForwardFn", "StartFn", "CopyFn", "BAT
 log = logging.getLogger(__name__)
 
 ForwardFn = Callable[[Sequence[ForwardRequest]], list[list[OutputResult]]]
-StartFn = Callable[[Sequence[ForwardRequest]], StartedForward]
+StartFn = Callable[..., StartedForward]  # (requests, feed=None)
 CopyFn = Callable[[int, int, int, int, int], None]
 
 
@@ -42,6 +42,17 @@ class PagePins(Protocol):
     def unpin(self, pages: Iterable[int]) -> None: ...
 
     def forget_content(self, pages: Sequence[int]) -> None: ...
+
+
+class _Running:
+    """A launched batch: its handle and what `_settle` needs once it has run."""
+
+    __slots__ = ("handle", "batch", "loops", "ahead", "start", "tokens", "waited")
+
+    def __init__(self, handle: StartedForward, batch: list[ForwardFuture], loops: int, ahead: int, start: float,
+                 tokens: int, waited: float) -> None:
+        self.handle, self.batch, self.loops, self.ahead = handle, batch, loops, ahead
+        self.start, self.tokens, self.waited = start, tokens, waited
 
 
 class Scheduler:
@@ -66,6 +77,9 @@ class Scheduler:
         self._loops = Loops(self._complete, self._expect)  # the generation loops' steps (host/batching/loops.py)
         self._batch_running = False  # a batch is in the backend (set and cleared by the scheduler thread)
         self._loops_in_batch = 0  # the batch being taken starts with this many resident loops (_take -> _run)
+        self._fed_rows: list[int] = []  # its first loops' rows in the batch running (_take -> _run, fed)
+        self._feeds = False  # the backend takes a `Feed`: batches of loops only are launched one ahead
+        self._running: _Running | None = None  # a batch launched and not yet waited for (fed)
         self._cv = threading.Condition()
         self._stopped = False
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
@@ -73,12 +87,14 @@ class Scheduler:
         self._thread.start()
 
     def bind(self, forward: ForwardFn, copy: CopyFn | None, page_size: int, pins: PagePins | None = None,
-             start: StartFn | None = None) -> None:
+             start: StartFn | None = None, feeds: bool = False) -> None:
         """Attach the backend (its forward and copy_tokens, and its page size) and the page pins;
         `start`: its `start_forward` (a backend that cannot overlap: None, and its `forward` is run
-        through `gpu_backend.types.started`). Every backend takes the same run path (`_run`)."""
+        through `gpu_backend.types.started`). Every backend takes the same run path (`_run`).
+        `feeds`: `start` takes a `gpu_backend.types.Feed` (the loops' steps then go one batch ahead)."""
         self._forward, self._copy, self._page_size, self._pins = forward, copy, page_size, pins
         self._start = start if start is not None else (lambda reqs, f=forward: started(f(reqs)))
+        self._feeds = feeds and start is not None
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the scheduler thread between batches; returns its result or raises its error."""
@@ -118,7 +134,7 @@ class Scheduler:
 
     def busy(self) -> bool:
         """Whether forwards are queued or generation loops are running (read without the lock)."""
-        return bool(self._queue or self._loops.resident or self._loops.ahead)
+        return bool(self._queue or self._loops.resident or self._loops.ahead or self._running)
 
     def expect(self, owner: str) -> None:
         """A new instance will submit soon. The policy may hold a batch for it only while nothing
@@ -143,8 +159,13 @@ class Scheduler:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=5)
-        for fut in self._queue.clear() + self._loops.ahead + self._loops.resident + [f for f, _t, _p in self._loops.finals]:
-            self._complete(fut, None, RuntimeError("host is shutting down"))
+        lp = self._loops
+        for fut in (self._queue.clear() + lp.ahead + lp.resident + [f for f, _t, _p in lp.finals]
+                    + [f for f, _t in lp.wasted.values()]):
+            if not fut.done():
+                self._complete(fut, None, RuntimeError("host is shutting down"))
+        lp.wasted.clear()
+        lp.ahead_rows.clear()
         self._loops.ahead.clear()
         self._loops.ahead_reqs.clear()
         self._loops.resident.clear()
@@ -159,21 +180,32 @@ class Scheduler:
             with self._cv:
                 settle = False
                 while not self._stopped and not self._calls and not self._has_work():
-                    if self._loops.finals:  # no batch to launch now: the loops left out of the last one end first
+                    # no batch to launch now: the one running is waited for (its loops' steps are
+                    # launched known, or end), and the loops left out of the last one end
+                    if self._running is not None or self._loops.finals:
                         settle = True
                         break
                     self._cv.wait(self._wait_s())
                 if settle:
                     job, copies, batch = None, list[ForwardFuture](), list[ForwardFuture]()
                 elif self._stopped:
-                    return
+                    job, copies, batch = None, [], []
                 else:
                     job = self._calls.popleft() if self._calls else None
                     copies, batch = ([], []) if job else self._take()
-                    self._batch_running = bool(batch)
+                    self._batch_running = bool(batch) or self._running is not None
+            if self._running is not None and (settle or self._stopped or job is not None):
+                self._loops.unfeed()  # (a call runs with no batch in flight)
+                running, self._running = self._running, None
+                self._settle(running, fed=False)
+                self._batch_running = False
+                if settle or self._stopped:
+                    continue
             if settle:
                 self._loops.end_finals(hold=True)
                 continue
+            if self._stopped:
+                return
             if job is not None:
                 fn, cfut = job
                 try:
@@ -185,7 +217,7 @@ class Scheduler:
                 self._run_copy(c)
             if batch:
                 self._run(batch)
-                self._batch_running = False
+                self._batch_running = self._running is not None
 
     def _no_forwards(self) -> bool:
         """Nothing to put in a batch: no queued forward (copies aside) and no loop (lock held)."""
@@ -218,8 +250,9 @@ class Scheduler:
         if fire and (self._loops.resident or self._loops.ahead):
             loops = self._loops.ahead + self._loops.resident
             if not dry:
-                self._ahead_in_batch = self._loops.ahead_reqs
-                self._loops.ahead, self._loops.ahead_reqs, self._loops.resident = [], [], []
+                lp = self._loops
+                self._ahead_in_batch, self._fed_rows = lp.ahead_reqs, lp.ahead_rows
+                lp.ahead, lp.ahead_reqs, lp.ahead_rows, lp.resident = [], [], [], []
                 self._loops_in_batch = len(loops)
         copies, queued = self._queue.take(fire, loops, self._page_size, self.max_batch_tokens, dry)
         return copies, loops + queued
@@ -241,46 +274,85 @@ class Scheduler:
         """Run one batch: launch it (`start_forward`; a backend that cannot overlap runs it right
         there), then do what the last one left while this one runs (its loops' steps: take the
         token each launched step writes and prepare the step after; end the loops left out of this
-        batch: `Loops.after_launch`), then wait for it. When it returns, every loop whose next step
-        is prepared goes into the next batch as soon as its token is written in
+        batch: `Loops.after_launch`), then wait for it (`_settle`). When it returns, every loop whose
+        next step is prepared goes into the next batch as soon as its token is written in
         (`Loops.fill_ahead`): between two backend calls the host does that, the plain forwards'
         turns and the steps of loops that cannot run ahead (a grammar's mask needs the token), not
         every loop's bookkeeping. A request the backend rejects at the launch fails alone; a batch
-        that fails after it fails whole."""
+        that fails after it fails whole.
+
+        Fed (a backend that takes a `Feed`; `_feeds`): a batch of loops' steps only is not waited
+        for here: the next batch, their next steps, is launched first, each step's token read on
+        the device from its row of this one (`Loops.feed`), and this one is waited for after that
+        launch. The device then never waits for the host between two steps; the stop checks run
+        one step behind (a loop that drew a stop token has one step more launched, whose K/V
+        slot, past its end, is given back: `Loops.wasted`), as SGLang's overlap scheduler does."""
         reqs, loops = self._ahead_in_batch, self._loops_in_batch  # batch[:ahead]: loops run ahead, reqs theirs
+        fed, prev = self._fed_rows, self._running
         ahead = len(reqs)
-        self._ahead_in_batch, self._loops_in_batch = [], 0
+        self._ahead_in_batch, self._loops_in_batch, self._fed_rows, self._running = [], 0, [], None
         reqs.extend(f.request for f in batch[ahead:] if isinstance(f.request, ForwardRequest))
-        launched = self._launch(batch, reqs, loops, ahead)
+        launched = self._launch(batch, reqs, loops, ahead, prev.handle if prev is not None and fed else None, fed)
+        if prev is not None and not self._settle(prev, fed=bool(fed)) and launched is not None:
+            # the batch this one's steps were fed from failed, and their loops with it: skip them
+            lp = self._loops
+            for f in batch[:launched[3]]:
+                if f.done():
+                    lp.wasted[id(f)] = (f, None)
         if launched is None:
             return
         handle, start, loops, ahead = launched
         rest = batch[loops:]
         tokens = loops + sum(len(f.request.tokens) for f in rest if isinstance(f.request, ForwardRequest))
         # (counted before the steps change the requests)
-        waited = loops * (start - self._loops.last_batch[1]) + sum(start - f.submitted for f in rest)
+        waited = loops * max(start - self._loops.last_batch[1], 0.0) + sum(start - f.submitted for f in rest)
         self._loops.after_launch(batch, ahead, loops)
-        try:
-            results = handle.wait()
-        except Exception as e:
-            self._loops.fill.clear()
-            self._loops.lasts.clear()
-            self._loops.broken.clear()
-            self._fail(batch, e)
+        running = _Running(handle, batch, loops, ahead, start, tokens, waited)
+        lp = self._loops
+        if self._feeds and lp.fill and loops == ahead and all(
+                f.generation is not None and f.generation.ahead for f in rest):
+            lp.feed()  # the next batch goes before this one is waited for
+            self._running = running
             return
-        end = time.perf_counter()
-        self._after_run(batch, results, getattr(handle, "tokens", None), loops, ahead, start, end)
-        self.stats.record(len(batch), tokens, waited, start, end)
+        self._settle(running, fed=False)
 
-    def _launch(self, batch: list[ForwardFuture], reqs: list[ForwardRequest], loops: int,
-                ahead: int) -> tuple[StartedForward, float, int, int] | None:
+    def _settle(self, run: _Running, fed: bool) -> bool:
+        """Wait for a launched batch and take its outputs (`_after_run`); False if it failed. `fed`:
+        the next batch, which holds its loops' next steps, has been launched already."""
+        try:
+            results = run.handle.wait()
+        except Exception as e:
+            lp = self._loops
+            lp.fill.clear()
+            lp.lasts.clear()
+            lp.broken.clear()
+            if lp.wasted:  # their step in this batch was their last
+                for f, _t in lp.wasted.values():
+                    if not f.done():
+                        self._complete(f, None, RuntimeError(f"backend error while running a batch: {e}"))
+                lp.wasted = {}
+            self._fail([f for f in run.batch if not f.done()], e)
+            return False
+        end = time.perf_counter()
+        self._after_run(run.batch, results, getattr(run.handle, "tokens", None), run.loops, run.ahead, run.start,
+                        end, fed)
+        self.stats.record(len(run.batch), run.tokens, run.waited, run.start, end)
+        return True
+
+    def _launch(self, batch: list[ForwardFuture], reqs: list[ForwardRequest], loops: int, ahead: int,
+                source: StartedForward | None = None,
+                fed: list[int] | None = None) -> tuple[StartedForward, float, int, int] | None:
         """Start the batch; a request the backend rejects fails alone and the rest is started without
-        it (`batch` shrinks). Returns the handle, the launch time and the loops / ahead counts left,
-        or None when nothing could be started."""
+        it (`batch` shrinks). `source`: the batch running, whose rows `fed` the first loops' tokens
+        are read from. Returns the handle, the launch time and the loops / ahead counts left, or
+        None when nothing could be started."""
         assert self._start is not None
+        fed = list(fed or ())
         while True:
             start = time.perf_counter()
             try:
+                if source is not None and fed:
+                    return self._start(reqs, Feed(source, range(len(fed)), fed)), start, loops, ahead
                 return self._start(reqs), start, loops, ahead
             except ForwardError as e:
                 i = e.request_index
@@ -291,6 +363,8 @@ class Scheduler:
                 self.stats.errors += 1
                 loops -= int(i < loops)
                 ahead -= int(i < ahead)
+                if i < len(fed):
+                    del fed[i]
                 self._complete(batch.pop(i), None, e)
                 reqs = [f.request for f in batch if isinstance(f.request, ForwardRequest)]
                 if not batch:
@@ -302,9 +376,11 @@ class Scheduler:
                 return None
 
     def _after_run(self, batch: list[ForwardFuture], results: list[list[OutputResult]],
-                   drawn: list[int | None] | None, loops: int, ahead: int, start: float, end: float) -> None:
+                   drawn: list[int | None] | None, loops: int, ahead: int, start: float, end: float,
+                   fed: bool = False) -> None:
         """The batch has run: plain forwards finish (or queue their follow-up), the loops' drawn
-        tokens go into their prepared steps, the loops that cannot run ahead take their step."""
+        tokens go into their prepared steps (`fed`: launched already), the loops that cannot run
+        ahead take their step."""
         rest, rest_results = batch[loops:], results[loops:]
         come_back: list[str] = []
         follow_ups: list[ForwardFuture] = []
@@ -326,7 +402,7 @@ class Scheduler:
         self._expect(come_back, start, end)
         ended: list[str] = []
         lp = self._loops
-        lp.fill_ahead(results, drawn)
+        lp.fill_ahead(results, drawn, fed)
         if ahead < loops:
             lp.step_loops(batch, results, loops, end, ended, first=ahead)
         for f in lp.broken:  # a host bug in a loop's step: it ends now that its last step has run
