@@ -550,8 +550,8 @@ def host_tax(be: Any, log: Any, host: Any, program: str, seq: list[int], n: int,
     """n instances of text_completion vs the own loop over n copies of `seq`, `tokens` new each:
     alternating, best of 2 each (the two sides see the same machine), after a warm-up of each."""
     args = ["--prompt", "Write a short story about a robot learning to paint.", "--max-tokens", str(tokens)]
-    own_loop(be, [seq] * n, tokens)  # warm-up (graphs for this bucket)
-    host_run(host, program, args, n, tokens)  # warm-up (the warm pool learns n)
+    want = be.tokenizer.decode(own_loop(be, [seq] * n, tokens)[1][0])  # warm-up (graphs for this bucket)
+    texts = host_run(host, program, args, n, tokens)[2]  # warm-up (the warm pool learns n)
     own_s = host_s = math.inf
     own_p: list[float] = []
     host_p: list[float] = []
@@ -560,11 +560,16 @@ def host_tax(be: Any, log: Any, host: Any, program: str, seq: list[int], n: int,
         own_s = min(own_s, own_loop(be, [seq] * n, tokens)[0])
         own_p += log.periods_ms(n)
         log.calls.clear()
-        host_s = min(host_s, host_run(host, program, args, n, tokens)[0])
+        secs, _, _, t0 = host_run(host, program, args, n, tokens)
+        if secs < host_s:
+            host_s, where = secs, phases_ms(log.calls, t0, t0 + secs, n)
         host_p += log.periods_ms(n)
     row: dict[str, Any] = {key + "_own_tokens_per_s": round(n * tokens / own_s, 1),
+                           # the host's texts against the own loop's (bf16: batches of other shapes may differ)
+                           key + "_texts_equal_own": round(sum(t == want for t in texts) / n, 3),
                            key + "_tokens_per_s": round(n * tokens / host_s, 1),
                            key + "_tax": round(1 - own_s / host_s, 4)}
+    row[key + "_phases_ms"] = where
     # the steady state: start-to-start period of the backend calls holding all n loops
     if own_p and host_p:
         o, h = statistics.median(own_p), statistics.median(host_p)
@@ -573,7 +578,21 @@ def host_tax(be: Any, log: Any, host: Any, program: str, seq: list[int], n: int,
     return row
 
 
-def host_run(host: Any, program: str, args: list[str], n: int, tokens: int) -> tuple[float, int]:
+def phases_ms(calls: list[tuple[float, float, int]], t0: float, t1: float, n: int) -> dict[str, Any]:
+    """Where a host run's time went, from its backend calls (start, end, size): to the first call, the
+    ramp to the first call holding all n, the calls holding all n, and the rest to the end."""
+    c = sorted(calls)
+    if not c:
+        return {}
+    full = [k for k, x in enumerate(c) if x[2] == n]
+    a = c[full[0]][0] if full else c[-1][1]
+    b = c[full[-1]][1] if full else c[-1][1]
+    ms = lambda x: round(1000 * x, 2)  # noqa: E731
+    return {"to_first_call": ms(c[0][0] - t0), "ramp": ms(a - c[0][0]), "full": ms(b - a), "full_calls": len(full),
+            "tail": ms(t1 - b), "calls": len(c)}
+
+
+def host_run(host: Any, program: str, args: list[str], n: int, tokens: int) -> tuple[float, int, list[str], float]:
     """n instances at once; seconds from the first launch to the last end, and tokens generated (no
     stop tokens: each instance generates its `tokens`; the own loop's `generate_batch` the same)."""
     from common import Run
@@ -587,7 +606,7 @@ def host_run(host: Any, program: str, args: list[str], n: int, tokens: int) -> t
         raise RuntimeError(f"{len(bad)} of {n} instances did not complete: {bad[0].event} {bad[0].message[:300]}")
     if not all(e.message for e in ends):
         raise RuntimeError("an instance returned no text")
-    return secs, n * tokens
+    return secs, n * tokens, [e.message for e in ends], t
 
 
 def sec_decode8b(s: Suite) -> dict[str, Any]:
