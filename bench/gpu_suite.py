@@ -555,6 +555,7 @@ def host_tax(be: Any, log: Any, host: Any, program: str, seq: list[int], n: int,
     own_s = host_s = math.inf
     own_p: list[float] = []
     host_p: list[float] = []
+    graphs = len(be.graphs.captured()) if be.graphs is not None else 0
     for _ in range(2):
         log.calls.clear()
         own_s = min(own_s, own_loop(be, [seq] * n, tokens)[0])
@@ -570,6 +571,8 @@ def host_tax(be: Any, log: Any, host: Any, program: str, seq: list[int], n: int,
                            key + "_tokens_per_s": round(n * tokens / host_s, 1),
                            key + "_tax": round(1 - own_s / host_s, 4)}
     row[key + "_phases_ms"] = where
+    # CUDA graphs captured during the measured runs (a capture on the way costs tens of ms)
+    row[key + "_graphs_captured"] = (len(be.graphs.captured()) if be.graphs is not None else 0) - graphs
     # the steady state: start-to-start period of the backend calls holding all n loops
     if own_p and host_p:
         o, h = statistics.median(own_p), statistics.median(host_p)
@@ -589,7 +592,9 @@ def phases_ms(calls: list[tuple[float, float, int]], t0: float, t1: float, n: in
     b = c[full[-1]][1] if full else c[-1][1]
     ms = lambda x: round(1000 * x, 2)  # noqa: E731
     return {"to_first_call": ms(c[0][0] - t0), "ramp": ms(a - c[0][0]), "full": ms(b - a), "full_calls": len(full),
-            "tail": ms(t1 - b), "calls": len(c)}
+            "tail": ms(t1 - b), "calls": len(c),
+            # the first calls: (start from the run's start, size, start to wait's return), ms
+            "first_calls": [(ms(x[0] - t0), x[2], ms(x[1] - x[0])) for x in c[:8]]}
 
 
 def host_run(host: Any, program: str, args: list[str], n: int, tokens: int) -> tuple[float, int, list[str], float]:

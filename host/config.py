@@ -61,8 +61,9 @@ class HostConfig:
         every step waits for its guest's call (for comparisons).
     run_ahead: use the backend's own `start_forward` (the torch backend's: on CUDA no host sync,
         on CPU a worker thread; the stand-in's): each batch of host-side generation loops is
-        launched as soon as the last one's tokens are drawn, their steps prepared while it ran
-        (docs/architecture.md, "Loops run ahead"). False: the backend's `forward` is run through
+        launched as soon as the last one's tokens are drawn, their steps prepared while it ran,
+        and with a backend that takes a `Feed` before the last one is waited for, its tokens read
+        on the device (docs/architecture.md, "Loops run ahead"). False: the backend's `forward` is run through
         `gpu_backend.types.started` on the same run path, so nothing overlaps (for comparisons).
     tune_gc: once started, move every object then alive (the model, tokenizer, modules: ~190k
         objects) out of reach of Python's cyclic GC (`gc.freeze`), so a full collection, which
