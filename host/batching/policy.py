@@ -57,9 +57,7 @@ class AdaptivePolicy(BatchPolicy):
     something else is not waited for. Instances just launched are expected the same way, for
     `launch_grace_s` after the last launch (2 ms: launches that come together prefill together;
     the scheduler reports a launch only while nothing else is under way, so a newcomer never holds
-    running forwards or loops), and never past `max_wait_s` after the first: a burst whose
-    instances start less than 2 ms apart (256 on the GPU machine, ~2 ms each) held its first
-    prefill until the last had started, the GPU idle all that while (bench/gpu_suite.py's phases). It used to be 50 ms, so that a whole burst prefilled together: its
+    running forwards or loops). It used to be 50 ms, so that a whole burst prefilled together: its
     first instances then waited for its last, and all of them ended after the same last step,
     one after the other (a tail of ~25 ms at 64 instances). Joining the batches as they come,
     the ends spread over the last steps; `app` 64 at a 2 ms step 0.70 -> 0.79, at 10 ms 0.92 ->
@@ -91,10 +89,9 @@ class AdaptivePolicy(BatchPolicy):
         return max(min(self._until, self._cap) - now, 0.0002)
 
     def launched(self, owner: str, now: float) -> None:
-        if not self._expect:  # a hold starts: whatever else launches, it ends this long after
-            self._cap = now + max(self.launch_grace_s, self.max_wait_s)
         self._expect.add(owner)
         self._until = max(self._until, now + self.launch_grace_s)
+        self._cap = max(self._cap, now + self.launch_grace_s)
 
     def submitted(self, owner: str) -> None:
         if owner in self._expect:
