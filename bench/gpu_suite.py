@@ -86,6 +86,7 @@ class Plan:
     attentions: tuple[str, ...] = ("sdpa", "flex")
     b8_batches: tuple[int, ...] = (1, 8)
     pytest_timeout_s: float = 600.0  # the run gives pytest at most this
+    switch_ms: float = 0.0  # the host section's sys.setswitchinterval (0: Python's default, 5 ms)
 
     @classmethod
     def make(cls, dry: bool) -> Plan:
@@ -518,6 +519,9 @@ def sec_host(s: Suite) -> dict[str, Any]:
     del hf
     out: dict[str, Any] = {"new_tokens": plan.host_tokens, "long_new_tokens": plan.host_tokens_long,
                            "fed": bool(be.feeds), "concurrency": {}, "concurrency_long": {}}
+    if plan.switch_ms:  # how often a thread waiting for the GIL gets it from one that runs Python
+        sys.setswitchinterval(plan.switch_ms / 1000)
+    out["switch_interval_ms"] = round(sys.getswitchinterval() * 1000, 3)
     prompt = "Write a short story about a robot learning to paint."
     seq = be.tokenizer.encode(be.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
     from common import BatchLog
@@ -561,9 +565,10 @@ def host_tax(be: Any, log: Any, host: Any, program: str, seq: list[int], n: int,
         own_s = min(own_s, own_loop(be, [seq] * n, tokens)[0])
         own_p += log.periods_ms(n)
         log.calls.clear()
-        secs, _, _, t0 = host_run(host, program, args, n, tokens)
+        secs, _, _, t0, launched = host_run(host, program, args, n, tokens)
         if secs < host_s:
             host_s, where = secs, phases_ms(log.calls, t0, t0 + secs, n)
+            where["launches"] = round(1000 * (launched - t0), 2)  # the n launches, one after the other
         host_p += log.periods_ms(n)
     row: dict[str, Any] = {key + "_own_tokens_per_s": round(n * tokens / own_s, 1),
                            # the host's texts against the own loop's (bf16: batches of other shapes may differ)
@@ -597,13 +602,15 @@ def phases_ms(calls: list[tuple[float, float, int]], t0: float, t1: float, n: in
             "first_calls": [(ms(x[0] - t0), x[2], ms(x[1] - x[0])) for x in c[:8]]}
 
 
-def host_run(host: Any, program: str, args: list[str], n: int, tokens: int) -> tuple[float, int, list[str], float]:
+def host_run(host: Any, program: str, args: list[str], n: int,
+             tokens: int) -> tuple[float, int, list[str], float, float]:
     """n instances at once; seconds from the first launch to the last end, and tokens generated (no
     stop tokens: each instance generates its `tokens`; the own loop's `generate_batch` the same)."""
     from common import Run
 
     t = time.perf_counter()
     runs = [Run(host, program, args) for _ in range(n)]
+    launched = time.perf_counter()
     ends = [r.finish(600) for r in runs]
     secs = time.perf_counter() - t
     bad = [e for e in ends if e.event != "completed"]
@@ -611,7 +618,7 @@ def host_run(host: Any, program: str, args: list[str], n: int, tokens: int) -> t
         raise RuntimeError(f"{len(bad)} of {n} instances did not complete: {bad[0].event} {bad[0].message[:300]}")
     if not all(e.message for e in ends):
         raise RuntimeError("an instance returned no text")
-    return secs, n * tokens, [e.message for e in ends], t
+    return secs, n * tokens, [e.message for e in ends], t, launched
 
 
 def sec_decode8b(s: Suite) -> dict[str, Any]:
@@ -723,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=1140.0, help="stop starting measurements after this")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)}")
     ap.add_argument("--pytest-timeout-s", type=float, default=600.0, help="the most the pytest section may take")
+    ap.add_argument("--host-switch-ms", type=float, default=0.0,
+                    help="the host section's GIL switch interval (sys.setswitchinterval; 0: Python's 5 ms)")
     a = ap.parse_args(argv)
     if a.prepare:
         prepare(a.prepare)
@@ -743,7 +752,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if a.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: run on the GPU machine, or use --dry-run on CPU")
-    suite = Suite(out=a.out, kit=kit, plan=replace(Plan.make(a.dry_run), pytest_timeout_s=a.pytest_timeout_s),
+    suite = Suite(out=a.out, kit=kit, plan=replace(Plan.make(a.dry_run), pytest_timeout_s=a.pytest_timeout_s,
+                                                      switch_ms=a.host_switch_ms),
                   budget_s=a.budget_s, device=device)
     if a.dry_run:
         suite.plan = replace(suite.plan, attentions=("sdpa",) if "PIE_KIT_NO_FLEX" in os.environ else ("sdpa", "flex"))
