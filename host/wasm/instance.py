@@ -24,6 +24,7 @@ from wasmtime.component import Func, Linker
 from host.events import InstanceEvent
 from host.state.pages import InstancePages
 from host.state.topics import Mailbox
+from host.wasm import priority
 from host.wasm.limits import InstanceLimits, unwatch_epochs, watch_epochs
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class InstanceEnv:
     limits: InstanceLimits
     on_block: Callable[[str], None]  # the instance blocks on something other than a forward
     on_end: Callable[[Instance], None]  # the instance thread ends: release what it held
+    # a warm instance starts at the lowest CPU priority until launched (host/wasm/priority.py)
+    warm_in_background: bool = False
 
 
 class Terminated(Exception):
@@ -134,6 +137,7 @@ class Instance:
         self.at_first_call = False  # a warm instance has reached its first host call
         self._awaiting_launch = False  # a warm instance's thread waits in await_launch (guarded by cond)
         self._resumed = False  # the gate has handed a launched warm instance its turn (guarded by cond)
+        self._base_nice: int | None = None  # while a warm instance's thread runs in the background (guarded by cond)
 
     def launch(self, args: list[str], on_event: Callable[[InstanceEvent], None], tenant: str) -> bool:
         """Hand a warm instance its launch; False if it can no longer be used (it ended or was stopped)."""
@@ -146,6 +150,9 @@ class Instance:
             self.started_at = time.time()
             self._t0 = time.perf_counter()
             self.parked = False
+            if self._base_nice is not None:  # from now on it serves a client
+                priority.restore(self._thread.native_id or 0, self._base_nice)
+                self._base_nice = None
         # Its thread is woken in its turn, like an instance whose forward is done: woken at once,
         # a burst of launches had every parked thread take the GIL only to queue for a gate slot
         # (host/batching/gate.py).
@@ -378,6 +385,10 @@ class Instance:
         event, message = "exception", "instance did not start"
         epoch_key = 0
         store: Store | None = None
+        if env.warm_in_background:
+            with self.cond:  # (not once launched: `launch` raises it only after this)
+                if self.parked:
+                    self._base_nice = priority.lower()
         try:
             store = Store(env.engine.engine)
             env.limits.apply(store)
