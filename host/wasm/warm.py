@@ -17,8 +17,8 @@ of N (bench/host_scale.py measures what that buys: the burst skips N instance st
 When warming happens: after launches have paused for `QUIET_S` and the reaper has freed the
 finished instances' stores (a slot freed first, its memory already faulted in, goes to the next
 warm instance). In the background (`background=True`, where host/wasm/priority.py can lower a
-thread, the host's default `HostConfig.warm_yield`) that is all: the warmer and each warm
-instance's thread until its launch run at the lowest CPU priority, so the pool refills with the CPU
+thread, the host's default `HostConfig.warm_yield`) that is all: each warm instance's thread runs
+at the lowest CPU priority until its launch, so the pool refills with the CPU
 a running burst leaves (a 10 ms GPU step leaves most of it) and the next burst, launched right
 after, finds it full. Otherwise (the rule before) the host must also be idle: no forward queued or
 running, no launched instance alive; a host serving bursts back to back then never refills.
@@ -42,7 +42,6 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from host.wasm import priority
 from host.wasm.instance import Instance
 
 __all__ = ["WarmPool"]
@@ -201,8 +200,8 @@ class WarmPool:
         return None
 
     def _run(self) -> None:
-        if self.background:
-            priority.lower()
+        # (This thread keeps its priority: it mostly waits, and the instance threads it starts
+        # inherit it; each warm instance lowers its own, and is raised back to it at its launch.)
         owed = False  # the pool has refilled since `on_full` was last called
         while True:
             with self._cond:
