@@ -163,14 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         except (BuildError, OSError) as exc:
             print(f"pie-serve: --openai-handler: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    warm_wasms: list[bytes] = []
-    if args.warm_start != ["none"]:
-        try:
-            warm_wasms = [resolve_inferlet(name, quiet=True).read_bytes() for name in args.warm_start]
-        except (BuildError, OSError) as exc:
-            print(f"pie-serve: --warm-start: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        warm_wasms += [handler_wasm] if handler_wasm is not None else []
     from gpu_backend.engine.client import EngineDied
 
     try:
@@ -179,9 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pie-serve: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_ERROR
     try:
+        warm_wasms = [resolve_inferlet(name, quiet=True).read_bytes() for name in args.warm_start
+                      if args.warm_start != ["none"]]
+    except (BuildError, OSError) as exc:
+        host.shutdown()
+        print(f"pie-serve: --warm-start: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         program = host.compile(handler_wasm) if handler_wasm is not None else None
         server = Server(host, server_config, openai_program=program, model_name=args.served_model_name)
-        if warm_wasms:
+        if warm_wasms:  # (with the OpenAI handler's: each OpenAI request starts one)
+            warm_wasms += [handler_wasm] if handler_wasm is not None else []
             log.info("starting instances of %d inferlet(s) ahead of demand", len(warm_wasms))
             host.warm_start(warm_wasms)
     except Exception:
