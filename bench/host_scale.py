@@ -29,12 +29,14 @@ bench/engine.py compares the two in one run.
 backend and N, a fresh host (started as `pie-serve` starts one: `Host.warm_start` readies the
 standard `text_completion`'s pool before it serves) takes a first burst of N (`fresh`), and then
 `--bursts` more bursts, each launched the moment the previous one's last instance has ended
-(`back_to_back`: the median, and `back_to_back_all`). Backends: `forward`, one that only has
+(`back_to_back`: the median, and `back_to_back_all`); `warm_ready`: the parked instances a burst's
+launches found. Backends: `forward`, one that only has
 `forward` (`HostConfig.run_ahead=False`, as a backend without `start_forward`), and `overlap`
 (the stand-in's `start_forward`). Variants, each on hosts of its own, in one run for a same-hour
 comparison: `default` (the host as it runs by default), `idle_only` (the warm pool and the reaper
 work only while the host is idle, and a fresh host warms nothing: the rule before
-`HostConfig.warm_yield`).
+`HostConfig.warm_yield`), `warm_start_idle_only` (the fresh host's pool readied, refills only
+while idle).
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
@@ -59,6 +61,7 @@ BACKENDS = {"forward": {"run_ahead": False}, "overlap": {"run_ahead": True}}
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {"warm_start": ("text_completion",)},
     "idle_only": {"warm_start": (), "config": {"warm_yield": False}},
+    "warm_start_idle_only": {"warm_start": ("text_completion",), "config": {"warm_yield": False}},
 }
 
 
@@ -210,24 +213,29 @@ def traffic(opts: argparse.Namespace, step_s: float, n: int, config: dict[str, A
         program = compile_inferlet(host, "text_completion")
         want = expected_text(host, opts.tokens)
         args = workload_args("app", opts.tokens)
-        fresh = run_once(host, program, args, n, want, step_s, opts.tokens)
-        runs = [run_once(host, program, args, n, want, step_s, opts.tokens) for _ in range(opts.bursts)]
+        runs = []
+        for _ in range(1 + opts.bursts):
+            ready = host.warm.ready_count(program)  # parked instances this burst's launches find
+            runs.append({**run_once(host, program, args, n, want, step_s, opts.tokens), "warm_ready": ready})
     finally:
         host.shutdown()
-    return {"fresh": fresh, "back_to_back": _median(runs), "back_to_back_all": [r["efficiency"] for r in runs]}
+    fresh, runs = runs[0], runs[1:]
+    return {"fresh": fresh, "back_to_back": _median(runs), "back_to_back_all": [r["efficiency"] for r in runs],
+            "warm_ready_all": [r["warm_ready"] for r in runs]}
 
 
 def traffic_table(results: dict[str, Any], tokens: int) -> str:
     lines = [f"# bench/host_scale.py --back-to-back (`app`, {tokens} tokens per instance; efficiency = "
              "tok/s / ideal; fresh = a fresh host's first burst, back-to-back = median of the bursts after it)", "",
-             "| step ms | backend | instances | variant | fresh | back-to-back | all back-to-back |",
-             "|---|---|---|---|---|---|---|"]
+             "| step ms | backend | instances | variant | fresh | back-to-back | all back-to-back | warm at launch |",
+             "|---|---|---|---|---|---|---|---|"]
     for step, by_backend in results.items():
         for backend, by_n in by_backend.items():
             for n, by_variant in by_n.items():
                 for variant, r in by_variant.items():
                     lines.append(f"| {step} | {backend} | {n} | {variant} | {r['fresh']['efficiency']} | "
-                                 f"{r['back_to_back']['efficiency']} | {r['back_to_back_all']} |")
+                                 f"{r['back_to_back']['efficiency']} | {r['back_to_back_all']} | "
+                                 f"{r['fresh']['warm_ready']}, {r['warm_ready_all']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -248,15 +248,16 @@ class Host:
 
     def warm_start(self, wasms: list[bytes], per_program: int | None = None, timeout_s: float = 60.0) -> list[str]:
         """Compile these programs and keep `per_program` instances of each warm (default: an equal share
-        of `warm_auto`, at least `warm_instances`), as if each had had that many running at once;
-        wait until they are ready (or `timeout_s`). Returns their hashes. pie-serve readies the
+        of `warm_auto`, at least `warm_instances`), as if each had had that many running at once,
+        their pool slots primed first (`WarmPool.prime`); wait until they are ready (or `timeout_s`). Returns their hashes. pie-serve readies the
         standard inferlets so before it serves: a fresh host's first burst starts warm."""
         programs = [self.compile(w) for w in wasms]
         n = per_program if per_program is not None else \
             max(self.config.warm_auto // max(len(programs), 1), self.config.warm_instances)
-        for program in programs:
-            self.warm.seed(program, n)
         deadline = time.monotonic() + timeout_s
+        for program in programs:
+            self.warm.prime(program, n, timeout_s)  # each slot's costly first reset now, not in a burst
+            self.warm.seed(program, n)
         for program in programs:
             self.warm.wait_ready(program, n, max(deadline - time.monotonic(), 0.0))
         return programs
