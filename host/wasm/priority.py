@@ -21,7 +21,7 @@ import threading
 
 __all__ = ["BACKGROUND_NICE", "available", "lower", "restore"]
 
-BACKGROUND_NICE = int(os.environ.get("PIE_BG_NICE", "19"))
+BACKGROUND_NICE = 19
 
 
 @functools.cache
