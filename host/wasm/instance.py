@@ -90,7 +90,9 @@ class Instance:
     anyone launches it: its store is made, its component instantiated and its guest run up to its
     first host call, where it waits (`parked`) until `launch` gives it its arguments, listener and
     tenant. Until that first call the guest has received nothing from the host, so it cannot tell
-    a warm start from a cold one; its wall-clock budget starts at `launch`. A warm instance must
+    a warm start from a cold one; its wall-clock budget starts at `launch`. With
+    `InstanceEnv.warm_in_background`, its thread runs at the lowest CPU priority until `launch`
+    raises it back (host/wasm/priority.py). A warm instance must
     reach its first call within `WARM_DEADLINE_S` of running guest code, or it is stopped.
     """
 
