@@ -153,7 +153,10 @@ class Instance:
             self._t0 = time.perf_counter()
             self.parked = False
             if self._base_nice is not None:  # from now on it serves a client
-                priority.restore(self._thread.native_id or 0, self._base_nice)
+                try:
+                    priority.restore(self._thread.native_id or 0, self._base_nice)
+                except OSError as e:  # (permitted when probed: only a policy change gets here)
+                    log.warning("%s keeps its background priority: %s", self.label, e)
                 self._base_nice = None
         # Its thread is woken in its turn, like an instance whose forward is done: woken at once,
         # a burst of launches had every parked thread take the GIL only to queue for a gate slot
