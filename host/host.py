@@ -251,6 +251,8 @@ class Host:
         of `warm_auto`, at least `warm_instances`), as if each had had that many running at once,
         their pool slots primed first (`WarmPool.prime`); wait until they are ready (or `timeout_s`). Returns their hashes. pie-serve readies the
         standard inferlets so before it serves: a fresh host's first burst starts warm."""
+        if per_program is not None and per_program < 0:
+            raise ValueError(f"per_program must be >= 0, got {per_program}")
         programs = [self.compile(w) for w in wasms]
         n = per_program if per_program is not None else \
             max(self.config.warm_auto // max(len(programs), 1), self.config.warm_instances)
