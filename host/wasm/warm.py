@@ -29,7 +29,8 @@ Invariants: a warm instance has received nothing from the host, so handing one o
 indistinguishable, to its guest, from a cold start. A program whose warm instance ends before its
 first host call (it traps, returns without a call, or runs past `Instance.WARM_DEADLINE_S`) is
 never warmed again: its launches start cold and meet the same fate in front of their client. At
-most one warm instance is being started at a time, so warming never takes more than one core.
+most one warm instance is being started at a time, so warming never takes more than one core
+(`prime`, at a host's start, runs its n at once).
 `seed` gives a program a target as if it had run that many at once (a fresh host's standard
 inferlets, `Host.warm_start`).
 """
