@@ -2,6 +2,8 @@
 
 Usage: python bench/host_scale.py --json OUT [--step-ms 10 2] [--instances 1 16 64 256] [--tokens 64]
                                   [--engine inproc|process]
+       python bench/host_scale.py --back-to-back --json OUT [--step-ms 10 2] [--instances 64 256]
+                                  [--backends forward overlap] [--variants default idle_only]
 
 The stand-in (gpu_backend/standin.py) sleeps `step-ms` per batch with the GIL released, as a GPU
 step does, and returns deterministic tokens (next = last + 1), so every output is checked. Two
@@ -22,6 +24,19 @@ and with `cold_*` keys: the pool off (`--warm-auto 0`), every instance started f
 `--engine process` runs the same stand-in in an engine process (gpu_backend/engine/client.py, fed over
 pyzmq + msgpack, as `pie-serve --engine process` does) instead of on the host's scheduler thread;
 bench/engine.py compares the two in one run.
+
+`--back-to-back` measures bursts the way traffic arrives instead (`app` only): for each step,
+backend and N, a fresh host (started as `pie-serve` starts one: `Host.warm_start` readies the
+standard `text_completion`'s pool before it serves) takes a first burst of N (`fresh`), and then
+`--bursts` more bursts, each launched the moment the previous one's last instance has ended
+(`back_to_back`: the median, and `back_to_back_all`); `warm_ready`: the parked instances a burst's
+launches found. Backends: `forward`, one that only has
+`forward` (`HostConfig.run_ahead=False`, as a backend without `start_forward`), and `overlap`
+(the stand-in's `start_forward`). Variants, each on hosts of its own, in one run for a same-hour
+comparison: `default` (the host as it runs by default), `idle_only` (the warm pool and the reaper
+work only while the host is idle, and a fresh host warms nothing: the rule before
+`HostConfig.warm_yield`), `warm_start_idle_only` (the fresh host's pool readied, refills only
+while idle).
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
@@ -38,8 +53,16 @@ from common import ROOT, Run, compile_inferlet, settle
 from gpu_backend.engine.client import EngineSpec, start_engines
 from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
+from host.cli.build import resolve_inferlet
 
 PROMPT = "Write a story about a lighthouse."
+BACKENDS = {"forward": {"run_ahead": False}, "overlap": {"run_ahead": True}}
+# Host settings for --back-to-back; `warm_start`: standard inferlets whose pools a fresh host readies.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {"warm_start": ("text_completion",)},
+    "idle_only": {"warm_start": (), "config": {"warm_yield": False}},
+    "warm_start_idle_only": {"warm_start": ("text_completion",), "config": {"warm_yield": False}},
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,6 +74,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--bursts", type=int, default=3, help="measured bursts per entry (the median is reported)")
     ap.add_argument("--engine", choices=("inproc", "process"), default="inproc",
                     help="the stand-in on the host's scheduler thread, or in an engine process")
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="bursts as traffic arrives: a fresh host's first burst, then bursts one right after another")
+    ap.add_argument("--backends", nargs="+", choices=tuple(BACKENDS), default=list(BACKENDS),
+                    help="with --back-to-back: a backend with only `forward`, and one that overlaps")
+    ap.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=["default"],
+                    help="with --back-to-back: host settings to compare in the same run")
     return ap.parse_args()
 
 
@@ -157,6 +186,59 @@ def rss_per_instance(host: Host, program: str, n: int = 256) -> float:
     return round((during - before) / n, 2)
 
 
+def back_to_back(opts: argparse.Namespace) -> dict[str, Any]:
+    """{step: {backend: {n: {variant: {"fresh": ..., "back_to_back": ..., "back_to_back_all": [...]}}}}}."""
+    out: dict[str, Any] = {}
+    for step_ms in opts.step_ms:
+        step_s = step_ms / 1000
+        for backend, backend_config in BACKENDS.items():
+            if backend not in opts.backends:
+                continue
+            for n in opts.instances:
+                for variant in opts.variants:
+                    row = traffic(opts, step_s, n, {**backend_config, **VARIANTS[variant].get("config", {})},
+                                  VARIANTS[variant]["warm_start"])
+                    out.setdefault(f"{step_ms:g}", {}).setdefault(backend, {}).setdefault(str(n), {})[variant] = row
+                    print(f"{step_ms:g} ms {backend} {n} {variant}: {json.dumps(row)}", flush=True)
+    return out
+
+
+def traffic(opts: argparse.Namespace, step_s: float, n: int, config: dict[str, Any],
+            warm_start: tuple[str, ...]) -> dict[str, Any]:
+    """A fresh host's first burst of n, then `opts.bursts` bursts each right after the last."""
+    host = make_host(opts.engine, step_s, **config)
+    try:
+        if warm_start:  # as pie-serve does before it listens
+            host.warm_start([resolve_inferlet(name, quiet=True).read_bytes() for name in warm_start])
+        program = compile_inferlet(host, "text_completion")
+        want = expected_text(host, opts.tokens)
+        args = workload_args("app", opts.tokens)
+        runs = []
+        for _ in range(1 + opts.bursts):
+            ready = host.warm.ready_count(program)  # parked instances this burst's launches find
+            runs.append({**run_once(host, program, args, n, want, step_s, opts.tokens), "warm_ready": ready})
+    finally:
+        host.shutdown()
+    fresh, runs = runs[0], runs[1:]
+    return {"fresh": fresh, "back_to_back": _median(runs), "back_to_back_all": [r["efficiency"] for r in runs],
+            "warm_ready_all": [r["warm_ready"] for r in runs]}
+
+
+def traffic_table(results: dict[str, Any], tokens: int) -> str:
+    lines = [f"# bench/host_scale.py --back-to-back (`app`, {tokens} tokens per instance; efficiency = "
+             "tok/s / ideal; fresh = a fresh host's first burst, back-to-back = median of the bursts after it)", "",
+             "| step ms | backend | instances | variant | fresh | back-to-back | all back-to-back | warm at launch |",
+             "|---|---|---|---|---|---|---|---|"]
+    for step, by_backend in results.items():
+        for backend, by_n in by_backend.items():
+            for n, by_variant in by_n.items():
+                for variant, r in by_variant.items():
+                    lines.append(f"| {step} | {backend} | {n} | {variant} | {r['fresh']['efficiency']} | "
+                                 f"{r['back_to_back']['efficiency']} | {r['back_to_back_all']} | "
+                                 f"{r['fresh']['warm_ready']}, {r['warm_ready_all']} |")
+    return "\n".join(lines) + "\n"
+
+
 def table(results: dict[str, Any], rss: float, tokens: int, engine: str) -> str:
     lines = [f"# bench/host_scale.py ({tokens} tokens per instance; efficiency = tok/s / ideal; "
              f"--engine {engine})", ""]
@@ -173,6 +255,15 @@ def table(results: dict[str, Any], rss: float, tokens: int, engine: str) -> str:
 
 def main() -> None:
     opts = parse_args()
+    if opts.back_to_back:
+        res = back_to_back(opts)
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps({"back_to_back": res, "tokens": opts.tokens, "engine": opts.engine},
+                                        indent=2))
+        md = traffic_table(res, opts.tokens)
+        opts.json.with_suffix(".md").write_text(md)
+        print(md)
+        return
     results: dict[str, Any] = {}
     for step_ms in opts.step_ms:
         key = f"{step_ms:g}"

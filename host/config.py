@@ -45,8 +45,11 @@ class HostConfig:
     warm_instances: instances of each recently launched program kept started ahead of demand,
         waiting at their first host call (host/wasm/warm.py); 0 = none kept for their own sake.
     warm_auto: besides those, keep as many instances of each recent program warm as it has had
-        running at once, up to this many parked in all (refilled while the backend is idle);
-        0 = off (every launch beyond `warm_instances` starts cold).
+        running at once, up to this many parked in all; 0 = off (every launch beyond
+        `warm_instances` starts cold).
+    warm_yield: refill the warm pool and free finished stores while instances run, at the lowest
+        CPU priority (host/wasm/priority.py), so bursts that come back to back find the pool full;
+        False (or where a thread's priority cannot be raised back): only while the host is idle.
     instance_pool: use wasmtime's pooling allocator (host/wasm/pooling.py), sized for
         max_instances + the warm ones; False = on-demand allocation (slower starts).
     engine: where the backend runs: "inproc" (on the scheduler thread of the host process),
@@ -99,6 +102,7 @@ class HostConfig:
     max_instances: int = 1024
     warm_instances: int = 0
     warm_auto: int = 256
+    warm_yield: bool = True
     instance_pool: bool = True
     cache_dir: Path = field(default_factory=default_cache_dir)
     data_dir: Path | None = None  # key-value store file lives here; None = cache_dir

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
 from host.state.prefix_cache import PrefixCache
 from host.state.topics import Topics
+from host.wasm import priority
 from host.wasm.engine import WasmEngine
 from host.wasm.instance import InboxFull, Instance, InstanceEnv
 from host.wasm.limits import InstanceLimits
@@ -132,7 +134,8 @@ class Host:
         # Busy: forwards queued or running, or launched instances alive. Warm refills and store
         # frees wait for an idle host (the reaper still frees each store within a second).
         busy = lambda: bool(self._instances) or any(s.busy() for s in schedulers)  # noqa: E731
-        self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling, busy, _REAP_PENDING)
+        background = config.warm_yield and priority.available()
+        self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling, busy, _REAP_PENDING, background)
         self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3",
                                      config.max_kv_store_bytes)
         self.topics = Topics()
@@ -144,14 +147,14 @@ class Host:
         self.linker = build_linker(self.wasm.engine, self.services)
         self._env = InstanceEnv(
             engine=self.wasm, linker=self.linker, gate=self.gate,
-            limits=limits, on_block=self._forget, on_end=self._instance_ended)
+            limits=limits, on_block=self._forget, on_end=self._instance_ended, warm_in_background=background)
         self._instances: dict[str, Instance] = {}
         self._ended: OrderedDict[str, Instance] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
         self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
-                             busy=lambda: busy() or self._reaping(),
+                             busy=busy, reaping=self._reaping, background=background,
                              on_full=_collect_when_idle if config.tune_gc else None)
         self._gc_tuned = config.tune_gc
         if self._gc_tuned:
@@ -243,6 +246,24 @@ class Host:
         See host/wasm/warm.py."""
         self.wasm.get(program_hash)
         return self.warm.prewarm(program_hash, n, timeout_s)
+
+    def warm_start(self, wasms: list[bytes], per_program: int | None = None, timeout_s: float = 60.0) -> list[str]:
+        """Compile these programs and keep `per_program` instances of each warm (default: an equal share
+        of `warm_auto`, at least `warm_instances`), as if each had had that many running at once,
+        their pool slots primed first (`WarmPool.prime`); wait until they are ready (or `timeout_s`). Returns their hashes. pie-serve readies the
+        standard inferlets so before it serves: a fresh host's first burst starts warm."""
+        if per_program is not None and per_program < 0:
+            raise ValueError(f"per_program must be >= 0, got {per_program}")
+        programs = [self.compile(w) for w in wasms]
+        n = per_program if per_program is not None else \
+            max(self.config.warm_auto // max(len(programs), 1), self.config.warm_instances)
+        deadline = time.monotonic() + timeout_s
+        for program in programs:
+            self.warm.prime(program, n, timeout_s)  # each slot's costly first reset now, not in a burst
+            self.warm.seed(program, n)
+        for program in programs:
+            self.warm.wait_ready(program, n, max(deadline - time.monotonic(), 0.0))
+        return programs
 
     def _get(self, instance_id: str) -> Instance:
         with self._lock:

@@ -72,6 +72,26 @@ def test_bad_options_are_reported(capsys) -> None:
         serve_main(["--num-pages", "10", "--kv-memory", "10"])
 
 
+@pytest.mark.slow
+def test_a_bad_warm_start_inferlet_is_reported(capsys, tmp_path) -> None:
+    argv = ["--warm-start", "no_such_inferlet", "--openai-handler", "none", "--port", "0", "--data-dir", str(tmp_path)]
+    assert serve_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--warm-start" in err and "no_such_inferlet" in err
+
+
+def test_warm_start_defaults_to_text_completion() -> None:
+    assert parse_args([]).warm_start == ["text_completion"]
+    assert parse_args(["--warm-start", "none"]).warm_start == ["none"]
+    assert parse_args([]).warm_start_instances is None  # Host.warm_start's share of warm_auto
+    assert parse_args(["--warm-start-instances", "16"]).warm_start_instances == 16
+
+
+def test_a_negative_warm_start_count_is_a_usage_error(capsys) -> None:
+    assert serve_main(["--warm-start-instances", "-1"]) == 2
+    assert "--warm-start-instances must be >= 0" in capsys.readouterr().err
+
+
 def test_bad_openai_handler_is_reported_before_the_model_loads(capsys) -> None:
     assert serve_main(["--openai-handler", "no_such_inferlet"]) == 2
     err = capsys.readouterr().err

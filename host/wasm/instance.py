@@ -24,6 +24,7 @@ from wasmtime.component import Func, Linker
 from host.events import InstanceEvent
 from host.state.pages import InstancePages
 from host.state.topics import Mailbox
+from host.wasm import priority
 from host.wasm.limits import InstanceLimits, unwatch_epochs, watch_epochs
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class InstanceEnv:
     limits: InstanceLimits
     on_block: Callable[[str], None]  # the instance blocks on something other than a forward
     on_end: Callable[[Instance], None]  # the instance thread ends: release what it held
+    # a warm instance starts at the lowest CPU priority until launched (host/wasm/priority.py)
+    warm_in_background: bool = False
 
 
 class Terminated(Exception):
@@ -87,7 +90,9 @@ class Instance:
     anyone launches it: its store is made, its component instantiated and its guest run up to its
     first host call, where it waits (`parked`) until `launch` gives it its arguments, listener and
     tenant. Until that first call the guest has received nothing from the host, so it cannot tell
-    a warm start from a cold one; its wall-clock budget starts at `launch`. A warm instance must
+    a warm start from a cold one; its wall-clock budget starts at `launch`. With
+    `InstanceEnv.warm_in_background`, its thread runs at the lowest CPU priority until `launch`
+    raises it back (host/wasm/priority.py). A warm instance must
     reach its first call within `WARM_DEADLINE_S` of running guest code, or it is stopped.
     """
 
@@ -134,6 +139,7 @@ class Instance:
         self.at_first_call = False  # a warm instance has reached its first host call
         self._awaiting_launch = False  # a warm instance's thread waits in await_launch (guarded by cond)
         self._resumed = False  # the gate has handed a launched warm instance its turn (guarded by cond)
+        self._base_nice: int | None = None  # while a warm instance's thread runs in the background (guarded by cond)
 
     def launch(self, args: list[str], on_event: Callable[[InstanceEvent], None], tenant: str) -> bool:
         """Hand a warm instance its launch; False if it can no longer be used (it ended or was stopped)."""
@@ -146,6 +152,12 @@ class Instance:
             self.started_at = time.time()
             self._t0 = time.perf_counter()
             self.parked = False
+            if self._base_nice is not None:  # from now on it serves a client
+                try:
+                    priority.restore(self._thread.native_id or 0, self._base_nice)
+                except OSError as e:  # (permitted when probed: only a policy change gets here)
+                    log.warning("%s keeps its background priority: %s", self.label, e)
+                self._base_nice = None
         # Its thread is woken in its turn, like an instance whose forward is done: woken at once,
         # a burst of launches had every parked thread take the GIL only to queue for a gate slot
         # (host/batching/gate.py).
@@ -378,6 +390,10 @@ class Instance:
         event, message = "exception", "instance did not start"
         epoch_key = 0
         store: Store | None = None
+        if env.warm_in_background:
+            with self.cond:  # (not once launched: `launch` raises it only after this)
+                if self.parked:
+                    self._base_nice = priority.lower()
         try:
             store = Store(env.engine.engine)
             env.limits.apply(store)

@@ -19,6 +19,11 @@ or `max_pending` wait) the instance that ends frees its own store, on its own th
 frees then keep pace with ends, slots are reused while their pages are resident, and the
 reaper's thread only defers what a burst leaves.
 
+In the background (`background=True`, where host/wasm/priority.py can lower a thread): the reaper's
+thread runs at the lowest CPU priority and frees each store at once, busy backend or not: it takes
+only the CPU the instances leave, and a host that serves bursts back to back, never idle, still
+has its slots reset before the next burst takes them.
+
 Invariants: an instance's store is handed over after its terminal event and after everything the
 instance held in the host (pages, forwards, subscriptions) was released; nothing uses a store after
 it is handed over; `close` frees everything still queued.
@@ -33,6 +38,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from host.wasm import priority
+
 __all__ = ["StoreReaper"]
 
 log = logging.getLogger(__name__)
@@ -42,8 +49,9 @@ class StoreReaper:
     """Frees stores (objects with `close()`) on a thread of its own, preferably while `busy()` is False."""
 
     def __init__(self, busy: Callable[[], bool], max_pending: int = 256, max_delay_s: float = 0.25,
-                 poll_s: float = 0.02) -> None:
+                 poll_s: float = 0.02, background: bool = False) -> None:
         self._busy = busy
+        self.background = background
         self.max_pending = max_pending
         self.max_delay_s = max_delay_s
         self.poll_s = poll_s
@@ -89,11 +97,13 @@ class StoreReaper:
         again: while the backend is busy, until that store has waited `max_delay_s`, looking at the
         backend every `poll_s` (called with the lock held)."""
         age = time.monotonic() - self._queue[0][0]
-        if len(self._queue) >= self.max_pending or age >= self.max_delay_s or not self._busy():
+        if self.background or len(self._queue) >= self.max_pending or age >= self.max_delay_s or not self._busy():
             return 0.0
         return min(self.poll_s, self.max_delay_s - age)
 
     def _run(self) -> None:
+        if self.background:
+            priority.lower()
         while True:
             with self._cond:
                 while not self._closed and not self._queue:

@@ -14,11 +14,25 @@ once (its peak since it became one of the recent programs), never more than `aut
 A host that has just served a burst of N requests of a program is thus ready for the next burst
 of N (bench/host_scale.py measures what that buys: the burst skips N instance start-ups).
 
+When warming happens: after launches have paused for `QUIET_S` and the reaper has freed the
+finished instances' stores (a slot freed first, its memory already faulted in, goes to the next
+warm instance). In the background (`background=True`, where host/wasm/priority.py can lower a
+thread, the host's default `HostConfig.warm_yield`) that is all: each warm instance's thread runs
+at the lowest CPU priority until its launch, so the pool refills with the CPU
+a running burst leaves (a 10 ms GPU step leaves most of it) and the next burst, launched right
+after, finds it full. Otherwise (the rule before) the host must also be idle: no forward queued or
+running, no launched instance alive; a host serving bursts back to back then never refills.
+The `on_full` hook (the host's full collection, which stops every thread) waits for an idle host
+either way.
+
 Invariants: a warm instance has received nothing from the host, so handing one out is
 indistinguishable, to its guest, from a cold start. A program whose warm instance ends before its
 first host call (it traps, returns without a call, or runs past `Instance.WARM_DEADLINE_S`) is
 never warmed again: its launches start cold and meet the same fate in front of their client. At
-most one warm instance is being started at a time, so warming never takes more than one core.
+most one warm instance is being started at a time, so warming never takes more than one core
+(`prime`, at a host's start, runs its n at once).
+`seed` gives a program a target as if it had run that many at once (a fresh host's standard
+inferlets, `Host.warm_start`).
 """
 
 from __future__ import annotations
@@ -36,8 +50,8 @@ __all__ = ["WarmPool"]
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 10.0  # a warm instance not at its first call by then is given up on
-# Refilling waits until launches and ends have paused this long and the backend has no work queued
-# or running: while a burst runs, the CPU is better spent on its instances than on the next ones.
+# Refilling waits until launches and ends have paused this long (and, unless it runs in the
+# background, until the backend has no work): while a burst starts, its own starts come first.
 QUIET_S = 0.05
 
 
@@ -45,11 +59,13 @@ class WarmPool:
     """Up to `per_program` parked instances for each of the `max_programs` most recent programs.
 
     `make(program)` returns a new, not yet started, warm `Instance`; `auto` caps the instances
-    kept for demand (0 = only `per_program`)."""
+    kept for demand (0 = only `per_program`). `busy`: the host has work; `reaping`: finished
+    stores wait to be freed; `background`: refill while the host is busy, at the lowest priority."""
 
     def __init__(self, make: Callable[[str], Instance], per_program: int, max_programs: int = 4,
                  auto: int = 0, busy: Callable[[], bool] | None = None,
-                 on_full: Callable[[], None] | None = None) -> None:
+                 on_full: Callable[[], None] | None = None, reaping: Callable[[], bool] | None = None,
+                 background: bool = False) -> None:
         if per_program < 0 or max_programs < 1 or auto < 0:
             raise ValueError(f"warm pool sizes must be >= 0 / >= 1 / >= 0, got {per_program}, {max_programs}, {auto}")
         self._make = make
@@ -57,6 +73,8 @@ class WarmPool:
         self.max_programs = max_programs
         self.auto = auto
         self._busy = busy or (lambda: False)
+        self._reaping = reaping or (lambda: False)
+        self.background = background
         self._on_full = on_full  # called on the warmer thread when a refill has just completed
         self._ready: OrderedDict[str, deque[Instance]] = OrderedDict()  # least recently launched first
         self._target: dict[str, int] = {}
@@ -123,6 +141,44 @@ class WarmPool:
                                 or len(self._ready[program]) >= n, timeout_s)
             return len(self._ready.get(program, ()))
 
+    def seed(self, program: str, n: int) -> None:
+        """Keep `n` instances of `program` warm as if it had had n running at once: demand may
+        raise the target later (unlike `prewarm`), and the program counts as launched just now."""
+        with self._cond:
+            if self._closed or n <= 0:
+                return
+            self._target[program] = max(self._target.get(program, 0), n)
+            self._ready.setdefault(program, deque())
+            self._ready.move_to_end(program)
+            self._evict_old_programs()
+            self._start_warmer()
+            self._cond.notify_all()
+
+    def prime(self, program: str, n: int, timeout_s: float = 60.0) -> None:
+        """Start `n` instances of `program` at once, up to their first host call, and end them:
+        each takes a pool slot and the slot's first reset happens now, not in a burst.
+
+        Why: freeing a store resets its slot with a memset of up to `keep_resident_bytes`
+        (host/wasm/pooling.py); the first time, every page of that range is faulted in (measured:
+        ~8 ms of CPU for a `text_completion` slot used up to its first call, ~25 ms after a whole
+        run, against ~0.9 ms once resident). Parked instances each hold a slot never used before, so
+        a fresh host's bursts, back to back, paid those first resets at every burst's end, on the
+        next burst's time (0.11-0.13 of the ideal at a 2 ms step vs 0.22 with cold starts that
+        reused their slots). Primed, the slots are resident and the pool refills into them (the
+        allocator gives a module the slots it last freed)."""
+        insts = [self._make(program) for _ in range(n)]
+        for inst in insts:
+            inst.start()
+        deadline = time.monotonic() + timeout_s
+        for inst in insts:
+            with inst.cond:
+                inst.cond.wait_for(lambda i=inst: i.at_first_call or i.finished.is_set(),  # type: ignore[misc]
+                                   max(deadline - time.monotonic(), 0.0))
+        for inst in insts:
+            inst.terminate("priming the instance pool")
+        for inst in insts:
+            inst.join(max(deadline - time.monotonic(), 0.0))
+
     def ready_count(self, program: str) -> int:
         with self._cond:
             return len(self._ready.get(program, ()))
@@ -170,28 +226,37 @@ class WarmPool:
         return None
 
     def _run(self) -> None:
-        made = False  # warm instances made since the pool was last full
+        # (This thread keeps its priority: it mostly waits, and the instance threads it starts
+        # inherit it; each warm instance lowers its own, and is raised back to it at its launch.)
+        owed = False  # the pool has refilled since `on_full` was last called
         while True:
-            if made and self._on_full is not None:
-                with self._cond:
-                    made = self._closed or self._next_program() is not None  # not full yet: keep going
-                if not made:  # outside the lock: a launch's `take` never waits for the hook
-                    try:
-                        self._on_full()
-                    except Exception:  # a broken hook must not stop the warming
-                        log.exception("the warm pool's on_full hook failed")
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._next_program() is not None)
                 if self._closed:
                     return
                 program = self._next_program()
+                if program is None:
+                    if not owed or self._on_full is None:
+                        owed = False
+                        self._cond.wait_for(lambda: self._closed or self._next_program() is not None)
+                        continue
+                    # the hook's collection stops every thread: only once the host has been idle a while
+                    if self._busy() or time.monotonic() - self._last_activity < QUIET_S:
+                        self._cond.wait(QUIET_S)
+                        continue
                 quiet = self._last_activity + QUIET_S - time.monotonic()
-            if quiet > 0 or self._busy():
+            if program is None:  # full, and the host idle: outside the lock, a `take` never waits for it
+                owed = False
+                try:
+                    assert self._on_full is not None
+                    self._on_full()
+                except Exception:  # a broken hook must not stop the warming
+                    log.exception("the warm pool's on_full hook failed")
+                continue
+            if quiet > 0 or self._reaping() or (not self.background and self._busy()):
                 time.sleep(max(quiet, QUIET_S))
                 continue
-            assert program is not None
             self._warm_one(program)
-            made = True
+            owed = True
 
     def _warm_one(self, program: str) -> None:
         try:

@@ -1,0 +1,120 @@
+"""Background warming (HostConfig.warm_yield, host/wasm/priority.py): the warm pool refills and the
+reaper frees while instances run, a warm instance's thread runs at the lowest CPU priority only
+until its launch, and `Host.warm_start` readies a fresh host's pools."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakes import FakeBackend
+from helpers import Run, wait_for, wasm_bytes
+
+from host import Host, HostConfig
+from host.wasm import priority
+from host.wasm.reaper import StoreReaper
+
+needs_nice = pytest.mark.skipif(not priority.available(), reason="a lowered thread cannot be raised back here")
+
+
+def make_host(tmp_path: Path, **config: object) -> Host:
+    cfg = HostConfig(max_instances=8, warm_auto=4, data_dir=tmp_path, **config)  # type: ignore[arg-type]
+    return Host(cfg, backend=FakeBackend(page_size=4, num_pages=256))
+
+
+@pytest.fixture(scope="module")
+def misbehave_wasm() -> bytes:
+    return wasm_bytes("misbehave")
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    h = make_host(tmp_path)
+    yield h
+    h.shutdown()
+
+
+def holding(host: Host, program: str) -> Run:
+    """An instance of misbehave that holds a page until it gets a message (it has said so)."""
+    run = Run(host, program, ["hog", "1"])
+    assert run.events.get(timeout=30).message == "holding"
+    return run
+
+
+def nice_of(inst: object) -> int:
+    return os.getpriority(os.PRIO_PROCESS, inst._thread.native_id)  # type: ignore[attr-defined]
+
+
+@needs_nice
+def test_the_pool_refills_while_an_instance_runs(host: Host, misbehave_wasm: bytes) -> None:
+    """A host that never goes idle still gets its pool back: refills run beside running instances."""
+    program = host.compile(misbehave_wasm)
+    held = holding(host, program)
+    host.warm.seed(program, 2)
+    wait_for(lambda: host.warm.ready_count(program) == 2, what="the pool to refill while busy")
+    assert [i["id"] for i in host.instances()] == [held.id]  # still running: the refill did not wait for idle
+    host.signal(held.id, "go")
+    assert held.finish(30).message == "released"
+
+
+def test_without_warm_yield_the_pool_waits_for_an_idle_host(tmp_path: Path, misbehave_wasm: bytes) -> None:
+    h = make_host(tmp_path, warm_yield=False)
+    try:
+        program = h.compile(misbehave_wasm)
+        held = holding(h, program)
+        h.warm.seed(program, 2)
+        assert h.warm.wait_ready(program, 1, 0.5) == 0  # busy: nothing warmed
+        h.signal(held.id, "go")
+        assert held.finish(30).message == "released"
+        assert h.warm.wait_ready(program, 2, 30) == 2  # idle again: refilled
+    finally:
+        h.shutdown()
+
+
+@needs_nice
+def test_a_warm_instance_runs_in_the_background_until_its_launch(host: Host, misbehave_wasm: bytes) -> None:
+    program = host.compile(misbehave_wasm)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert host.prewarm(program, 1) == 1
+    parked = host.warm._ready[program][0]
+    assert nice_of(parked) == max(base, priority.BACKGROUND_NICE)
+    run = holding(host, program)
+    assert run.id == parked.id
+    assert nice_of(parked) == base  # it serves a client now: back at the host's priority
+    host.signal(run.id, "go")
+    assert run.finish(30).message == "released"
+
+
+def test_warm_start_readies_the_pools_of_a_fresh_host(host: Host, misbehave_wasm: bytes) -> None:
+    [program] = host.warm_start([misbehave_wasm], per_program=3)
+    assert host.warm.ready_count(program) == 3
+    warm_ids = {i.id for i in host.warm._ready[program]}
+    run = Run(host, program, ["generate", "3", "5"])
+    assert run.id in warm_ids
+    assert (run.finish(30).event, run.end.message) == ("completed", "6 7 8")  # type: ignore[union-attr]
+    wait_for(lambda: host.warm.ready_count(program) == 3, what="the pool to refill after the launch")
+
+
+def test_warm_start_shares_warm_auto_between_programs(host: Host, misbehave_wasm: bytes) -> None:
+    blocked = wasm_bytes("blocked_receive")  # parks at its first host call, like any inferlet
+    programs = host.warm_start([misbehave_wasm, blocked], timeout_s=30)
+    assert [host.warm.ready_count(p) for p in programs] == [2, 2]  # warm_auto=4 over two programs
+
+
+def test_a_background_reaper_frees_at_once_while_the_backend_is_busy() -> None:
+    class Store:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    reaper = StoreReaper(lambda: True, max_delay_s=30.0, background=True)
+    try:
+        store = Store()
+        reaper.put(store)
+        wait_for(lambda: store.closed, timeout=5, what="the store to be freed")
+        assert reaper.freed_inline == 0  # by the reaper's thread, not the caller
+    finally:
+        reaper.close()
