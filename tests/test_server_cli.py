@@ -83,7 +83,7 @@ def test_a_bad_warm_start_inferlet_is_reported(capsys, tmp_path) -> None:
 def test_warm_start_defaults_to_text_completion() -> None:
     assert parse_args([]).warm_start == ["text_completion"]
     assert parse_args(["--warm-start", "none"]).warm_start == ["none"]
-    assert parse_args([]).warm_start_instances is None  # Host.warm_start's share of warm_auto
+    assert parse_args([]).warm_start_instances == 16  # a few, cheap at start-up; warm_auto learns bursts
     assert parse_args(["--warm-start-instances", "16"]).warm_start_instances == 16
 
 
