@@ -176,8 +176,9 @@ def unfuse(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
         weights[f"{base}.gate_proj.weight"], weights[f"{base}.up_proj.weight"] = gate, up
 
 
-def load_hf_dir(path: Path, progress: bool) -> LoadedModel:
-    """Load an HF safetensors directory (weights keep their dtype until the model is built)."""
+def load_hf_dir(path: Path, progress: bool, dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load an HF safetensors directory, each floating-point tensor cast to `dtype` as it is read
+    (None: the checkpoint's dtype, cast when the model is built)."""
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path} is not an HF model directory: config.json missing")
@@ -194,7 +195,8 @@ def load_hf_dir(path: Path, progress: bool) -> LoadedModel:
             for k in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = k if rename is None else _renamed(k, rename)
                 if name is not None:
-                    weights[name] = st.get_tensor(k)  # cast to the compute dtype when the model is built
+                    t = st.get_tensor(k)
+                    weights[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     unfuse(weights, cfg)
     return LoadedModel(path.name, cfg, weights, tokenizer)
 
