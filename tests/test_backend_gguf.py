@@ -44,9 +44,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor], vocab: dict | None = None) -> Path:
+def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor], vocab: dict | None = None,
+               quantized: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None) -> Path:
     """`state` (HF names) as a float32 GGUF of architecture `arch`, with SmolLM2's tokenizer or the
-    SentencePiece `vocab` (tokens, scores, types)."""
+    SentencePiece `vocab` (tokens, scores, types); the tensors in `quantized` are written as the given
+    blocks (uint8 [rows, bytes], already in the GGUF's row order) of the given type instead."""
     src = gguf.GGUFReader(str(default_model_path()))
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -101,7 +103,11 @@ def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor], vocab
             g = f"blk.{layer}.{(GEMMA_NAMES if gemma else LAYER_NAMES)[rest]}"
             if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 arr = _permute(arr, cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads)
-        w.add_tensor(g, np.ascontiguousarray(arr))
+        if quantized and name in quantized:
+            blocks, kind = quantized[name]
+            w.add_tensor(g, np.ascontiguousarray(blocks), raw_dtype=kind)
+        else:
+            w.add_tensor(g, np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
