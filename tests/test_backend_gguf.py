@@ -254,14 +254,16 @@ def test_phi3_gguf_matches_transformers(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = transformers.Phi3ForCausalLM(cfg)
     path = write_gguf(tmp_path / "phi3.gguf", "phi3", cfg, model.state_dict(), vocab)
-    be = load_backend(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64, progress=False)
-    assert be.info.max_position == 128 and be.model.cfg.rope_scaling is not None
+    be = load_backend(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=256, progress=False)
+    assert be.info.max_position == 512 and be.model.rope_switch == 128  # long factors from rope_factors_long
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in CORPUS:
         ids = be.tokenizer.encode(text)
         assert ids == theirs.encode(text, add_special_tokens=False), text
         assert be.tokenizer.decode(ids) == theirs.decode(ids), text
-    run_parity(be, model.float().eval(), ["The quick brown fox jumps over the lazy dog", "Hello world! def return"],
+    long = " ".join(str(i) for i in range(60))  # past original_max_position_embeddings: the long factors
+    assert len(be.tokenizer.encode(long)) > 128
+    run_parity(be, model.float().eval(), ["The quick brown fox jumps over the lazy dog", "Hello world! def return", long],
                32, 1e-4)
 
 

@@ -197,18 +197,21 @@ def _gguf_config(reader: Any) -> ModelConfig:
 
 
 def _phi3(reader: Any, g: Any) -> dict[str, Any]:
-    """Phi-3 as llama.cpp writes it: a window on every layer; longrope as factor tensors (only the
-    short ones are used: the context is capped where they apply, as from an HF directory)."""
+    """Phi-3 as llama.cpp writes it: a window on every layer; longrope as factor tensors (without the
+    long ones, the context stops where transformers would switch to them, as from an HF directory)."""
     out: dict[str, Any] = {"sliding_window": int(g("attention.sliding_window", 0) or 0)}
-    short = next((t for t in reader.tensors if t.name == "rope_factors_short.weight"), None)
-    if short is not None:
-        orig = int(g("rope.scaling.original_context_length"))
-        scaling: dict[str, Any] = {"rope_type": "longrope", "short_factor": [float(x) for x in np.asarray(short.data)],
-                                   "original_max_position_embeddings": orig,
-                                   "factor": int(g("context_length", orig)) / orig}
+    factors = {t.name: [float(x) for x in np.asarray(t.data)] for t in reader.tensors
+               if t.name in ("rope_factors_short.weight", "rope_factors_long.weight")}
+    if "rope_factors_short.weight" in factors:
+        orig, ctx = int(g("rope.scaling.original_context_length")), int(g("context_length", 0))
+        ctx = ctx or orig
+        scaling: dict[str, Any] = {"rope_type": "longrope", "short_factor": factors["rope_factors_short.weight"],
+                                   "original_max_position_embeddings": orig, "factor": ctx / orig}
+        if "rope_factors_long.weight" in factors:
+            scaling["long_factor"] = factors["rope_factors_long.weight"]
         if g("rope.scaling.attn_factor") is not None:
             scaling["attention_factor"] = float(g("rope.scaling.attn_factor"))
-        out |= {"rope_scaling": scaling, "max_position": min(int(g("context_length", orig)), orig)}
+        out |= {"rope_scaling": scaling, "max_position": ctx if "long_factor" in scaling else min(ctx, orig)}
     return out
 
 

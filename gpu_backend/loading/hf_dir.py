@@ -127,8 +127,8 @@ def _hf_config(cfg: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"unsupported activation {act!r}: supported are {sorted(_ACTIVATIONS)}")
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     if scaling is not None and "original_max_position_embeddings" in scaling and scaling.get(
-            "rope_type", scaling.get("type")) in ("longrope", "su"):
-        # only the short factors are implemented: cap the context where transformers uses them
+            "rope_type", scaling.get("type")) in ("longrope", "su") and not scaling.get("long_factor"):
+        # short factors only: the context stops where transformers would switch to long ones
         max_pos = min(max_pos, int(scaling["original_max_position_embeddings"]))
     window, slides = _sliding_layers(cfg, mt, n)
     qpas = cfg.get("query_pre_attn_scalar")

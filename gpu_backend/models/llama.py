@@ -111,12 +111,19 @@ class LlamaModel:
             )
         half = cfg.head_dim // 2
         freq_factors = weights.pop("rope_freqs", None)
+        # longrope's long factors: rows [switch, switch + max_position) of each table, where the plan
+        # points the positions of a request that reaches the switch (`build_plan`'s rope_switch)
+        self.rope_switch = switch = cfg.long_rope_from
         self.cos: list[torch.Tensor] = []
         self.sin_signed: list[torch.Tensor] = []
         for ti, (theta, scaling) in enumerate(cfg.rope_tables()):
             # GGUF's rope_freqs divisors belong to the model's own table (0)
-            cos, sin = cos_sin_table(cfg.head_dim, theta, scaling, cfg.max_position, device, dtype,
-                                     freq_factors if ti == 0 else None)
+            table = partial(cos_sin_table, cfg.head_dim, theta, scaling, device=device, dtype=dtype,
+                            freq_factors=freq_factors if ti == 0 else None)
+            cos, sin = table(switch or cfg.max_position)
+            if switch:
+                cos_long, sin_long = table(cfg.max_position, long=True)
+                cos, sin = torch.cat([cos, cos_long]), torch.cat([sin, sin_long])
             self.cos.append(cos)
             # rotate_half(x) * sin == flip-halves(x) * [-sin_lo, sin_hi]
             self.sin_signed.append(torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))
