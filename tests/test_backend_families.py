@@ -246,3 +246,15 @@ def test_gemma3_multimodal_checkpoint_runs_its_text_model(tmp_path, hf_tokenizer
     assert files.config.arch == "gemma3_text" and files.config.window == WINDOW
     assert not any("vision" in k or "projector" in k for k in files.weights)
     run_parity(ours(tmp_path / "g3"), model.float().eval(), PROMPTS, STEPS, TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family_dir", ["qwen3"], indirect=True)
+def test_hf_weights_are_cast_to_the_serving_dtype_as_read(family_dir):
+    # a float32 checkpoint served in bf16: every tensor bf16 once read (no float32 copy of the model)
+    path, model = family_dir
+    files = load_model_files(path, progress=False, dtype=torch.bfloat16)
+    assert {t.dtype for t in files.weights.values()} == {torch.bfloat16}
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(files.weights[name], model.state_dict()[name].to(torch.bfloat16))
+    assert {t.dtype for t in load_model_files(path, progress=False).weights.values()} == {torch.float32}

@@ -153,7 +153,7 @@ def test_kquant_gguf_loads_and_matches_transformers(tmp_path, monkeypatch):
     # bf16: dequantized into bf16 and cached as bf16, next to the float32 cache (half its size)
     bf = load_backend(str(path), device="cpu", dtype=torch.bfloat16, page_size=4, num_pages=64, progress=False)
     assert bf.model.layers[0].qkv.dtype == torch.bfloat16
-    size = {p.name.split("-")[1]: p.stat().st_size for p in (tmp_path / "cache").glob("*.safetensors")}
+    size = {p.name.rsplit("-", 2)[1]: p.stat().st_size for p in (tmp_path / "cache").glob("*.safetensors")}
     assert set(size) == {"float32", "bfloat16"} and size["bfloat16"] < 0.51 * size["float32"]
     down = "model.layers.1.mlp.down_proj.weight"  # Q6_K
     torch.testing.assert_close(load_model_files(path, progress=False, dtype=torch.bfloat16).weights[down],
