@@ -250,7 +250,7 @@ class TorchBackend:
     def plan(self, reqs: list[ForwardRequest]) -> BatchPlan:
         """The batch plan of validated requests, for this backend's attention and cache."""
         return build_plan(reqs, self.info.page_size, self.model.device, self.model.group, self.attention,
-                          num_pages=self.cache.num_pages, window=self.model.window)
+                          num_pages=self.cache.num_pages, window=self.model.window, rope_switch=self.model.rope_switch)
 
     # -- pages --------------------------------------------------------------------------------
 

@@ -81,7 +81,7 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
         raise ValueError(f"cuda_graphs=True needs a CUDA device, got {dev}")
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    files = load_model_files(model, progress=progress)
+    files = load_model_files(model, progress=progress, dtype=dtype)
     cfg = files.config
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -125,7 +125,8 @@ def backend_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tok
                          tp: Sharding | None = None) -> TorchBackend:
     """A backend over weights already in memory (HF names, as `load_model_files` gives them; tensors
     already on `device` in `dtype` are used as they are): what `load_backend` does once the files are
-    read. The GPU kit (bench/gpu_suite.py) builds its models this way from `transformers` configs."""
+    read. The GPU kit (bench/gpu_suite.py) builds its models this way from `transformers` configs.
+    `weights` is consumed: the model takes each tensor out of the dict as it places it."""
     attn = attention if attention is not None else SdpaAttention()
     sharded = tp is not None and tp.world > 1
     if sharded:

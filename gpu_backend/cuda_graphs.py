@@ -144,7 +144,7 @@ class DecodeGraphs:
     def _plan(self, reqs: list[ForwardRequest], kv_slots: int) -> BatchPlan:
         return build_plan(reqs, self.page_size, self.model.device, self.model.group, self.attention,
                           num_pages=self.cache.num_pages, kv_slots=kv_slots, static=True, all_rows=True,
-                          window=self.model.window)
+                          window=self.model.window, rope_switch=self.model.rope_switch)
 
     def _capture(self, bucket: int, kv_slots: int) -> _Graph:
         plan = self._plan(pad_batch([], bucket, self.scratch_page), kv_slots)

@@ -48,6 +48,9 @@ class StandInTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("latin-1", "replace"))
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)  # no BOS: the stand-in's tokenizer adds none
+
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("latin-1")
 

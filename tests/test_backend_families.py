@@ -170,16 +170,57 @@ def test_help_names_the_supported_families():
     assert "Gemma 3" in " ".join(_parser().format_help().split())
 
 
+LONG_PROMPT = " ".join(str(i) for i in range(80))  # past Phi-3's original_max_position_embeddings (128)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family_dir", ["phi3"], indirect=True)
-def test_phi3_context_stops_where_the_short_factors_do(family_dir):
-    # only longrope's short factors are implemented: positions past original_max_position_embeddings
-    # (where transformers switches to the long ones) are refused, not computed wrongly
-    path, _ = family_dir
+def test_phi3_long_factors_past_the_original_context(family_dir):
+    # longrope: a sequence longer than original_max_position_embeddings is rotated with the long
+    # factors (all of a prompt that long), a shorter one with the short factors, in the same batch
+    path, model = family_dir
     be = ours(path)
-    assert be.info.max_position == 128
-    with pytest.raises(ValueError, match="position"):
-        be.check_request(req(list(range(40)), 128, [5], 4))
+    assert be.info.max_position == 512 and be.model.rope_switch == 128
+    assert len(be.tokenizer.encode(LONG_PROMPT)) > 128
+    run_parity(be, model, [LONG_PROMPT, PROMPTS[0]], 8, TOL)
+    scaling = be.model.cfg.rope_scaling
+    with pytest.raises(AssertionError, match="logit diff"):  # the long factors ignored
+        run_parity(ours(path, rope_scaling={**scaling, "long_factor": scaling["short_factor"]}), model,
+                   [LONG_PROMPT], 1, TOL)
+
+
+def _greedy_logits(be, ids: list[int], steps: int) -> list[torch.Tensor]:
+    """Our logits of a prefill of `ids` and `steps` greedy decode steps, one pass each."""
+    pages, out, seq, new = list(range(64)), [], list(ids), list(ids)
+    for _ in range(steps + 1):
+        [lg] = be.logits([req(pages, len(seq) - len(new), new, 4, outputs=[len(new) - 1])])
+        out.append(lg[0])
+        seq.append(int(lg[0].argmax()))
+        new = seq[-1:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family_dir", ["phi3"], indirect=True)
+def test_phi3_decode_across_the_original_context_as_transformers(family_dir):
+    # a prompt shorter than original_max_position_embeddings decoded past it: transformers (with its
+    # cache, as generate runs) rotates each new token with the long factors from there on, while
+    # the keys already cached keep the short ones; so do we
+    path, model = family_dir
+    be = ours(path)
+    ids = be.tokenizer.encode(LONG_PROMPT)[:120]
+    ours_steps = _greedy_logits(be, ids, 16)
+    theirs = []
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(17):
+            theirs.append(out.logits[0, -1])
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+    worst = max(float((a - b).abs().max()) for a, b in zip(ours_steps, theirs, strict=True))
+    assert worst < TOL, f"logit diff {worst}"
+    scaling = be.model.cfg.rope_scaling
+    short = _greedy_logits(ours(path, rope_scaling={**scaling, "long_factor": scaling["short_factor"]}), ids, 16)
+    assert max(float((a - b).abs().max()) for a, b in zip(short[9:], theirs[9:], strict=True)) > 10 * TOL
 
 
 @pytest.mark.slow
@@ -205,3 +246,15 @@ def test_gemma3_multimodal_checkpoint_runs_its_text_model(tmp_path, hf_tokenizer
     assert files.config.arch == "gemma3_text" and files.config.window == WINDOW
     assert not any("vision" in k or "projector" in k for k in files.weights)
     run_parity(ours(tmp_path / "g3"), model.float().eval(), PROMPTS, STEPS, TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family_dir", ["qwen3"], indirect=True)
+def test_hf_weights_are_cast_to_the_serving_dtype_as_read(family_dir):
+    # a float32 checkpoint served in bf16: every tensor bf16 once read (no float32 copy of the model)
+    path, model = family_dir
+    files = load_model_files(path, progress=False, dtype=torch.bfloat16)
+    assert {t.dtype for t in files.weights.values()} == {torch.bfloat16}
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(files.weights[name], model.state_dict()[name].to(torch.bfloat16))
+    assert {t.dtype for t in load_model_files(path, progress=False).weights.values()} == {torch.float32}

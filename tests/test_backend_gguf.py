@@ -44,9 +44,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor], vocab: dict | None = None) -> Path:
+def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor], vocab: dict | None = None,
+               quantized: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None) -> Path:
     """`state` (HF names) as a float32 GGUF of architecture `arch`, with SmolLM2's tokenizer or the
-    SentencePiece `vocab` (tokens, scores, types)."""
+    SentencePiece `vocab` (tokens, scores, types); the tensors in `quantized` are written as the given
+    blocks (uint8 [rows, bytes], already in the GGUF's row order) of the given type instead."""
     src = gguf.GGUFReader(str(default_model_path()))
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -101,7 +103,11 @@ def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor], vocab
             g = f"blk.{layer}.{(GEMMA_NAMES if gemma else LAYER_NAMES)[rest]}"
             if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 arr = _permute(arr, cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads)
-        w.add_tensor(g, np.ascontiguousarray(arr))
+        if quantized and name in quantized:
+            blocks, kind = quantized[name]
+            w.add_tensor(g, np.ascontiguousarray(blocks), raw_dtype=kind)
+        else:
+            w.add_tensor(g, np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -248,12 +254,50 @@ def test_phi3_gguf_matches_transformers(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = transformers.Phi3ForCausalLM(cfg)
     path = write_gguf(tmp_path / "phi3.gguf", "phi3", cfg, model.state_dict(), vocab)
-    be = load_backend(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64, progress=False)
-    assert be.info.max_position == 128 and be.model.cfg.rope_scaling is not None
+    be = load_backend(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=256, progress=False)
+    assert be.info.max_position == 512 and be.model.rope_switch == 128  # long factors from rope_factors_long
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in CORPUS:
         ids = be.tokenizer.encode(text)
         assert ids == theirs.encode(text, add_special_tokens=False), text
         assert be.tokenizer.decode(ids) == theirs.decode(ids), text
-    run_parity(be, model.float().eval(), ["The quick brown fox jumps over the lazy dog", "Hello world! def return"],
+    long = " ".join(str(i) for i in range(60))  # past original_max_position_embeddings: the long factors
+    assert len(be.tokenizer.encode(long)) > 128
+    run_parity(be, model.float().eval(), ["The quick brown fox jumps over the lazy dog", "Hello world! def return", long],
                32, 1e-4)
+
+
+@pytest.mark.slow
+def test_text_completion_raw_prompt_starts_with_bos_as_transformers(tmp_path, monkeypatch):
+    # a base model (no chat template) whose SentencePiece tokenizer adds BOS, through the host and the
+    # built text_completion: --raw generates what transformers generates from tokenizer(text); without
+    # --raw the instance fails saying to use --raw
+    from helpers import Run, wasm_bytes
+
+    from host import Host, HostConfig
+
+    monkeypatch.setenv("PIE_CACHE_DIR", str(tmp_path / "cache"))
+    vocab = sentencepiece_vocab()
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab["tokens"]), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+                                   eos_token_id=2, initializer_range=0.3)
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    path = write_gguf(tmp_path / "base.gguf", "llama", cfg, model.state_dict(), vocab)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    prompt, n = "The quick brown fox", 12
+    ids = theirs(prompt, return_tensors="pt")["input_ids"]
+    assert ids[0, 0].item() == 1  # transformers adds BOS
+    gen = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0)
+    want = theirs.decode(gen[0, ids.shape[1]:])
+    no_bos = model.generate(ids[:, 1:], max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0)
+    assert no_bos[0, ids.shape[1] - 1:].tolist() != gen[0, ids.shape[1]:].tolist()  # BOS changes the answer
+    be = load_backend(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64, progress=False)
+    with Host(HostConfig(data_dir=tmp_path / "host"), backend=be) as host:
+        program = host.compile(wasm_bytes("text_completion"))
+        end = Run(host, program, ["--prompt", prompt, "--raw", "--max-tokens", str(n)]).finish(120)
+        assert end.event == "completed", end.message
+        assert end.message == want
+        end = Run(host, program, ["--prompt", prompt]).finish(120)
+        assert end.event == "exception" and "no chat template" in end.message and "--raw" in end.message

@@ -77,6 +77,7 @@ class StubHost:
             ("model", "apply-chat-template"): lambda msgs, gen: (
                 "".join(f"<{m.role}>{m.content}" for m in msgs) + ("<assistant>" if gen else "")
             ),
+            ("model", "chat-template"): lambda: "<stub template>",
             ("model", "encode"): lambda text: [ord(c) for c in text],
             ("model", "decode"): lambda ids: "".join(chr(i) for i in ids if i != 0),
             ("model", "stop-tokens"): lambda: [0],

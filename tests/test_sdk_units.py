@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from types import ModuleType
 
@@ -208,6 +209,26 @@ def test_text_completion_raw_max_tokens_and_stream(host: FakeHost) -> None:
     out = app.main(["-p", "abc", "--raw", "--max-tokens", "5", "--stream"])
     assert len(out) == 5 and "".join(host.messaging.sent) == out
     assert host.forward.requests[0].tokens == byte_tokens("abc")  # the raw prompt, prefilled with the first sample
+
+
+def test_text_completion_raw_adds_bos_where_the_tokenizer_does(host: FakeHost) -> None:
+    app = _text_completion()
+    host.backend.tokenizer.add_bos = True  # a tokenizer whose post-processor prepends <s> (id 0)
+    app.main(["-p", "abc", "--raw", "--max-tokens", "1"])
+    assert host.forward.requests[0].tokens == [0, *byte_tokens("abc")]
+    with inferlet.Context() as ctx:
+        ctx.fill("x")
+        with pytest.raises(ValueError, match="starts a context"):
+            ctx.fill_prompt("y")  # BOS only at the start
+
+
+def test_text_completion_without_a_chat_template_says_to_use_raw(host: FakeHost) -> None:
+    app = _text_completion()
+    host.backend.info = dataclasses.replace(host.backend.info, chat_template="")
+    with pytest.raises(inferlet.InferletError, match="has no chat template.*use --raw"):
+        app.main(["-p", "abc"])
+    assert not host.forward.requests
+    assert app.main(["-p", "abc", "--raw", "--max-tokens", "2"])  # and --raw completes it
 
 
 def test_text_completion_default_prompt(host: FakeHost) -> None:

@@ -157,6 +157,25 @@ def test_raw_prompt_starts_with_bos_where_the_post_processor_adds_it(tmp_path, l
     assert plain.encode_prompt("Hello") == plain_theirs("Hello")["input_ids"] == plain.encode("Hello")
 
 
+def test_chat_template_bos_token_comes_once(tmp_path):
+    # a Llama 2-style template writes {{ bos_token }} itself; the rendered chat is encoded without the
+    # post-processor's BOS (what the SDK's fill_chat does), so it starts with one BOS, as transformers'
+    from tokenizers import processors
+
+    tok = tokenizers.Tokenizer.from_str(_sentencepiece_json("prepend"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    path = _write(tmp_path / "chat", tok.to_str())
+    template = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                            "chat_template": template}))
+    ours = Tokenizer(hf_tokenizer(path, {}))
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    chat = [{"role": "user", "content": "Hello world"}]
+    ids = ours.encode(ours.apply_chat_template(chat))
+    want = theirs.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert ids == list(want) and ids.count(1) == 1 and ids[0] == 1
+
+
 def test_grammar_over_a_sentencepiece_vocabulary(sentencepiece):
     # a grammar's mask over byte-fallback pieces and "▁" words: what it allows spells its language
     from test_grammar import Info, unpack

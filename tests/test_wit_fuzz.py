@@ -82,7 +82,7 @@ ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "model.available-models": st.just(()), "model.load-model": st.tuples(TEXT), "model.model-name": st.just(()),
     "model.vocab-size": st.just(()), "model.stop-tokens": st.just(()), "model.chat-template": st.just(()),
     "model.apply-chat-template": st.tuples(st.lists(MESSAGE, max_size=3), st.booleans()),
-    "model.encode": st.tuples(TEXT), "model.decode": st.tuples(SMALL_LIST),
+    "model.encode": st.tuples(TEXT), "model.encode-prompt": st.tuples(TEXT), "model.decode": st.tuples(SMALL_LIST),
     "kv.page-size": st.just(()), "kv.free-pages": st.just(()), "kv.allocate": st.tuples(U32),
     "kv.release": st.tuples(SMALL_LIST), "kv.export-pages": st.tuples(TEXT, SMALL_LIST, st.booleans()),
     "kv.import-pages": st.tuples(TEXT), "kv.unexport": st.tuples(TEXT), "kv.list-exports": st.just(()),

@@ -175,12 +175,14 @@ def allowed_mask(reqs: list[ForwardRequest], lay: Layout, width: int, window: in
 
 def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device, group: int = 1,
                attention: Attention | None = None, num_pages: int = 0, kv_slots: int = 0,
-               static: bool = False, all_rows: bool = False, window: int = 0) -> BatchPlan:
+               static: bool = False, all_rows: bool = False, window: int = 0, rope_switch: int = 0) -> BatchPlan:
     """Index tensors and attention metadata for a batch of validated requests.
 
     `group` = query heads per KV head; `num_pages` = physical pages in the cache (FlexAttention
     addresses the whole cache); `kv_slots` / `static` / `window`: see `Layout`; `all_rows`: logits at
     every token row instead of the requested outputs (a CUDA graph computes all rows of its bucket).
+    `rope_switch` > 0 (longrope's `ModelConfig.long_rope_from`): the positions of a request whose last
+    position reaches it are moved up by it, to the model's long-factor RoPE rows.
     """
     attention = attention if attention is not None else SdpaAttention()
     n_tok = np.asarray([len(r.tokens) for r in reqs], dtype=np.int64)
@@ -212,9 +214,13 @@ def build_plan(reqs: list[ForwardRequest], page_size: int, device: torch.device,
     def as_long(x: list[int] | np.ndarray) -> torch.Tensor:
         return to_device(np.asarray(x, dtype=np.int64), device)
 
+    if rope_switch:
+        positions = [p + (rope_switch if max(r.positions) >= rope_switch else 0) for r in reqs for p in r.positions]
+    else:
+        positions = [p for r in reqs for p in r.positions]
     return BatchPlan(
         tokens=as_long([tok for r in reqs for tok in r.tokens]),
-        positions=as_long([p for r in reqs for p in r.positions]),
+        positions=as_long(positions),
         write_slots=as_long(write),
         q_index=q_index,
         o_index=o_index,

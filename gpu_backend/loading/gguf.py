@@ -1,8 +1,10 @@
-"""Read a GGUF file: architecture, tokenizer and weights, dequantized to float32 under HF names.
+"""Read a GGUF file: architecture, tokenizer and weights, dequantized under HF names.
 
-Dequantizing costs a few seconds, so the result is cached on disk (`$PIE_CACHE_DIR`, default
-`~/.cache/pie-python/`) keyed by the file's path, size and mtime; later loads read the cache
-with safetensors.
+Weights are dequantized by the `gguf` package (`gguf.quants`: F32, F16, BF16, Q4_0 ... Q8_0, the
+K-quants Q2_K ... Q6_K, the IQ types) one tensor at a time, each cast at once to the serving dtype,
+so a bf16 run never holds a float32 copy of the model. Dequantizing costs seconds, so the result
+is cached on disk (`$PIE_CACHE_DIR`, default `~/.cache/pie-python/`), in that dtype, keyed by the
+file's path, size and mtime and the dtype; later loads read the cache with safetensors.
 """
 
 from __future__ import annotations
@@ -31,18 +33,22 @@ __all__ = ["CACHE_VERSION", "load_gguf_cached"]
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: TokenizerSpec.add_bos
+CACHE_VERSION = 3  # 2: TokenizerSpec.add_bos; 3: weights in the serving dtype, which is in the key
+# kept in float32 whatever the serving dtype: Llama 3's RoPE frequency divisors (the RoPE tables are
+# computed in float32 from them, as transformers computes its frequencies)
+_FLOAT32_TENSORS = ("rope_freqs",)
 
 
-def _cache_key(path: Path) -> str:
+def _cache_key(path: Path, dtype: torch.dtype) -> str:
     st = path.stat()
-    raw = f"{CACHE_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    raw = f"{CACHE_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}"
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
-def load_gguf_cached(path: Path, progress: bool) -> LoadedModel:
-    """Load a GGUF file, from the disk cache of its dequantized weights when there is one."""
-    base = default_cache_dir() / f"{path.stem}-{_cache_key(path)}"
+def load_gguf_cached(path: Path, progress: bool, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a GGUF file with its weights in `dtype`, from the disk cache of its dequantized weights
+    when there is one."""
+    base = default_cache_dir() / f"{path.stem}-{str(dtype).removeprefix('torch.')}-{_cache_key(path, dtype)}"
     # the key is in the name; with_suffix would cut it off after a dot in the model file's stem
     meta_file, weight_file = base.parent / f"{base.name}.json", base.parent / f"{base.name}.safetensors"
     if meta_file.exists() and weight_file.exists():
@@ -53,7 +59,7 @@ def load_gguf_cached(path: Path, progress: bool) -> LoadedModel:
         return LoadedModel(
             meta["name"], ModelConfig.from_dict(meta["config"]), weights, TokenizerSpec(**meta["tokenizer"])
         )
-    loaded = _load_gguf(path, progress)
+    loaded = _load_gguf(path, progress, dtype)
     try:
         base.parent.mkdir(parents=True, exist_ok=True)
         tmp = weight_file.with_suffix(".tmp")
@@ -191,18 +197,21 @@ def _gguf_config(reader: Any) -> ModelConfig:
 
 
 def _phi3(reader: Any, g: Any) -> dict[str, Any]:
-    """Phi-3 as llama.cpp writes it: a window on every layer; longrope as factor tensors (only the
-    short ones are used: the context is capped where they apply, as from an HF directory)."""
+    """Phi-3 as llama.cpp writes it: a window on every layer; longrope as factor tensors (without the
+    long ones, the context stops where transformers would switch to them, as from an HF directory)."""
     out: dict[str, Any] = {"sliding_window": int(g("attention.sliding_window", 0) or 0)}
-    short = next((t for t in reader.tensors if t.name == "rope_factors_short.weight"), None)
-    if short is not None:
-        orig = int(g("rope.scaling.original_context_length"))
-        scaling: dict[str, Any] = {"rope_type": "longrope", "short_factor": [float(x) for x in np.asarray(short.data)],
-                                   "original_max_position_embeddings": orig,
-                                   "factor": int(g("context_length", orig)) / orig}
+    factors = {t.name: [float(x) for x in np.asarray(t.data)] for t in reader.tensors
+               if t.name in ("rope_factors_short.weight", "rope_factors_long.weight")}
+    if "rope_factors_short.weight" in factors:
+        orig, ctx = int(g("rope.scaling.original_context_length")), int(g("context_length", 0))
+        ctx = ctx or orig
+        scaling: dict[str, Any] = {"rope_type": "longrope", "short_factor": factors["rope_factors_short.weight"],
+                                   "original_max_position_embeddings": orig, "factor": ctx / orig}
+        if "rope_factors_long.weight" in factors:
+            scaling["long_factor"] = factors["rope_factors_long.weight"]
         if g("rope.scaling.attn_factor") is not None:
             scaling["attention_factor"] = float(g("rope.scaling.attn_factor"))
-        out |= {"rope_scaling": scaling, "max_position": min(int(g("context_length", orig)), orig)}
+        out |= {"rope_scaling": scaling, "max_position": ctx if "long_factor" in scaling else min(ctx, orig)}
     return out
 
 
@@ -261,7 +270,7 @@ def _gguf_tokenizer(reader: Any, arch: str) -> TokenizerSpec:
     )
 
 
-def _load_gguf(path: Path, progress: bool) -> LoadedModel:
+def _load_gguf(path: Path, progress: bool, dtype: torch.dtype) -> LoadedModel:
     from gguf import GGUFReader, dequantize
 
     check_architecture(path)  # before the reader parses the whole vocabulary
@@ -293,7 +302,8 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
                 arr = _reverse_permute(arr, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
         else:
             raise ValueError(f"unexpected GGUF tensor {name}")
-        weights[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # own, writable copy
+        # an own copy (a float32 tensor's data is a view of the file), in the serving dtype at once
+        weights[hf] = torch.tensor(arr, dtype=torch.float32 if hf in _FLOAT32_TENSORS else dtype)
     unfuse(weights, cfg)
     name = str(_field(reader, "general.name", path.stem))
     return LoadedModel(name, cfg, weights, tokenizer)

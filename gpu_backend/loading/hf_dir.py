@@ -127,8 +127,8 @@ def _hf_config(cfg: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"unsupported activation {act!r}: supported are {sorted(_ACTIVATIONS)}")
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     if scaling is not None and "original_max_position_embeddings" in scaling and scaling.get(
-            "rope_type", scaling.get("type")) in ("longrope", "su"):
-        # only the short factors are implemented: cap the context where transformers uses them
+            "rope_type", scaling.get("type")) in ("longrope", "su") and not scaling.get("long_factor"):
+        # short factors only: the context stops where transformers would switch to long ones
         max_pos = min(max_pos, int(scaling["original_max_position_embeddings"]))
     window, slides = _sliding_layers(cfg, mt, n)
     qpas = cfg.get("query_pre_attn_scalar")
@@ -176,8 +176,9 @@ def unfuse(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
         weights[f"{base}.gate_proj.weight"], weights[f"{base}.up_proj.weight"] = gate, up
 
 
-def load_hf_dir(path: Path, progress: bool) -> LoadedModel:
-    """Load an HF safetensors directory (weights keep their dtype until the model is built)."""
+def load_hf_dir(path: Path, progress: bool, dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load an HF safetensors directory, each floating-point tensor cast to `dtype` as it is read
+    (None: the checkpoint's dtype, cast when the model is built)."""
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path} is not an HF model directory: config.json missing")
@@ -194,7 +195,8 @@ def load_hf_dir(path: Path, progress: bool) -> LoadedModel:
             for k in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = k if rename is None else _renamed(k, rename)
                 if name is not None:
-                    weights[name] = st.get_tensor(k)  # cast to the compute dtype when the model is built
+                    t = st.get_tensor(k)
+                    weights[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     unfuse(weights, cfg)
     return LoadedModel(path.name, cfg, weights, tokenizer)
 

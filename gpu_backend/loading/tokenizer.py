@@ -181,7 +181,7 @@ class Tokenizer:
                             **kwargs: Any) -> str:
         """Render `messages` with the model's own template, as transformers' apply_chat_template does."""
         if self._template is None:
-            raise ValueError("this model has no chat template")
+            raise ValueError("this model has no chat template (a base model?): give it raw prompts (text_completion --raw)")
         s = self.spec
         return self._template.render(
             messages=messages,

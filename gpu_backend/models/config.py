@@ -92,6 +92,17 @@ class ModelConfig:
         return tables
 
     @property
+    def long_rope_from(self) -> int:
+        """Longrope with long factors (Phi-3 128k): transformers rotates a pass's tokens with the long
+        factors once the sequence is longer than `original_max_position_embeddings` (its last
+        position in the pass reaches this), else with the short ones; 0 = one set of factors."""
+        s = self.rope_scaling
+        if s is None or s.get("rope_type", s.get("type")) not in ("longrope", "su") or not s.get("long_factor"):
+            return 0
+        orig = int(s["original_max_position_embeddings"])
+        return orig if self.max_position > orig else 0
+
+    @property
     def window(self) -> int:
         """The sliding window of the layers that have one (one size per model), 0 = no layer slides."""
         return max(s.window for s in self.layer_specs())

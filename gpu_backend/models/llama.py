@@ -48,6 +48,9 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype) -> None:
+        """Build from `weights` (HF names), which it consumes: each tensor leaves the dict as it is
+        placed (moved, cast, fused), so the checkpoint's copy of the model and the built one are not
+        both held at the peak of a load."""
         self.cfg = cfg
         self.group = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.device, self.dtype = device, dtype
@@ -57,18 +60,19 @@ class LlamaModel:
         # (o_proj, down) across ranks, in place; None on a single rank
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-        def w(name: str) -> torch.Tensor:
+        def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"weight {name} missing from the checkpoint")
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            return weights.pop(name)
+
+        def w(name: str) -> torch.Tensor:
+            return take(name).to(device=device, dtype=dtype).contiguous()
 
         def norm(name: str) -> torch.Tensor:
             # Gemma's norms scale by (1 + weight): fold the offset in once, in float32
             if not cfg.norm_offset:
                 return w(name)
-            if name not in weights:
-                raise KeyError(f"weight {name} missing from the checkpoint")
-            return (weights[name].float() + cfg.norm_offset).to(device=device, dtype=dtype).contiguous()
+            return (take(name).float() + cfg.norm_offset).to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = norm("model.norm.weight")
@@ -106,12 +110,20 @@ class LlamaModel:
                 )
             )
         half = cfg.head_dim // 2
+        freq_factors = weights.pop("rope_freqs", None)
+        # longrope's long factors: rows [switch, switch + max_position) of each table, where the plan
+        # points the positions of a request that reaches the switch (`build_plan`'s rope_switch)
+        self.rope_switch = switch = cfg.long_rope_from
         self.cos: list[torch.Tensor] = []
         self.sin_signed: list[torch.Tensor] = []
         for ti, (theta, scaling) in enumerate(cfg.rope_tables()):
             # GGUF's rope_freqs divisors belong to the model's own table (0)
-            cos, sin = cos_sin_table(cfg.head_dim, theta, scaling, cfg.max_position, device, dtype,
-                                     weights.get("rope_freqs") if ti == 0 else None)
+            table = partial(cos_sin_table, cfg.head_dim, theta, scaling, device=device, dtype=dtype,
+                            freq_factors=freq_factors if ti == 0 else None)
+            cos, sin = table(switch or cfg.max_position)
+            if switch:
+                cos_long, sin_long = table(cfg.max_position, long=True)
+                cos, sin = torch.cat([cos, cos_long]), torch.cat([sin, sin_long])
             self.cos.append(cos)
             # rotate_half(x) * sin == flip-halves(x) * [-sin_lo, sin_hi]
             self.sin_signed.append(torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))

@@ -8,10 +8,11 @@ from typing import Any
 import torch
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None, long: bool = False) -> torch.Tensor:
     """Per-pair inverse frequencies, with `linear`, `llama3` or `longrope` scaling applied (as transformers
-does). `longrope` (Phi-3's `su`) uses its short factors: the model's context is capped at
-`original_max_position_embeddings` (`hf_dir.py`), within which transformers uses them too."""
+does). `longrope` (Phi-3's `su`) divides by its short factors, or by its long ones when `long`
+(transformers uses those for a sequence longer than `original_max_position_embeddings`:
+`ModelConfig.long_rope_from`)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv
@@ -30,10 +31,11 @@ does). `longrope` (Phi-3's `su`) uses its short factors: the model's context is 
         is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(is_mid, mid, out)
     if kind in ("longrope", "su"):
-        short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
-        if short.numel() != inv.numel():
-            raise ValueError(f"longrope short_factor has {short.numel()} entries, head_dim / 2 is {inv.numel()}")
-        return inv / short
+        key = "long_factor" if long else "short_factor"
+        ext = torch.tensor(scaling[key], dtype=torch.float32)
+        if ext.numel() != inv.numel():
+            raise ValueError(f"longrope {key} has {ext.numel()} entries, head_dim / 2 is {inv.numel()}")
+        return inv / ext
     raise ValueError(f"unsupported rope scaling type {kind!r}: supported are {ROPE_TYPES}")
 
 
@@ -52,17 +54,17 @@ def attention_factor(scaling: dict[str, Any] | None) -> float:
 
 
 def cos_sin_table(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int,
-                  device: torch.device, dtype: torch.dtype,
-                  freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  device: torch.device, dtype: torch.dtype, freq_factors: torch.Tensor | None = None,
+                  long: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [max_position, head_dim], halves repeated (rotate_half convention).
 
     `freq_factors` (GGUF `rope_freqs.weight`, how llama.cpp stores Llama 3 scaling) divide the
-    unscaled frequencies and replace `scaling`.
+    unscaled frequencies and replace `scaling`. `long`: longrope's long factors (`inv_frequencies`).
     """
     if freq_factors is not None:
         inv = inv_frequencies(head_dim, theta, None).float() / freq_factors.float().cpu()
     else:
-        inv = inv_frequencies(head_dim, theta, scaling).float()
+        inv = inv_frequencies(head_dim, theta, scaling, long).float()
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
     scale = attention_factor(None if freq_factors is not None else scaling)

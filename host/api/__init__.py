@@ -4,7 +4,7 @@ Each module's `imports(...)` takes the services that interface needs (not the wh
 returns its functions by WIT name; `build_linker` registers them all, for every WIT version
 shipped (`WIT_VERSIONS`): a component built against 0.1.0 keeps running on this host, its calls
 served by the same functions (0.2.0 adds `forward.generate` / `generate-fresh`, `kv.attach-prefix` and structured generation:
-interface `grammar` with its resources, and `forward.*-constrained`). One linker serves every
+interface `grammar` with its resources, `forward.*-constrained`, and `model.encode-prompt`). One linker serves every
 instance: an import finds its caller with `host.wasm.instance.current()`.
 """
 
@@ -34,7 +34,7 @@ _GRAMMAR_0_2 = {f"grammar.[static]grammar.{n}" for n in ("from-json-schema", "fr
     f"grammar.[method]matcher.{n}" for n in ("accept", "rollback", "accepted", "is-terminated", "reset", "fork")}
 WIT_VERSIONS: dict[str, set[str]] = {"0.1.0": set(), "0.2.0": {
     "forward.generate", "forward.generate-fresh", "kv.attach-prefix", "forward.run-constrained", "forward.submit-constrained",
-    "forward.decode-step-constrained", "forward.generate-constrained"} | _GRAMMAR_0_2}
+    "forward.decode-step-constrained", "forward.generate-constrained", "model.encode-prompt"} | _GRAMMAR_0_2}
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,10 @@ def imports(info: BackendInfo, tok: Tokenizer) -> dict[str, Import]:
     def encode(inst: Instance, text: str) -> list[int]:
         return tok.encode(text)
 
+    @guest_import("model.encode-prompt")
+    def encode_prompt(inst: Instance, text: str) -> list[int]:
+        return tok.encode_prompt(text)
+
     @guest_import("model.decode")
     def decode(inst: Instance, tokens: list[int]) -> str:
         for t in tokens:
@@ -57,4 +61,5 @@ def imports(info: BackendInfo, tok: Tokenizer) -> dict[str, Import]:
 
     return {"available-models": available_models, "load-model": load_model, "model-name": model_name,
             "vocab-size": vocab_size, "stop-tokens": stop_tokens, "chat-template": chat_template,
-            "apply-chat-template": apply_chat_template, "encode": encode, "decode": decode}
+            "apply-chat-template": apply_chat_template, "encode": encode, "encode-prompt": encode_prompt,
+            "decode": decode}

@@ -72,6 +72,13 @@ class Context:
         """Append text (tokenized on its own, so split points matter) as pending tokens."""
         self.fill_tokens(self.model.encode(text))
 
+    def fill_prompt(self, text: str) -> None:
+        """Start the context with a raw prompt (no chat template), tokenized as transformers'
+        `tokenizer(text)` does: BOS first where the model's tokenizer adds one."""
+        if self.tokens or self.kv_len:
+            raise ValueError("fill_prompt starts a context: this one already holds tokens (use fill)")
+        self.fill_tokens(self.model.encode_prompt(text))
+
     def fill_tokens(self, ids: Iterable[int]) -> None:
         """Append token ids as pending tokens; they reach the KV cache at the next pass."""
         self._check_idle("fill_tokens")

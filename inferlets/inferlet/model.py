@@ -59,6 +59,11 @@ class Model:
         """Text -> token ids; special tokens such as <|im_start|> are recognised."""
         return list(_host.model.encode(text))
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt (no chat template) -> token ids as transformers' `tokenizer(text)` gives them:
+        `encode`, after BOS where the model's tokenizer adds one (Llama 2, Mistral, Gemma, ...)."""
+        return list(_host.model.encode_prompt(text))
+
     def decode(self, tokens: Iterable[int]) -> str:
         """Token ids -> text; an incomplete UTF-8 sequence at the end is dropped."""
         return _host.model.decode(list(tokens))

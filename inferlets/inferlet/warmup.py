@@ -16,7 +16,7 @@ medians of 9 bursts): the last instance's first forward came 25.1 ms after the l
 Only for a `main` whose runs change nothing but the SDK's own state: a module-level cache or
 counter that `main` fills would be in the snapshot, and every instance would start with it.
 A run that raises is ignored (the warm-up is best effort); the stand-in answers the calls of the
-plain paths (chat, encode / decode, pages, `forward.generate`, `run`, `decode-step`, `send`, `log`) and
+plain paths (chat, encode / encode-prompt / decode, pages, `forward.generate`, `run`, `decode-step`, `send`, `log`) and
 any other host call raises inside the run: every interface is replaced, so none reaches the host.
 """
 
@@ -93,8 +93,9 @@ def _stand_in(saved: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": _Interface(
             saved["model"], ("Message",),
-            model_name=lambda: "warm-up", vocab_size=lambda: 256, stop_tokens=lambda: [0], chat_template=lambda: "",
-            encode=lambda text: [ord(c) % 200 + 3 for c in text],
+            model_name=lambda: "warm-up", vocab_size=lambda: 256, stop_tokens=lambda: [0],
+            chat_template=lambda: "<{{ role }}>", encode=lambda text: [ord(c) % 200 + 3 for c in text],
+            encode_prompt=lambda text: [1] + [ord(c) % 200 + 3 for c in text],
             decode=lambda ids: "".join(chr(97 + i % 26) for i in ids),
             apply_chat_template=lambda msgs, gen: "".join(f"<{m.role}>{m.content}" for m in msgs) + ("<a>" if gen else ""),
         ),

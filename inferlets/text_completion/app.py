@@ -46,8 +46,11 @@ def main(args: list[str]) -> str | None:
     model = get_model()
     with Context(model) as ctx:
         if opts.raw:
-            ctx.fill(opts.prompt)
+            ctx.fill_prompt(opts.prompt)  # BOS where the tokenizer adds one, as transformers' tokenizer(text)
         else:
+            if not model.chat_template:
+                raise InferletError(f"model {model.name!r} has no chat template (a base model?): use --raw to "
+                                    "complete the prompt as it is")
             messages = [{"role": "system", "content": opts.system}] if opts.system is not None else []
             messages.append({"role": "user", "content": opts.prompt})
             ctx.fill_chat(messages, add_generation_prompt=True)

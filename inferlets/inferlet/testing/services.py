@@ -115,5 +115,8 @@ class FakeModel:
     def encode(self, text: str) -> list[int]:
         return self.backend.tokenizer.encode(text)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.backend.tokenizer.encode_prompt(text)
+
     def decode(self, tokens: list[int]) -> str:
         return self.backend.tokenizer.decode(tokens)

@@ -37,7 +37,10 @@ class TinyInfo:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes offset by the specials, which are recognised verbatim in text."""
+    """UTF-8 bytes offset by the specials, which are recognised verbatim in text. `add_bos`: a raw
+    prompt starts with <s> (as a Llama 2 tokenizer's does); off unless a test turns it on."""
+
+    add_bos = False
 
     def encode(self, text: str) -> list[int]:
         """Text -> ids; each special string becomes its one id."""
@@ -51,6 +54,10 @@ class ByteTokenizer:
                 ids.extend(b + _OFFSET for b in text[0].encode())
                 text = text[1:]
         return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """`encode`, after <s> when `add_bos`."""
+        return [0, *self.encode(text)] if self.add_bos else self.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         """Ids -> text; like the real host, an incomplete UTF-8 sequence at the end is dropped."""
