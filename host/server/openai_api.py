@@ -36,7 +36,7 @@ from host.host import HostBusy
 from host.server.http import GuardedStream, read_body, until_disconnect
 from host.server.metrics import CONTENT_TYPE, ServerMetrics
 from host.server.openai_budget import PromptBudget
-from host.server.openai_request import OpenAIError, OpenAIRequest, parse_request
+from host.server.openai_request import OpenAIError, OpenAIRequest, parse_request, schema_problems
 from host.server.sse import DONE, chat_chunk, completion_chunk, sse_event
 from host.server.tenants import TenantLimitError, TenantLimits
 
@@ -204,11 +204,17 @@ def _failure(iid: str, ev: InstanceEvent) -> OpenAIError:
 
 
 async def _messages(run: _Run) -> AsyncIterator[dict[str, Any]]:
-    """The instance's JSON messages until it ends; the caller calls `run.close()` when done with it."""
+    """The instance's JSON messages until it ends; the caller calls `run.close()` when done with it.
+    A handler's {"error": {"message", "param"}} (the request cannot be served as asked: a schema its
+    grammar compiler refuses, messages its template cannot render) is a 400."""
     while True:
         ev = await run.get()
         if ev.event == "message":
-            yield json.loads(ev.message)
+            m = json.loads(ev.message)
+            if "error" in m:
+                err = m["error"] if isinstance(m["error"], dict) else {"message": str(m["error"])}
+                raise OpenAIError(400, str(err.get("message", "bad request"))[:2000], param=err.get("param"))
+            yield m
             continue
         run.ended = True
         run.h.metrics.instance_ended(ev.event)
@@ -232,8 +238,9 @@ def _completion_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any]
     if entries is None:
         return None
     return {"tokens": [e["token"] for e in entries],
-            "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],  # null for an echoed prompt's first token
+            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
             "text_offset": [e["text_offset"] for e in entries]}
 
 
@@ -245,7 +252,10 @@ def _choice(chat: bool, final: dict[str, Any]) -> dict[str, Any]:
     base = {"index": final["index"], "logprobs": _logprobs(chat, final.get("logprobs")),
             "finish_reason": final["finish_reason"]}
     if chat:
-        return {**base, "message": {"role": "assistant", "content": final["text"]}}
+        message: dict[str, Any] = {"role": "assistant", "content": final["text"]}
+        if final.get("tool_calls"):  # content null unless the model also wrote text
+            message = {"role": "assistant", "content": final["text"] or None, "tool_calls": final["tool_calls"]}
+        return {**base, "message": message}
     return {**base, "text": final["text"]}
 
 
@@ -272,7 +282,29 @@ async def _collect(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) 
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage}
 
 
-async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) -> AsyncIterator[bytes]:
+async def _first(run: _Run) -> tuple[AsyncIterator[dict[str, Any]], list[dict[str, Any]]]:
+    """The instance's messages, its first one already read: a handler that refuses the request (its
+    first message is an error) gets its 400 before a stream starts."""
+    messages = _messages(run)
+    try:
+        first = [await messages.__anext__()]
+    except StopAsyncIteration:
+        first = []
+    except BaseException:
+        run.close()
+        raise
+    return messages, first
+
+
+async def _chain(first: list[dict[str, Any]], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    for m in first:
+        yield m
+    async for m in rest:
+        yield m
+
+
+async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run,
+                  messages: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """The SSE events of one request; whoever stops iterating early calls `run.close()`."""
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     start, first, usage = time.perf_counter(), 0.0, {}
@@ -280,8 +312,11 @@ async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) -
         for i in range(req.n):
             yield sse_event(chat_chunk(rid, created, req.model, i, {"role": "assistant", "content": ""}))
     try:
-        async for m in _messages(run):
-            if "delta" in m:
+        async for m in messages:
+            if "tool_calls" in m and "text" not in m:  # a call's id and name, or a fragment of its arguments
+                first = first or time.perf_counter() - start
+                yield sse_event(chat_chunk(rid, created, req.model, m["index"], {"tool_calls": m["tool_calls"]}))
+            elif "delta" in m:
                 first = first or time.perf_counter() - start
                 lp = _logprobs(chat, m.get("logprobs"))
                 yield sse_event(chat_chunk(rid, created, req.model, m["index"], {"content": m["delta"]},
@@ -317,14 +352,29 @@ async def _respond(h: OpenAIHandler, request: Request, chat: bool, tenant: str,
         release()
         return Response(status_code=400)  # nobody reads it
     req = parse_request(body, chat, h.max_tokens)
+    return await _run_request(h, request, req, chat, tenant, release)
+
+
+async def _checked(h: OpenAIHandler, req: OpenAIRequest) -> OpenAIRequest:
+    """The boundary checks that compile or count (off the event loop): the schemas, the prompt's budget."""
+    await asyncio.to_thread(schema_problems, req)
     if h.budget is not None:
         req = await asyncio.to_thread(h.budget.check, req)
+    return req
+
+
+async def _run_request(h: OpenAIHandler, request: Request, req: OpenAIRequest, chat: bool, tenant: str,
+                       release: Callable[[], None]) -> Response:
+    """Check, launch and answer one validated chat or completions request."""
+    req = await _checked(h, req)
     run = _launch(h, req, tenant)
     if req.stream:
+        rest, head = await _first(run)
+
         def close() -> None:
             run.close()
             release()
-        return GuardedStream(_stream(h, req, chat, run), h.write_timeout_s, close)
+        return GuardedStream(_stream(h, req, chat, run, _chain(head, rest)), h.write_timeout_s, close)
     collect = asyncio.ensure_future(_collect(h, req, chat, run))
     gone = asyncio.ensure_future(until_disconnect(request.receive))
     try:
