@@ -30,7 +30,6 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-
 from inferlet import (
     AnyOf,
     Context,
@@ -51,7 +50,15 @@ from inferlet import (
     lark,
     send,
 )
-from inferlet.toolcalls import CALL_OPEN, ToolCall, auto_grammar, calls_schema, parse_calls, parse_forced, render_chat
+from inferlet.toolcalls import (
+    CALL_OPEN,
+    ToolCall,
+    auto_grammar,
+    calls_schema,
+    parse_calls,
+    parse_forced,
+    render_chat,
+)
 from inferlet.warmup import warm_up
 
 LOOKUP_K = 20  # probabilities returned per step: the drawn token's logprob is exact when among them

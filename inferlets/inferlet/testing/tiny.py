@@ -9,7 +9,6 @@ page, length, position or mask changes the output.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
