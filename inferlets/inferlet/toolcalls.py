@@ -172,7 +172,16 @@ def parse_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ToolC
 
 
 def parse_forced(text: str, tools: list[dict[str, Any]]) -> list[ToolCall]:
-    """The calls of an answer drawn under `calls_schema` (ValueError when it was cut short)."""
+    """The calls of an answer drawn under `calls_schema`. One cut short (max_tokens) gives the calls
+    it completed: [] when it ended inside the first."""
     names = {t["function"]["name"] for t in tools}
-    calls = [_to_call(c, names) for c in json.loads(text)]
+    decoder, items, i = json.JSONDecoder(), [], 1
+    while text.startswith("[") and i < len(text):
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except ValueError:
+            break
+        items.append(item)
+        i += 2  # the separator ", " (or the closing "]")
+    calls = [_to_call(c, names) for c in items]
     return [c for c in calls if c is not None]

@@ -291,11 +291,8 @@ def _tool_choice(ctx: Context, req: dict[str, Any], index: int, plan: Plan, stop
                         grammar=plan.grammar)
     generated = len(ctx.tokens) - before
     calls: list[ToolCall] = []
-    if plan.mode == "forced":
-        try:
-            calls = parse_forced(text, list(plan.tools))
-        except ValueError:  # cut short by max_tokens: the text as it is, finish_reason length
-            pass
+    if plan.mode == "forced":  # cut short by max_tokens: the calls it completed (none: the text, length)
+        calls = parse_forced(text, list(plan.tools))
         content = "" if calls else text
     else:
         content, calls = parse_calls(_cut(text, stops)[0], list(plan.tools))
