@@ -192,3 +192,43 @@ def test_echo_logprobs_score_the_prompt_in_one_pass(host: FakeHost) -> None:
         k = (tokens[i + 1] - n) % host.backend.info.vocab_size
         assert math.isclose(e["logprob"], math.log(0.5 / (k + 1)), rel_tol=1e-6), e
     assert len(host.forward.requests) == 1 and not host.kv.held  # one pass, no generation
+
+
+# A Hermes template that reads `tools` (as Qwen2.5's does), rendered by jinja2 as the host would.
+HERMES = ("{% if tools %}<s>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
+          "{% endif %}{% for m in messages %}<s>{{ m.role }}\n{{ m.content }}"
+          "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+          "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+@pytest.fixture
+def hermes() -> FakeHost:
+    import dataclasses
+
+    import jinja2
+
+    host = FakeHost(page_size=16, num_pages=256)
+    host.backend.info = dataclasses.replace(host.backend.info, chat_template=HERMES)
+    template = jinja2.Environment().from_string(HERMES)
+    host.backend.tokenizer.apply_chat_template = (  # type: ignore[method-assign]
+        lambda messages, add_generation_prompt=True, tools=None: template.render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt))
+    return host.install()
+
+
+def test_a_template_with_tools_renders_them_and_its_free_text_calls_are_parsed(hermes: FakeHost) -> None:
+    host = hermes
+    host.forward.script = _bytes('Let me check. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>') + [2]
+    call = {"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    msgs = _chat(host, stream=True, messages=[{"role": "user", "content": "Time?"},
+                                              {"role": "assistant", "content": None, "tool_calls": [call]},
+                                              {"role": "tool", "tool_call_id": "c0", "content": "cold"}])
+    prompt = _prompt(host)
+    assert prompt.startswith("<s>system\n<tools>") and '"name": "get_time"' in prompt
+    assert '<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>' in prompt  # an object
+    assert "<s>tool\ncold" in prompt and "<tool_response>" not in prompt  # the template's own rendering
+    final = next(m for m in msgs if "finish_reason" in m)
+    assert final["text"] == "Let me check." and final["finish_reason"] == "tool_calls"
+    assert final["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+    streamed = "".join(m["delta"] for m in msgs if "delta" in m)
+    assert streamed == "Let me check." and "<tool" not in streamed  # text before the call streams, the call does not

@@ -223,3 +223,23 @@ def test_echo_with_max_tokens_0_returns_the_prompt_logprobs(served: Any) -> None
     assert (lp.top_logprobs or [])[0] is None and len((lp.top_logprobs or [])[1]) == 2
     r = client.completions.create(model=MODEL, prompt="Paris is", echo=True, max_tokens=3, temperature=0)
     assert r.choices[0].text.startswith("Paris is") and len(r.choices[0].text) > len("Paris is")
+
+
+def test_response_store_is_bounded_expires_and_keeps_tenants_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    from host.server import openai_responses
+    from host.server.openai_request import OpenAIError
+    from host.server.openai_responses import ResponseStore
+
+    now = [100.0]
+    monkeypatch.setattr(openai_responses.time, "monotonic", lambda: now[0])
+    store = ResponseStore(max_entries=2, ttl_s=10)
+    for i in range(3):
+        store.put(f"r{i}", "a", [{"role": "user", "content": str(i)}])
+    assert store.get("r2", "a") == [{"role": "user", "content": "2"}]
+    for rid, tenant in (("r0", "a"), ("r2", "b")):  # the oldest went past the bound; another tenant's is unknown
+        with pytest.raises(OpenAIError) as e:
+            store.get(rid, tenant)
+        assert e.value.status == 404 and e.value.param == "previous_response_id"
+    now[0] += 10.5
+    with pytest.raises(OpenAIError):
+        store.get("r2", "a")  # expired
