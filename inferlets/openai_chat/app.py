@@ -2,11 +2,20 @@
 
 Argument: one JSON object, the server's validated request (`messages` or `prompt`,
 `max_tokens`, sampling fields, `stop`, `n`, `seed`, `stream`, `logprobs`, `top_logprobs`,
-`response_format`). Messages sent to the client, one JSON object each:
+`response_format`, `tools`, `tool_choice`, `parallel_tool_calls`, `echo`). Messages sent to the
+client, one JSON object each:
+  {"error": {"message", "param"}}                           alone: the request cannot be served (400);
   {"index": i, "delta": text[, "logprobs": [entry, ...]]}   while streaming;
-  {"index": i, "text": t, "finish_reason": "stop"|"length", "completion_tokens": k
-   [, "logprobs": [entry, ...]]}                              per choice;
+  {"index": i, "tool_calls": [{"index": k, ...}]}           while streaming: a call's id and name, its arguments;
+  {"index": i, "text": t, "finish_reason": "stop"|"length"|"tool_calls", "completion_tokens": k
+   [, "logprobs": [entry, ...]][, "tool_calls": [call, ...]]] per choice;
   {"usage": {"prompt_tokens": p, "completion_tokens": c}}    last.
+Tool calls (docs/openai.md, "Tool calls"): the tools reach the model through its template when it
+reads `tools`, else in Hermes' text (`inferlet.toolcalls`); `required` or a named function draws an
+array of calls under a grammar of the tools' schemas; `auto` parses the model's `<tool_call>` blocks,
+drawn under a grammar (text, or calls that validate) when the template has no call format.
+`echo` (completions) puts the prompt first; with logprobs its tokens are scored in the one pass that
+prefills it (`Context.flush_scored`, WIT forward.run-scored).
 With `logprobs`, an entry per generated token (the stop token and tokens past a stop string left
 out): {"token": its text, "logprob": ln p, "bytes": its UTF-8 bytes, "text_offset": where its text
 starts in the choice's text, "top_logprobs": [{"token", "logprob", "bytes"}, ...]}; a delta carries
