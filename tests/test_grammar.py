@@ -276,3 +276,21 @@ def test_a_grammar_admitting_no_token_gives_an_empty_mask_and_a_reason(compiler)
     m = Matcher(compiler.lark("start: NOTHING\nNOTHING: /[a-z]+/ & /[0-9]+/"))  # letters and digits at once
     assert not m.fill_mask().any()
     assert m.error is not None and "admits no token" in m.error
+
+
+def test_schema_error_passes_annotations_and_names_unenforceable_keywords_with_their_path() -> None:
+    """Issue 39: real-world schemas (format "url", titles, examples) are fine; what no grammar can
+    enforce is named with its JSON pointer, a property called like a keyword is not a keyword."""
+    from gpu_backend.grammar import schema_error
+
+    assert schema_error({"$schema": "http://json-schema.org/draft-07/schema#", "title": "t", "$comment": "c",
+                         "type": "object", "properties": {"home": {"type": "string", "format": "url",
+                                                                   "examples": ["x"], "default": "y"},
+                                                          "not": {"type": "integer"}}}) is None
+    assert schema_error({"type": "object", "properties": {"a": {"not": {"type": "string"}},
+                                                          "not": {"type": "string"}}}) == \
+        "unsupported keyword: 'not' at /properties/a"
+    assert schema_error({"$defs": {"x": {"if": {}, "then": {}}}, "$ref": "#/$defs/x"}) == \
+        "unsupported keywords: 'if' at /$defs/x, 'then' at /$defs/x"
+    assert schema_error({"type": "strin"}) == "Invalid type: strin"
+    assert "look-around" in (schema_error({"type": "string", "pattern": "(?=a)"}) or "")
