@@ -232,3 +232,9 @@ def test_a_template_with_tools_renders_them_and_its_free_text_calls_are_parsed(h
     assert final["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
     streamed = "".join(m["delta"] for m in msgs if "delta" in m)
     assert streamed == "Let me check." and "<tool" not in streamed  # text before the call streams, the call does not
+
+
+def test_a_schema_the_compiler_refuses_is_the_clients_error_sent_before_anything(host: FakeHost) -> None:
+    msgs = _run(host, response_format={"type": "json_schema", "schema": {"type": "nonsense"}}, stream=True)
+    assert msgs == [{"error": {"message": msgs[0]["error"]["message"], "param": "response_format"}}]
+    assert "nonsense" in msgs[0]["error"]["message"] and not host.kv.held and not host.forward.requests

@@ -243,3 +243,28 @@ def test_response_store_is_bounded_expires_and_keeps_tenants_apart(monkeypatch: 
     now[0] += 10.5
     with pytest.raises(OpenAIError):
         store.get("r2", "a")  # expired
+
+
+class RefusingHost(HandlerHost):
+    """A handler that refuses every request as openai_chat refuses a schema it cannot compile."""
+
+    def launch(self, program: str, args: list[str], on_event: Callable[[InstanceEvent], None],
+               tenant: str = "local") -> str:
+        on_event(InstanceEvent("i1", "message", json.dumps({"error": {"message": "tools: too big", "param": "tools"}})))
+        on_event(InstanceEvent("i1", "completed", ""))
+        return "i1"
+
+
+def test_a_handler_refusal_is_a_400_or_the_streams_error_event() -> None:
+    http = TestClient(openai_app(OpenAIHandler(RefusingHost(), "hash", MODEL, ServerMetrics(dict, lambda: 0))))
+    body = {"model": MODEL, "messages": ASK}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"] == {"message": "tools: too big", "type": "invalid_request_error",
+                                                          "param": "tools", "code": None}
+    lines = [ln for ln in http.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines() if ln]
+    assert json.loads(lines[-2][6:])["error"]["param"] == "tools" and lines[-1] == "data: [DONE]"
+    r = http.post("/v1/responses", json={"model": MODEL, "input": "x"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "tools: too big"
+    events = [json.loads(ln[6:]) for ln in http.post("/v1/responses", json={"model": MODEL, "input": "x", "stream": True})
+              .text.splitlines() if ln.startswith("data: ")]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "error"

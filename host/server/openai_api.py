@@ -291,27 +291,6 @@ async def _collect(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) 
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage}
 
 
-async def _first(run: _Run) -> tuple[AsyncIterator[dict[str, Any]], list[dict[str, Any]]]:
-    """The instance's messages, its first one already read: a handler that refuses the request (its
-    first message is an error) gets its 400 before a stream starts."""
-    messages = _messages(run)
-    try:
-        first = [await messages.__anext__()]
-    except StopAsyncIteration:
-        first = []
-    except BaseException:
-        run.close()
-        raise
-    return messages, first
-
-
-async def _chain(first: list[dict[str, Any]], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    for m in first:
-        yield m
-    async for m in rest:
-        yield m
-
-
 async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run,
                   messages: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """The SSE events of one request; whoever stops iterating early calls `run.close()`."""
@@ -377,13 +356,11 @@ async def _run_request(h: OpenAIHandler, request: Request, req: OpenAIRequest, c
     """Check, launch and answer one validated chat or completions request."""
     req = await _checked(h, req)
     run = _launch(h, req, tenant)
-    if req.stream:
-        rest, head = await _first(run)
-
+    if req.stream:  # a handler's refusal then comes as the stream's error event (the status is sent)
         def close() -> None:
             run.close()
             release()
-        return GuardedStream(_stream(h, req, chat, run, _chain(head, rest)), h.write_timeout_s, close)
+        return GuardedStream(_stream(h, req, chat, run, _messages(run)), h.write_timeout_s, close)
     return await _answer(request, _collect(h, req, chat, run), release)
 
 
@@ -440,12 +417,10 @@ async def _respond_responses(h: OpenAIHandler, request: Request, tenant: str,
             h.responses.put(builder.id, tenant, builder.conversation(kept))
 
     if req.stream:
-        rest, head = await _first(run)
-
         def close() -> None:
             run.close()
             release()
-        return GuardedStream(_response_events(h, builder, run, _chain(head, rest), store), h.write_timeout_s, close)
+        return GuardedStream(_response_events(h, builder, run, _messages(run), store), h.write_timeout_s, close)
     return await _answer(request, _response_object(h, builder, run, store), release)
 
 

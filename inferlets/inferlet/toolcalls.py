@@ -152,8 +152,8 @@ def _to_call(obj: Any, names: set[str]) -> ToolCall | None:
 
 
 def parse_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ToolCall]]:
-    """The model's Hermes calls in `text` (to tools it has) and the text around them (stripped). A block
-    that does not parse, or names no tool, stays in the text."""
+    """The model's Hermes calls in `text` (to tools it has) and the text around them (with calls, its
+    trailing whitespace dropped). A block that does not parse, or names no tool, stays in the text."""
     names = {t["function"]["name"] for t in tools}
     calls: list[ToolCall] = []
 
@@ -168,7 +168,7 @@ def parse_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ToolC
         return ""
 
     rest = _BLOCK.sub(take, text)
-    return rest.strip(), calls
+    return (rest.rstrip() if calls else rest), calls
 
 
 def parse_forced(text: str, tools: list[dict[str, Any]]) -> list[ToolCall]:

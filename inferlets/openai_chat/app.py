@@ -111,7 +111,10 @@ def _plan(req: dict[str, Any], native: bool) -> Plan:
     """`_make_plan`, a schema the grammar compiler refuses (too large, a keyword it cannot enforce)
     being the client's error, naming the parameter it came with."""
     try:
-        return _make_plan(req, native)
+        plan = _make_plan(req, native)
+        if plan.grammar is not None:
+            plan.grammar.compiled()  # the SDK compiles on first use: here, before anything is sent
+        return plan
     except GrammarError as e:
         param = "tools" if req.get("tools") and (req.get("tool_choice") or "none") != "none" else "response_format"
         raise ClientError(f"{param}: the schema cannot be used for constrained generation: {e}", param) from None
@@ -163,15 +166,18 @@ class _Streamer:
 
     With `entries` (logprobs), each delta carries the entries whose text starts before its end."""
 
-    def __init__(self, index: int, stops: list[str], entries: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, index: int, stops: list[str], entries: list[dict[str, Any]] | None = None,
+                 hold_space: bool = False) -> None:
         self.index, self.stops, self.text, self.sent = index, stops, "", 0
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.entries, self.entries_sent = entries, 0
+        self.hold_space = hold_space  # trailing whitespace waits for more text (dropped before a tool call)
 
     def __call__(self, piece: str) -> None:
         self.text += piece
         visible, _ = _cut(self.text, self.stops)
-        self.flush(len(visible) if len(visible) < len(self.text) else len(visible) - self.hold)
+        upto = len(visible) if len(visible) < len(self.text) else len(visible) - self.hold
+        self.flush(len(self.text[:upto].rstrip()) if self.hold_space else upto)
 
     def flush(self, upto: int) -> None:
         if upto > self.sent:
@@ -291,7 +297,7 @@ def _tool_choice(ctx: Context, req: dict[str, Any], index: int, plan: Plan, stop
     """One choice that may call tools: drawn under the plan's grammar, then its calls parsed out.
     While streaming, text before a call goes out as it comes; the calls follow once complete."""
     stops = list(req.get("stop") or [])
-    streamer = _Streamer(index, [*stops, CALL_OPEN]) if req.get("stream") else None
+    streamer = _Streamer(index, [*stops, CALL_OPEN], hold_space=True) if req.get("stream") else None
     before = len(ctx.tokens)
     if plan.mode == "forced":  # the stop strings do not apply inside the calls' JSON
         stop = UntilTokens(ctx.model.stop_tokens)
