@@ -126,6 +126,7 @@ def test_required_draws_calls_under_the_tools_grammar_and_streams_them(big: Fake
     assert streamed[0] == {"index": 0, "id": call["id"], "type": "function",
                            "function": {"name": "get_weather", "arguments": ""}}
     assert "".join(s["function"]["arguments"] for s in streamed) == call["function"]["arguments"]
+    assert len(streamed) > 3  # the arguments streamed as they were drawn, not in one piece at the end
     assert "get_weather" in _prompt(host) and "<tools>" in _prompt(host)  # tiny's template has no tools: Hermes text
 
 
@@ -238,3 +239,24 @@ def test_a_schema_the_compiler_refuses_is_the_clients_error_sent_before_anything
     msgs = _run(host, response_format={"type": "json_schema", "schema": {"type": "nonsense"}}, stream=True)
     assert msgs == [{"error": {"message": msgs[0]["error"]["message"], "param": "response_format"}}]
     assert "nonsense" in msgs[0]["error"]["message"] and not host.kv.held and not host.forward.requests
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_call_stream_deltas_add_up_to_the_calls_whatever_the_pieces(step: int) -> None:
+    from inferlet.toolcalls import CallStream
+
+    answer = '[{"name": "f", "arguments": {"s": "a\\"}{[", "n": [1, {"b": 2}]}}, {"name": "g", "arguments": {}}]'
+    follow, deltas = CallStream(), []
+    for i in range(0, len(answer), step):
+        deltas += follow.feed(answer[i:i + step])
+    calls = follow.complete()
+    assert [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"s": 'a"}{[', "n": [1, {"b": 2}]}
+    heads = [d for d in deltas if "id" in d]
+    assert [(d["index"], d["id"], d["function"]) for d in heads] == [
+        (k, c["id"], {"name": c["function"]["name"], "arguments": ""}) for k, c in enumerate(calls)]
+    for k, c in enumerate(calls):
+        assert "".join(d["function"]["arguments"] for d in deltas if d["index"] == k) == c["function"]["arguments"]
+    cut = CallStream()
+    cut.feed(answer[:40])  # max_tokens inside the first call's arguments: nothing complete
+    assert len(cut.calls) == 1 and cut.complete() == []

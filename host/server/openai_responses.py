@@ -279,6 +279,8 @@ class ResponseBuilder:
             events += [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                                    name=item["name"], arguments=item["arguments"]),
                        self._event("response.output_item.done", output_index=i, item=item)]
+        for k in [k for k in self._calls if k >= len(m.get("tool_calls") or [])]:  # a call cut by max_output_tokens
+            self.output.remove(self._calls.pop(k))
         if m["finish_reason"] == "length":
             self.incomplete = {"reason": "max_output_tokens"}
         return events

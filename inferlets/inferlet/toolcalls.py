@@ -19,14 +19,15 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CALL_OPEN", "ToolCall", "auto_grammar", "calls_schema", "chat_messages", "make_call_id",
-           "parse_calls", "parse_forced", "render_chat", "template_reads_tools"]
+__all__ = ["CALL_OPEN", "CallStream", "ToolCall", "auto_grammar", "calls_schema", "chat_messages", "make_call_id",
+           "parse_calls", "render_chat", "template_reads_tools"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_FORCED_CALLS = 8  # calls one forced answer may hold (a small model could otherwise list calls until max_tokens)
 # JSON written as json.dumps writes it (the host's json_schema options), unknown `format`s ignored.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_CALL_HEAD = re.compile(r'\s*(?:\[|, )\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
 
 _SYSTEM_TOOLS = """# Tools
 
@@ -171,17 +172,63 @@ def parse_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ToolC
     return (rest.rstrip() if calls else rest), calls
 
 
-def parse_forced(text: str, tools: list[dict[str, Any]]) -> list[ToolCall]:
-    """The calls of an answer drawn under `calls_schema`. One cut short (max_tokens) gives the calls
-    it completed: [] when it ended inside the first."""
-    names = {t["function"]["name"] for t in tools}
-    decoder, items, i = json.JSONDecoder(), [], 1
-    while text.startswith("[") and i < len(text):
-        try:
-            item, i = decoder.raw_decode(text, i)
-        except ValueError:
-            break
-        items.append(item)
-        i += 2  # the separator ", " (or the closing "]")
-    calls = [_to_call(c, names) for c in items]
-    return [c for c in calls if c is not None]
+class CallStream:
+    """Follows a forced answer (`calls_schema`'s array, written as json.dumps writes it, each call's
+    "name" before its "arguments": the grammar's order) as it grows: `feed` returns OpenAI's streamed
+    call deltas, a call's id and name once its name is complete, then its arguments as they come.
+    `calls` are the calls completed so far, their arguments the generated text itself (what the
+    fragments add up to)."""
+
+    def __init__(self) -> None:
+        self.text, self.pos = "", 0  # the answer so far; where the next call's head is expected
+        self.calls: list[ToolCall] = []
+        self._args_at: int | None = None  # where the open call's arguments begin
+        self._sent = 0  # of the open call's arguments, characters sent
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        self.text += piece
+        out: list[dict[str, Any]] = []
+        while True:
+            if self._args_at is None:
+                head = _CALL_HEAD.match(self.text, self.pos)
+                if head is None:
+                    return out
+                self._args_at, self._sent = head.end(), 0
+                call = {"id": make_call_id(), "type": "function",
+                        "function": {"name": json.loads(head.group(1)), "arguments": ""}}
+                self.calls.append(call)
+                out.append({"index": len(self.calls) - 1, "id": call["id"], "type": "function",
+                            "function": {"name": call["function"]["name"], "arguments": ""}})
+            end = _value_end(self.text, self._args_at)
+            upto = len(self.text) if end is None else end
+            call = self.calls[-1]
+            if upto > self._args_at + self._sent:
+                fragment = self.text[self._args_at + self._sent : upto]
+                call["function"]["arguments"] += fragment
+                self._sent += len(fragment)
+                out.append({"index": len(self.calls) - 1, "function": {"arguments": fragment}})
+            if end is None:
+                return out
+            self.pos, self._args_at = end + 1, None  # past the call's closing "}"
+
+    def complete(self) -> list[ToolCall]:
+        """The calls whose arguments are complete (a cut answer's last one may not be)."""
+        return self.calls if self._args_at is None else self.calls[:-1]
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array starting at `start` ends (one past its close), None if not yet."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None

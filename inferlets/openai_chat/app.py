@@ -61,11 +61,11 @@ from inferlet import (
 )
 from inferlet.toolcalls import (
     CALL_OPEN,
+    CallStream,
     ToolCall,
     auto_grammar,
     calls_schema,
     parse_calls,
-    parse_forced,
     render_chat,
 )
 from inferlet.warmup import warm_up
@@ -294,29 +294,37 @@ def _send_calls(index: int, calls: list[ToolCall]) -> None:
 
 
 def _tool_choice(ctx: Context, req: dict[str, Any], index: int, plan: Plan, stop: Stop) -> int:
-    """One choice that may call tools: drawn under the plan's grammar, then its calls parsed out.
-    While streaming, text before a call goes out as it comes; the calls follow once complete."""
-    stops = list(req.get("stop") or [])
-    streamer = _Streamer(index, [*stops, CALL_OPEN], hold_space=True) if req.get("stream") else None
-    before = len(ctx.tokens)
+    """One choice that may call tools, drawn under the plan's grammar. While streaming, a forced
+    answer's calls go out as they are drawn (id and name, then argument fragments: `CallStream`); in
+    an auto answer the text before a call goes out as it comes, its calls once parsed at the end."""
+    stops, stream = list(req.get("stop") or []), bool(req.get("stream"))
+    follow = CallStream()
+    on_text: Callable[[str], None] | None = None
+    streamer = None
     if plan.mode == "forced":  # the stop strings do not apply inside the calls' JSON
         stop = UntilTokens(ctx.model.stop_tokens)
-    text = ctx.generate(_sampler(req, index), stop=stop, max_tokens=req["max_tokens"],
-                        on_text=streamer if plan.mode == "auto" else None,
+        if stream:
+            def on_text(piece: str) -> None:
+                for d in follow.feed(piece):
+                    send(json.dumps({"index": index, "tool_calls": [d]}))
+    elif stream:
+        on_text = streamer = _Streamer(index, [*stops, CALL_OPEN], hold_space=True)
+    before = len(ctx.tokens)
+    text = ctx.generate(_sampler(req, index), stop=stop, max_tokens=req["max_tokens"], on_text=on_text,
                         grammar=plan.grammar)
     generated = len(ctx.tokens) - before
-    calls: list[ToolCall] = []
     if plan.mode == "forced":  # cut short by max_tokens: the calls it completed (none: the text, length)
-        calls = parse_forced(text, list(plan.tools))
+        if not stream:
+            follow.feed(text)
+        calls = follow.complete()
         content = "" if calls else text
     else:
         content, calls = parse_calls(_cut(text, stops)[0], list(plan.tools))
-    if streamer is not None:
-        sent = streamer.text[:streamer.sent]
-        if content.startswith(sent):
-            streamer.text = content
-            streamer.flush(len(content))
-        _send_calls(index, calls)
+        if streamer is not None:
+            if content.startswith(streamer.text[:streamer.sent]):
+                streamer.text = content
+                streamer.flush(len(content))
+            _send_calls(index, calls)
     stopped = calls or _cut(text, stops)[1]
     reason = "tool_calls" if calls else "length" if not stopped and generated >= req["max_tokens"] else "stop"
     send(json.dumps({"index": index, "text": content, "finish_reason": reason, "completion_tokens": generated,
