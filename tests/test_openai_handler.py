@@ -260,3 +260,12 @@ def test_call_stream_deltas_add_up_to_the_calls_whatever_the_pieces(step: int) -
     cut = CallStream()
     cut.feed(answer[:40])  # max_tokens inside the first call's arguments: nothing complete
     assert len(cut.calls) == 1 and cut.complete() == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_answer_cut_before_its_first_call_is_its_text_streamed_or_not(big: FakeHost, stream: bool) -> None:
+    big.forward.script = _bytes('[{"name": "get_weather", "argum') + [2]
+    msgs = _chat(big, tool_choice="required", max_tokens=6, stream=stream)
+    final = next(m for m in msgs if "finish_reason" in m)
+    assert final["finish_reason"] == "length" and "tool_calls" not in final and final["text"] == '[{"nam'
+    assert "".join(m["delta"] for m in msgs if "delta" in m) == (final["text"] if stream else "")

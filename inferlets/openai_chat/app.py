@@ -313,11 +313,13 @@ def _tool_choice(ctx: Context, req: dict[str, Any], index: int, plan: Plan, stop
     text = ctx.generate(_sampler(req, index), stop=stop, max_tokens=req["max_tokens"], on_text=on_text,
                         grammar=plan.grammar)
     generated = len(ctx.tokens) - before
-    if plan.mode == "forced":  # cut short by max_tokens: the calls it completed (none: the text, length)
+    if plan.mode == "forced":  # cut short by max_tokens: the calls it completed, or (none begun) the text
         if not stream:
             follow.feed(text)
         calls = follow.complete()
-        content = "" if calls else text
+        content = "" if follow.calls else text
+        if stream and content:
+            send(json.dumps({"index": index, "delta": content}))
     else:
         content, calls = parse_calls(_cut(text, stops)[0], list(plan.tools))
         if streamer is not None:
