@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jinja2
-from inferlet.toolcalls import render_chat
+from inferlet.toolcalls import plain_chat, render_chat
 
 from host.server.openai_request import OpenAIError, OpenAIRequest
 
@@ -53,7 +53,7 @@ class PromptBudget:
                 return len(tok.encode(req.prompt or ""))
             messages = [dict(m) for m in req.messages]
             tools = list(req.tools or ()) if req.tool_choice != "none" else None
-            if not tools and all(m["role"] != "tool" and not m.get("tool_calls") for m in messages):
+            if plain_chat(messages, tools):
                 return len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
             return len(tok.encode(render_chat(render, info.chat_template, messages, tools)[0]))  # as the handler
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["CALL_OPEN", "CallStream", "ToolCall", "auto_grammar", "calls_schema", "chat_messages", "make_call_id",
-           "parse_calls", "render_chat", "template_reads_tools"]
+           "parse_calls", "plain_chat", "render_chat", "template_reads_tools"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_FORCED_CALLS = 8  # calls one forced answer may hold (a small model could otherwise list calls until max_tokens)
@@ -45,6 +45,12 @@ For each function call, return a json object with function name and arguments wi
 
 ToolCall = dict[str, Any]  # OpenAI's shape: {"id", "type": "function", "function": {"name", "arguments": str}}
 Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
+
+
+def plain_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
+    """Whether a chat needs none of this: no tools to show, no call or tool result in it (the plain
+    role/content rendering, `Context.fill_chat`, is the same text)."""
+    return not tools and all(m["role"] != "tool" and not m.get("tool_calls") for m in messages)
 
 
 def template_reads_tools(template: str) -> bool:

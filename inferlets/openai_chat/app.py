@@ -66,6 +66,7 @@ from inferlet.toolcalls import (
     auto_grammar,
     calls_schema,
     parse_calls,
+    plain_chat,
     render_chat,
 )
 from inferlet.warmup import warm_up
@@ -142,7 +143,7 @@ def _fill_messages(ctx: Context, req: dict[str, Any]) -> bool:
     (not with tool_choice none) are rendered by `inferlet.toolcalls.render_chat`."""
     messages = req["messages"]
     tools = req.get("tools") if (req.get("tool_choice") or "none") != "none" else None
-    if not tools and all(m["role"] != "tool" and not m.get("tool_calls") for m in messages):
+    if plain_chat(messages, tools):
         ctx.fill_chat(messages, add_generation_prompt=True)
         return False
     model = ctx.model
