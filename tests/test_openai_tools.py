@@ -268,3 +268,17 @@ def test_a_handler_refusal_is_a_400_or_the_streams_error_event() -> None:
     events = [json.loads(ln[6:]) for ln in http.post("/v1/responses", json={"model": MODEL, "input": "x", "stream": True})
               .text.splitlines() if ln.startswith("data: ")]
     assert events[0]["type"] == "response.created" and events[-1]["type"] == "error"
+
+
+def test_a_prompt_of_token_ids_scores_like_its_text(served: Any) -> None:
+    """lm-eval's tokenized requests send the prompt as token ids (the toy model's byte tokens here)."""
+    client, _, http = served
+    text = client.completions.create(model=MODEL, prompt="Paris is", echo=True, logprobs=1, max_tokens=0)
+    ids = [b + 3 for b in b"Paris is"]
+    for prompt in (ids, [ids]):
+        r = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+        assert r.choices[0].text == "Paris is" and r.choices[0].logprobs == text.choices[0].logprobs
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5, 10**6], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "vocabulary" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5, "x"], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

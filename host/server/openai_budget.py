@@ -49,6 +49,8 @@ class PromptBudget:
                 raise ValueError(str(e)) from None
 
         def count(req: OpenAIRequest) -> int:
+            if isinstance(req.prompt, tuple):  # token ids: the handler refuses ids outside the vocabulary
+                return len(req.prompt)
             if req.messages is None:
                 return len(tok.encode(req.prompt or ""))
             messages = [dict(m) for m in req.messages]

@@ -45,11 +45,12 @@ class OpenAIError(Exception):
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """A validated request; `messages` is set for chat, `prompt` for completions."""
+    """A validated request; `messages` is set for chat, `prompt` for completions (its text, or its
+    token ids as lm-eval's tokenized requests send them)."""
 
     model: str
     messages: tuple[dict[str, Any], ...] | None
-    prompt: str | None
+    prompt: str | tuple[int, ...] | None
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -213,6 +214,18 @@ def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...] | None) -> str | 
     return {"type": "function", "function": {"name": name}}
 
 
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    """A string, token ids, or a one-item list of either."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                                 for t in value):
+        return tuple(value)
+    raise _bad("prompt", f"expected a string or a non-empty array of token ids, got {str(value)[:100]}")
+
+
 def _stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -311,11 +324,7 @@ def request_of(body: dict[str, Any], chat: bool, max_tokens_limit: int) -> OpenA
     if chat:
         messages = _messages(body.get("messages"))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise _bad("prompt", f"expected a string, got {prompt!r}")
+        prompt = _prompt(body.get("prompt"))
     echo = body.get("echo", False) if not chat else False
     if not isinstance(echo, bool):
         raise _bad("echo", f"expected a boolean, got {echo!r}")

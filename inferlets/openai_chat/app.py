@@ -392,6 +392,18 @@ def _prompt_entries(ctx: Context, top_n: int, pieces: _Pieces) -> list[dict[str,
     return entries
 
 
+def _fill_prompt(ctx: Context, prompt: str | list[int]) -> None:
+    """A completions prompt: its text, or its token ids (ClientError for one outside the vocabulary)."""
+    if isinstance(prompt, str):
+        ctx.fill(prompt)
+        return
+    bad = [t for t in prompt if t >= ctx.model.vocab_size]
+    if bad:
+        raise ClientError(f"prompt: token id {bad[0]} is outside the vocabulary (size {ctx.model.vocab_size})",
+                          "prompt")
+    ctx.fill_tokens(prompt)
+
+
 def _refuse(e: ClientError) -> None:
     send(json.dumps({"error": {"message": e.message, "param": e.param}}))
 
@@ -409,14 +421,15 @@ def main(args: list[str]) -> None:
             if req.get("messages") is not None:
                 native = _fill_messages(ctx, req)
             else:
-                ctx.fill(req["prompt"])
+                _fill_prompt(ctx, req["prompt"])
             plan = _plan(req, native)
         except ClientError as e:
             _refuse(e)
             return
         prompt_tokens = len(ctx.tokens)
         pieces = _Pieces(model)
-        head = Echo(req["prompt"], _prompt_entries(ctx, int(req.get("top_logprobs") or 0), pieces) if scored
+        prompt = req["prompt"] if isinstance(req.get("prompt"), str) else model.decode(ctx.tokens)
+        head = Echo(prompt, _prompt_entries(ctx, int(req.get("top_logprobs") or 0), pieces) if scored
                     else None) if echo else None
         stop: Stop = AnyOf(UntilTokens(model.stop_tokens), *(UntilText(s) for s in req.get("stop") or []))
         if req.get("n", 1) > 1:
