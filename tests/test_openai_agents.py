@@ -130,6 +130,10 @@ def test_echo_logprobs_equal_transformers(served: Served) -> None:
     got = (lp.token_logprobs or [])[1:]
     assert (lp.token_logprobs or [])[0] is None
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-3, list(zip(got, want, strict=True))
+    by_ids = served.client().completions.create(model=served.model, prompt=ids[0].tolist(), echo=True, logprobs=1,
+                                                max_tokens=0).choices[0]
+    assert by_ids.text == prompt and by_ids.logprobs is not None
+    assert max(abs(a - b) for a, b in zip((by_ids.logprobs.token_logprobs or [])[1:], want, strict=True)) < 1e-3
 
 
 def test_openai_agents_sdk_runs_an_agent_with_a_function_tool(served: Served) -> None:
