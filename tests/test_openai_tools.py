@@ -243,6 +243,12 @@ def test_response_store_is_bounded_expires_and_keeps_tenants_apart(monkeypatch: 
     now[0] += 10.5
     with pytest.raises(OpenAIError):
         store.get("r2", "a")  # expired
+    small = ResponseStore(max_entries=10, ttl_s=10, max_bytes=100)
+    small.put("a", "t", [{"role": "user", "content": "x" * 40}])
+    small.put("b", "t", [{"role": "user", "content": "y" * 40}])  # past 100 bytes together: "a" goes
+    assert small.get("b", "t") and small._bytes < 100
+    with pytest.raises(OpenAIError):
+        small.get("a", "t")
 
 
 class RefusingHost(HandlerHost):

@@ -10,14 +10,15 @@ object (`ResponseBuilder`) or its event stream (`response.created`, `response.in
 
 `previous_response_id`: the server keeps each stored response's conversation (its messages, the
 answer included; not its instructions, as OpenAI does) in host memory (`ResponseStore`): at most
-`max_entries`, each for `ttl_s` after it was made, per tenant (another tenant's id is unknown to
-it). They are lost when the server restarts.
+`max_entries` (and `max_bytes` of them all), each for `ttl_s` after it was made, per tenant (another
+tenant's id is unknown to it). They are lost when the server restarts.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import threading
 import time
 import uuid
@@ -34,20 +35,27 @@ def _bad(param: str, message: str) -> OpenAIError:
 
 @dataclasses.dataclass
 class ResponseStore:
-    """Stored conversations by response id, per tenant: the oldest go first past `max_entries`, and
-    each expires `ttl_s` after it was stored. Thread-safe (small critical sections)."""
+    """Stored conversations by response id, per tenant: the oldest go first past `max_entries` or
+    `max_bytes`, and each expires `ttl_s` after it was stored. Thread-safe (small critical sections)."""
 
     max_entries: int = 1024
     ttl_s: float = 3600.0
-    _items: collections.OrderedDict[str, tuple[float, str, list[dict[str, Any]]]] = dataclasses.field(
+    max_bytes: int = 256 * 2**20  # the conversations' JSON, all together (a body may be 8 MiB)
+    _items: collections.OrderedDict[str, tuple[float, str, list[dict[str, Any]], int]] = dataclasses.field(
         default_factory=collections.OrderedDict)
+    _bytes: int = 0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def put(self, rid: str, tenant: str, messages: list[dict[str, Any]]) -> None:
+        size = len(json.dumps(messages))
         with self._lock:
-            self._items[rid] = (time.monotonic() + self.ttl_s, tenant, messages)
-            while len(self._items) > self.max_entries:
-                self._items.popitem(last=False)
+            self._items[rid] = (time.monotonic() + self.ttl_s, tenant, messages, size)
+            self._bytes += size
+            while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
+                self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        self._bytes -= self._items.popitem(last=False)[1][3]
 
     def get(self, rid: str, tenant: str) -> list[dict[str, Any]]:
         """The conversation of `rid` (a 404 when unknown, expired, or another tenant's)."""
@@ -57,7 +65,7 @@ class ResponseStore:
                 first = next(iter(self._items.values()))
                 if first[0] > now:
                     break
-                self._items.popitem(last=False)
+                self._drop_oldest()
             item = self._items.get(rid)
         if item is None or item[1] != tenant:
             raise OpenAIError(404, f"previous_response_id: no stored response {rid!r} (the server keeps "
