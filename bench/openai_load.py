@@ -1,5 +1,6 @@
 """Load on the OpenAI endpoint: requests/s, time to first token and time per output token at 1/16/64
-concurrent streaming clients, and the same inferlet through the WebSocket protocol in the same run.
+concurrent streaming clients, and the same inferlet through the WebSocket protocol in the same run;
+then a tool-call request mix and Responses streams (issue 39), against plain chat in the same run.
 
 Starts the real host (default model) and a server in this process with the standard handler
 (inferlets/openai_chat) on its one port. For each client count, that many clients (in a child
@@ -7,7 +8,12 @@ process, so they do not share the server's GIL) each send `--requests-per-client
 requests one after another:
   openai     POST /v1/chat/completions with "stream": true (SSE chunks, parsed as they arrive);
   websocket  the same handler program launched over protocol v1 with the very same JSON request
-             argument the HTTP route builds; its {"delta"} messages streamed back as events.
+             argument the HTTP route builds; its {"delta"} messages streamed back as events;
+  tools      the chat requests, every other one with a function tool and tool_choice "required"
+             (its call drawn under the tools' grammar; the call's deltas come once it is complete, so
+             for those TTFT is the call's latency);
+  responses  POST /v1/responses with "stream": true, the same prompts (response.output_text.delta
+             events; tokens from the terminal event's usage).
 Time to first token (TTFT) is from sending the request to the first non-empty text piece; time per
 output token (TPOT) is (last piece - first piece) / (completion tokens - 1) per request, the
 completion tokens from the handler's usage. Greedy, fixed prompts: both paths generate the same text.
@@ -44,7 +50,12 @@ from host.server.openai_request import parse_request
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "Say hello in Spanish.",
            "What is 2 + 2?", "Give me a fruit.", "What is water made of?"]
-MODES = ("openai", "websocket")
+MODES = ("openai", "websocket", "tools", "responses")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "maxLength": 16},
+                                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                                               "required": ["city", "unit"]}}}]
 
 
 @dataclass
@@ -68,28 +79,50 @@ def _sample(t0: float, first: float | None, last: float, tokens: int) -> Sample:
     return Sample(first - t0, time.perf_counter() - t0, tpot, tokens)
 
 
-async def _openai_client(base: str, model: str, index: int, rounds: int, max_tokens: int) -> list[Sample]:
+def _http_request(mode: str, model: str, i: int, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    """The route and body of request `i` of an HTTP mode (openai, tools, responses)."""
+    if mode == "responses":
+        return "/v1/responses", {"model": model, "input": PROMPTS[i % len(PROMPTS)], "max_output_tokens": max_tokens,
+                                 "temperature": 0, "stream": True}
+    body = _body(model, i, max_tokens)
+    if mode == "tools" and i % 2 == 0:
+        body.update(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    return "/v1/chat/completions", body
+
+
+def _piece(mode: str, event: dict[str, Any]) -> tuple[bool, int | None]:
+    """Whether an SSE event carries output (text or a tool call's part), and the completion tokens if it says."""
+    if mode == "responses":
+        kind = event.get("type", "")
+        if kind in ("response.completed", "response.incomplete"):
+            return False, event["response"]["usage"]["output_tokens"]
+        return kind == "response.output_text.delta" and bool(event.get("delta")), None
+    tokens = event["usage"]["completion_tokens"] if event.get("usage") else None
+    return any(c["delta"].get("content") or c["delta"].get("tool_calls") for c in event["choices"]), tokens
+
+
+async def _openai_client(base: str, model: str, index: int, rounds: int, max_tokens: int,
+                         mode: str = "openai") -> list[Sample]:
     import httpx
 
     samples = []
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
         for r in range(rounds):
+            route, body = _http_request(mode, model, index + r, max_tokens)
             t0 = time.perf_counter()
             first = last = None
             tokens = 0
-            async with http.stream("POST", "/v1/chat/completions", json=_body(model, index + r, max_tokens)) as resp:
+            async with http.stream("POST", route, json=body) as resp:
                 if resp.status_code != 200:
                     raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    for c in chunk["choices"]:
-                        if c["delta"].get("content"):
-                            last = time.perf_counter()
-                            first = first or last
+                    output, said = _piece(mode, json.loads(line[6:]))
+                    tokens = said if said is not None else tokens
+                    if output:
+                        last = time.perf_counter()
+                        first = first or last
             samples.append(_sample(t0, first, last or t0, tokens))
     return samples
 
@@ -123,8 +156,9 @@ async def _ws_client(url: str, program: str, model: str, index: int, rounds: int
 def _drive(mode: str, server: dict[str, str], clients: int, rounds: int, max_tokens: int,
            ) -> tuple[list[Sample], float]:
     async def main() -> list[list[Sample]]:
-        if mode == "openai":
-            jobs = [_openai_client(server["http"], server["model"], i, rounds, max_tokens) for i in range(clients)]
+        if mode != "websocket":
+            jobs = [_openai_client(server["http"], server["model"], i, rounds, max_tokens, mode)
+                    for i in range(clients)]
         else:
             jobs = [_ws_client(server["ws"], server["program"], server["model"], i, rounds, max_tokens)
                     for i in range(clients)]
@@ -159,7 +193,7 @@ def markdown(result: dict[str, Any], levels: list[int]) -> str:
             "latency p50 ms |\n|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for n in levels:
-        for mode in MODES:
+        for mode in result["meta"]["modes"]:
             r = result[mode].get(str(n))
             if r:
                 rows.append(f"| {n} | {mode} | {r['throughput_req_s']} | {r['tokens_per_s']} | {r['ttft_p50_ms']} | "
@@ -175,8 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests-per-client", type=int, default=4, help="sequential requests per client (4)")
     ap.add_argument("--max-tokens", type=int, default=16, help="max tokens per request (16)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the host's choice)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated paths to measure (default {','.join(MODES)})")
     opts = ap.parse_args(argv)
     levels = [int(x) for x in opts.clients.split(",")]
+    modes = tuple(m for m in opts.modes.split(",") if m)
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes: choose from {', '.join(MODES)}")
 
     wasm = resolve_inferlet("openai_chat", quiet=True).read_bytes()
     data_dir = Path(tempfile.mkdtemp(prefix="pie-bench-"))
@@ -186,13 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     server.start_background()
     assert asyncio.run(_upload(server.url, wasm)) == program  # protocol v1 runs programs from its store
     info = {"http": server.http_url, "ws": server.url, "model": host.model_name, "program": program}
-    result: dict[str, Any] = {mode: {} for mode in MODES}
+    result: dict[str, Any] = {mode: {} for mode in modes}
     try:
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for mode in MODES:  # warm-up at the largest level: the child, the instance pool's slots
+            for mode in modes:  # warm-up at the largest level: the child, the instance pool's slots
                 run_level(pool, mode, info, max(levels), 1, 2)
             for k, n in enumerate(levels):
-                for mode in MODES if k % 2 == 0 else MODES[::-1]:  # neither path always goes first
+                for mode in modes if k % 2 == 0 else modes[::-1]:  # neither path always goes first
                     settle(host, program, max(levels))
                     start_free = host.free_pages()
                     samples, wall = run_level(pool, mode, info, n, opts.requests_per_client, opts.max_tokens)
@@ -202,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop_background()
         host.shutdown()
-    result["meta"] = {"model": host.model_name, "device": getattr(host.backend.info, "device", "?"),
+    result["meta"] = {"model": host.model_name, "modes": list(modes), "device": getattr(host.backend.info, "device", "?"),
                       "max_tokens": opts.max_tokens, "requests_per_client": opts.requests_per_client,
                       "policy": host.config.policy, "python": platform.python_version(),
                       "machine": platform.machine(), "cpus": multiprocessing.cpu_count(),

@@ -16,8 +16,9 @@ which the sampler reports as an error for that row.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
 import numpy as np
@@ -30,11 +31,64 @@ from gpu_backend.validate import mask_bytes
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-__all__ = ["Grammar", "GrammarCompiler", "Matcher", "mask_words", "token_bytes", "tokenizer_info"]
+__all__ = ["Grammar", "GrammarCompiler", "Matcher", "mask_words", "schema_error", "token_bytes", "tokenizer_info"]
 
 # JSON output as json.dumps writes it ('{"a": 1, "b": [2, 3]}'): no free whitespace, which a small
-# model at temperature 1 can otherwise run on with ("\n\n\n...") until it hits max_tokens.
-_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# model at temperature 1 can otherwise run on with ("\n\n\n...") until it hits max_tokens. Lenient:
+# schemas as people write them compile; `format` is an annotation in JSON Schema (known formats such
+# as date-time and email are enforced, unknown ones like "url" ignored). Keywords that cannot be
+# enforced would be ignored too: `schema_error` is how a caller refuses those first.
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                                     "lenient": True}
+_STRICT: JsonCompileOptions = {**_JSON_OPTIONS, "lenient": False}
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*)\]")
+# Maps from names to subschemas: their keys are names, not keywords.
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def schema_error(schema: Any) -> str | None:
+    """Why `schema` (a parsed JSON Schema document) cannot be enforced as written, or None: a keyword
+    no grammar enforces (`not`, `if`, `contains`, ...: each named with its JSON-pointer path), a bad
+    type, a dangling `$ref`, a regex the engine lacks. Annotations (`title`, `description`, `examples`,
+    `$comment`, unknown `format`s, ...) are fine. Needs no vocabulary: cheap enough for a request's boundary."""
+    try:
+        text = json.dumps(_without_formats(schema))
+        reason = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_json_schema(text, overrides=_STRICT))
+    except (ValueError, RecursionError) as e:
+        return str(e)
+    if not reason:
+        return None
+    m = _UNIMPLEMENTED.search(reason)
+    if m is None:
+        return reason.split("\n")[0] if "regex" not in reason else " ".join(reason.split())
+    keys = json.loads(f"[{m.group(1)}]")
+    found = [f"{key!r} at {path or '/'}" for key in keys for path in _paths(schema, key, "")]
+    return f"unsupported keyword{'s' if len(found) > 1 else ''}: {', '.join(found or keys)}"
+
+
+def _without_formats(node: Any) -> Any:
+    """The schema with its `format` annotations left out (for the strict check only: strict mode refuses
+    an unknown format, which lenient mode, the one that compiles, ignores)."""
+    if isinstance(node, dict):
+        return {k: _without_formats(v) for k, v in node.items() if not (k == "format" and isinstance(v, str))}
+    if isinstance(node, list):
+        return [_without_formats(v) for v in node]
+    return node
+
+
+def _paths(node: Any, key: str, path: str, names: bool = False) -> list[str]:
+    """JSON pointers of the schemas in `node` that use the keyword `key` (`names`: node maps names to schemas)."""
+    out = []
+    if isinstance(node, dict):
+        if key in node and not names:
+            out.append(path)
+        for k, v in node.items():
+            sub = f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}"
+            out.extend(_paths(v, key, sub, names=not names and k in _NAME_MAPS))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out.extend(_paths(v, key, f"{path}/{i}"))
+    return out
 
 
 def mask_words(vocab_size: int) -> int:

@@ -141,6 +141,7 @@ class Sampler:
         `finish` reads them."""
         m, vocab = logits.shape
         dev = self.device
+        scored = _scored(logits, specs)  # before the masks: a target's logprob is the model's own
         allowed = None
         if any(s.allowed is not None for s in specs):  # a batch without masks skips this
             everything = b"\xff" * mask_bytes(vocab)  # rows without a mask keep their logits exactly
@@ -175,7 +176,8 @@ class Sampler:
                 checks.append(allowed.sum(-1))  # each row's dist stops at its allowed tokens
         # one device -> host transfer for the tokens and the checks (and one for a distribution)
         return Drawn(specs, _to_host(torch.stack(checks)), None if dist_ids is None else _to_host(dist_ids),
-                     None if dist_p is None else _to_host(dist_p), _event(dev), tokens)
+                     None if dist_p is None else _to_host(dist_p), _event(dev), tokens,
+                     None if scored is None else _to_host(scored))
 
     def finish(self, drawn: Drawn) -> list[OutputResult]:
         """The OutputResults of a launched draw (waits for its copies; see `__call__` for errors)."""
@@ -191,12 +193,15 @@ class Sampler:
             raise SampleError(row, "logits are not finite (NaN, +inf, or -inf for every token)")
         di = drawn.dist_ids.tolist() if drawn.dist_ids is not None else None
         dp = drawn.dist_p.tolist() if drawn.dist_p is not None else None
+        lp = drawn.scored.tolist() if drawn.scored is not None else None
         out = []
         for i, s in enumerate(specs):
             res = OutputResult(token=tok_list[i] if s.sample is not None else None)
             if s.dist and di is not None and dp is not None:
                 k = s.dist if s.allowed is None else min(s.dist, host[2][i])
                 res.ids, res.probs = di[i][:k], dp[i][:k]
+            if s.target is not None and lp is not None:
+                res.logprob = lp[i]
             out.append(res)
         return out
 
@@ -211,6 +216,16 @@ class Drawn:
     dist_p: torch.Tensor | None
     event: torch.cuda.Event | None  # None on CPU: the copies are done
     tokens: torch.Tensor | None = None  # [M] the drawn tokens on the device (a next step may read them there)
+    scored: torch.Tensor | None = None  # [M] float32: each row's target's logprob (0 for rows without one)
+
+
+def _scored(logits: torch.Tensor, specs: list[OutputSpec]) -> torch.Tensor | None:
+    """[M] float32 on the device: the log-softmax of each row's `target` (rows without one: 0), or None
+    when no row has a target (the common batch: no work)."""
+    if all(s.target is None for s in specs):
+        return None
+    targets = _on(logits.device, [0 if s.target is None else s.target for s in specs], torch.long)
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None])[:, 0]
 
 
 def _on(device: torch.device, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:

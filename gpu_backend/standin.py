@@ -143,8 +143,9 @@ class StandInBackend:
                 res = []
                 for o in r.outputs:
                     nxt = (tokens[o.index] + 1) % self.info.vocab_size
-                    res.append(OutputResult(token=nxt if o.sample else None,
-                                            ids=[nxt][: o.dist], probs=[1.0][: o.dist]))
+                    res.append(OutputResult(token=nxt if o.sample else None, ids=[nxt][: o.dist],
+                                            probs=[1.0][: o.dist],  # its one token has probability 1
+                                            logprob=None if o.target is None else 0.0 if o.target == nxt else -100.0))
                 out.append(res)
             until = 0.0
             if self.delay_s:

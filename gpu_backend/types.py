@@ -36,6 +36,9 @@ class OutputSpec:
     # little-endian int32 words (bit t % 32 of word t // 32 = token t), as `gpu_backend.grammar` fills.
     # Applied to the logits before the sampler's filters and `dist`.
     allowed: bytes | None = None
+    # Score this token: its log-probability at temperature 1 over the whole vocabulary (before
+    # `allowed` and any filter) comes back as `OutputResult.logprob` (prompt logprobs, WIT run-scored).
+    target: int | None = None
 
 
 @dataclass
@@ -83,6 +86,7 @@ class OutputResult:
     token: int | None = None
     ids: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
+    logprob: float | None = None  # the spec's `target`'s log-probability (None without a target)
 
 
 class ForwardError(ValueError):

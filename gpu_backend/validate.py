@@ -100,6 +100,8 @@ def check_request(req: ForwardRequest, info: BackendInfo) -> ForwardRequest:
             raise ValueError(f"{who}: output {j} dist {o.dist!r} out of range [0, {vocab_size}]")
         if o.allowed is not None:
             _check_allowed(o.allowed, f"{who}: output {j}", vocab_size)
+        if o.target is not None and (not _is_int(o.target) or not 0 <= o.target < vocab_size):
+            raise ValueError(f"{who}: output {j} target {o.target!r} out of range [0, {vocab_size})")
         sample = None if o.sample is None else as_sampler(o.sample, f"{who}: output {j}")
         outputs.append(o if sample is o.sample else replace(o, sample=sample))
     if outputs != req.outputs:

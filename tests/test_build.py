@@ -10,6 +10,7 @@ import pytest
 from wasmtime import Engine, Store, WasiConfig
 from wasmtime.component import Component, Linker, Record, ResourceType
 
+from host.api import WIT_VERSION
 from host.cli.build import BuildError, build_inferlet, main, resolve_inferlet
 from host.cli.sources import entry_source, source_files, standard_dir, wit_dir
 
@@ -121,7 +122,7 @@ class StubHost:
         linker.add_wasip2()
         with linker.root() as root:
             for iface, funcs in wit_functions().items():
-                with root.add_instance(f"pie:inferlet/{iface}@0.2.0") as inst:
+                with root.add_instance(f"pie:inferlet/{iface}@{WIT_VERSION}") as inst:
                     for i, res in enumerate(wit_resources()[iface]):  # the SDK makes none here
                         inst.add_resource(res, ResourceType.host(i + 1), lambda store, rep: None)
                     for name in funcs:

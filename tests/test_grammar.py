@@ -276,3 +276,42 @@ def test_a_grammar_admitting_no_token_gives_an_empty_mask_and_a_reason(compiler)
     m = Matcher(compiler.lark("start: NOTHING\nNOTHING: /[a-z]+/ & /[0-9]+/"))  # letters and digits at once
     assert not m.fill_mask().any()
     assert m.error is not None and "admits no token" in m.error
+
+
+def test_schema_error_passes_annotations_and_names_unenforceable_keywords_with_their_path() -> None:
+    """Issue 39: real-world schemas (format "url", titles, examples) are fine; what no grammar can
+    enforce is named with its JSON pointer, a property called like a keyword is not a keyword."""
+    from gpu_backend.grammar import schema_error
+
+    assert schema_error({"$schema": "http://json-schema.org/draft-07/schema#", "title": "t", "$comment": "c",
+                         "type": "object", "properties": {"home": {"type": "string", "format": "url",
+                                                                   "examples": ["x"], "default": "y"},
+                                                          "not": {"type": "integer"}}}) is None
+    assert schema_error({"type": "object", "properties": {"a": {"not": {"type": "string"}},
+                                                          "not": {"type": "string"}}}) == \
+        "unsupported keyword: 'not' at /properties/a"
+    assert schema_error({"$defs": {"x": {"if": {}, "then": {}}}, "$ref": "#/$defs/x"}) == \
+        "unsupported keywords: 'if' at /$defs/x, 'then' at /$defs/x"
+    assert schema_error({"type": "strin"}) == "Invalid type: strin"
+    assert "look-around" in (schema_error({"type": "string", "pattern": "(?=a)"}) or "")
+
+
+@pytest.mark.parametrize(("name", "refused"), [("package_json", None), ("k8s_container", None),
+                                               ("github_workflow_step", "unsupported keyword: 'dependencies' at /")])
+def test_real_world_schemas_compile_or_name_what_they_cannot_enforce(compiler, name: str, refused: str | None):
+    """Issue 39: fragments of SchemaStore's package.json and GitHub workflow schemas and a Kubernetes
+    container (formats "url" / "int32", `x-kubernetes-*`, `markdownDescription`, a property named
+    "if"): the accepted ones compile (leniently) and their matcher takes a valid document."""
+    import json
+    from pathlib import Path
+
+    from gpu_backend.grammar import Matcher, schema_error
+
+    schema = json.loads((Path(__file__).parent / "fixtures" / "schemas" / f"{name}.json").read_text())
+    assert schema_error(schema) == refused
+    if refused is None:
+        m = Matcher(compiler.json_schema(json.dumps(schema)))
+        doc = {"package_json": {"name": "a", "version": "1"}, "k8s_container": {"name": "web"}}[name]
+        for t in compiler.info.tokenize_str(json.dumps(doc)):
+            assert m.accept(t), (name, doc)
+        assert m.accept(1) and m.is_terminated()

@@ -134,6 +134,11 @@ def test_wat_fixtures_memory_bomb_and_bad_page(host: Host) -> None:
     assert host.free_pages() == free0
 
 
+def test_a_component_built_against_wit_0_2_0_still_runs(host: Host) -> None:
+    end = Run(host, host.compile(wasm_bytes("v0_2_component")), []).finish(30)
+    assert end.event == "completed", end.message
+
+
 def test_invalid_component_is_rejected(host: Host) -> None:
     with pytest.raises(CompileError):
         host.compile(b"\0asm not really")

@@ -74,6 +74,20 @@ def test_dist_returns_top_ids_and_probs():
     assert r.probs == pytest.approx([0.4, 0.3, 0.15], abs=1e-5)
 
 
+def test_target_logprob_is_the_log_softmax_before_any_mask():
+    """Issue 39 (prompt logprobs): a row's `target` comes back as log_softmax(logits)[target], the
+    model's own distribution, whatever mask or sampler the row has; rows without one get None."""
+    s = Sampler(torch.device("cpu"))
+    x = torch.randn(3, 50)
+    only_0 = (1).to_bytes(4, "little") + bytes(4 * 1)  # a mask allowing token 0 alone (50 tokens: 2 words)
+    specs = [OutputSpec(index=0, target=7), OutputSpec(index=1, sample=SamplerParams(temperature=0.0)),
+             OutputSpec(index=2, sample=SamplerParams(temperature=0.0), allowed=only_0, target=9)]
+    r = s(x, specs)
+    want = torch.log_softmax(x, -1)
+    assert r[0].logprob == pytest.approx(want[0, 7].item(), abs=1e-6) and r[1].logprob is None
+    assert r[2].token == 0 and r[2].logprob == pytest.approx(want[2, 9].item(), abs=1e-6)
+
+
 def test_seed_reproducible_regardless_of_batch(backend):
     tok = backend.tokenizer
     ps = backend.info.page_size

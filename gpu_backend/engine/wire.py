@@ -34,7 +34,7 @@ def _sampler(s: SamplerParams | None) -> list[Any] | None:
 
 
 def _output(o: OutputSpec) -> list[Any]:
-    return [o.index, _sampler(o.sample), o.dist, o.allowed]
+    return [o.index, _sampler(o.sample), o.dist, o.allowed, o.target]
 
 
 def request_row(r: ForwardRequest) -> list[Any]:
@@ -57,15 +57,15 @@ def _sampler_from(row: list[Any] | None) -> SamplerParams | None:
 def decode_requests(rows: list[list[Any]]) -> list[ForwardRequest]:
     out = []
     for pages, lpl, tokens, positions, mask, outputs, name, checked in rows:
-        specs = [OutputSpec(index=i, sample=_sampler_from(s), dist=d, allowed=a) for i, s, d, a in outputs]
+        specs = [OutputSpec(index=i, sample=_sampler_from(s), dist=d, allowed=a, target=t) for i, s, d, a, t in outputs]
         out.append(ForwardRequest(pages=pages, last_page_len=lpl, tokens=tokens, positions=positions, mask=mask,
                                   outputs=specs, name=name, checked=checked))
     return out
 
 
 def encode_results(results: list[list[OutputResult]]) -> list[list[list[Any]]]:
-    return [[[o.token, o.ids, o.probs] for o in r] for r in results]
+    return [[[o.token, o.ids, o.probs, o.logprob] for o in r] for r in results]
 
 
 def decode_results(rows: list[list[list[Any]]]) -> list[list[OutputResult]]:
-    return [[OutputResult(token=t, ids=ids, probs=probs) for t, ids, probs in r] for r in rows]
+    return [[OutputResult(token=t, ids=ids, probs=probs, logprob=lp) for t, ids, probs, lp in r] for r in rows]

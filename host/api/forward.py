@@ -11,10 +11,10 @@ from typing import Any
 
 from wasmtime.component import Record
 
-from gpu_backend.types import BackendInfo, OutputResult, Tokenizer
+from gpu_backend.types import BackendInfo, ForwardRequest, OutputResult, Tokenizer
 from host.api.guest import GuestError, Import, guest_import
 from host.api.lookahead import Stepper
-from host.api.passes import Passes, generation, generation_record
+from host.api.passes import Passes, generation, generation_record, outputs_of
 from host.batching.generation import Generation, GenerationResult
 from host.replicas import Replica
 from host.wasm.instance import Instance
@@ -53,6 +53,19 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
     def run(inst: Instance, *args: Any) -> list[OutputResult]:
         return passes.take(inst, passes.submit(inst, *args))
 
+    @guest_import("forward.run-scored")
+    def run_scored(inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
+                   mask: list[list[int]], outputs: list[Any], targets: list[int]) \
+            -> tuple[list[OutputResult], list[float]]:
+        if len(targets) != len(outputs):
+            raise GuestError(f"run-scored: {len(targets)} targets for {len(outputs)} outputs")
+        specs = [dataclasses.replace(o, target=t) for o, t in zip(outputs_of(outputs), targets, strict=True)]
+        req = passes.admit(inst, ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens,
+                                                positions=positions, mask=mask or None, outputs=specs,
+                                                name=inst.label))
+        result = passes.take(inst, inst.new_handle(passes.scheduler(inst).submit(req, inst.id)))
+        return result, [float(r.logprob if r.logprob is not None else 0.0) for r in result]
+
     @guest_import("forward.decode-step", keeps_lookahead=True)  # it claims the prediction
     def decode_step(inst: Instance, pages: list[int], last_len: int, token: int, position: int,
                     sampler: Any) -> int:
@@ -89,8 +102,8 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
             raise
         return run_generation(inst, gen, pages)
 
-    return {"submit": submit, "wait": wait, "wait-any": wait_any, "run": run, "decode-step": decode_step,
-            "generate": generate, "generate-fresh": generate_fresh}
+    return {"submit": submit, "wait": wait, "wait-any": wait_any, "run": run, "run-scored": run_scored,
+            "decode-step": decode_step, "generate": generate, "generate-fresh": generate_fresh}
 
 
 def _fresh_pages(passes: Passes, inst: Instance, tokens: list[int], prefix_cache: bool) \

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+from wasmtime.component import Variant
 
 from gpu_backend.types import BackendInfo, Tokenizer
 from host.api.guest import GuestError, Import, guest_import
@@ -44,6 +47,24 @@ def imports(info: BackendInfo, tok: Tokenizer) -> dict[str, Import]:
         except Exception as e:  # template errors (e.g. raise_exception in the template) are guest input errors
             raise GuestError(f"chat template failed: {e}") from None
 
+    @guest_import("model.apply-chat-template-json")
+    def apply_chat_template_json(inst: Instance, messages: str, tools: str, add_generation_prompt: bool) -> Variant:
+        """result<string, string>, tagged (both cases are strings): malformed JSON or a template that
+        raised is the error case, for the guest to handle."""
+        try:
+            msgs, tool_list = json.loads(messages), json.loads(tools) if tools else None
+        except ValueError as e:
+            return Variant("err", f"apply-chat-template-json: malformed JSON: {e}")
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs) \
+                or not (tool_list is None or isinstance(tool_list, list)):
+            return Variant("err", "apply-chat-template-json: messages must be a JSON array of objects, tools an array or \"\"")
+        kwargs = {"tools": tool_list} if tool_list else {}
+        try:
+            text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as e:  # template errors (raise_exception, a missing key) are the guest's to handle
+            return Variant("err", f"chat template failed: {e}")
+        return Variant("ok", text)
+
     @guest_import("model.encode")
     def encode(inst: Instance, text: str) -> list[int]:
         return tok.encode(text)
@@ -61,5 +82,5 @@ def imports(info: BackendInfo, tok: Tokenizer) -> dict[str, Import]:
 
     return {"available-models": available_models, "load-model": load_model, "model-name": model_name,
             "vocab-size": vocab_size, "stop-tokens": stop_tokens, "chat-template": chat_template,
-            "apply-chat-template": apply_chat_template, "encode": encode, "encode-prompt": encode_prompt,
-            "decode": decode}
+            "apply-chat-template": apply_chat_template, "apply-chat-template-json": apply_chat_template_json,
+            "encode": encode, "encode-prompt": encode_prompt, "decode": decode}

@@ -107,6 +107,11 @@ def _add_bounds(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--program-ttl-h", type=float, default=_server_default("program_ttl_s") / 3600,
                    help="a program its tenant has not launched or uploaded for this long is evicted "
                         "(default %(default)g hours)")
+    g.add_argument("--responses-max-stored", type=int, default=_server_default("responses_max_stored"),
+                   help="/v1/responses kept in memory for previous_response_id; past it the oldest go "
+                        "(default %(default)s)")
+    g.add_argument("--responses-ttl-s", type=float, default=_server_default("responses_ttl_s"),
+                   help="how long a stored response can be continued with previous_response_id (default %(default)g)")
     g.add_argument("--max-instances-per-tenant", type=int, default=None,
                    help="instances one tenant may run at once, WebSocket and HTTP together; 0 = no cap "
                         "(default: half of --max-instances when the server has more than one identity, else none)")
@@ -134,6 +139,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         write_timeout_s=args.write_timeout_s,
                         max_store_bytes_per_tenant=int(args.max_store_mb * MIB),
                         program_ttl_s=args.program_ttl_h * 3600,
+                        responses_max_stored=args.responses_max_stored, responses_ttl_s=args.responses_ttl_s,
                         max_instances_per_tenant=_instances_per_tenant(args))
 
 

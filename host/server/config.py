@@ -60,6 +60,9 @@ class ServerConfig:
     # running at once, WebSocket and HTTP together; None = no cap (pie-serve's default: half of
     # --max-instances when the server has more than one identity)
     max_instances_per_tenant: int | None = None
+    # /v1/responses: responses kept in memory for previous_response_id, and for how long (oldest dropped first)
+    responses_max_stored: int = 1024
+    responses_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.tenants]
@@ -75,7 +78,8 @@ class ServerConfig:
         positive = {k: getattr(self, k) for k in (
             "max_frame_bytes", "max_program_bytes", "max_queued_frames", "max_queued_bytes",
             "max_upload_bytes_in_flight", "max_body_bytes", "max_connections", "max_connections_per_tenant",
-            "auth_timeout_s", "read_timeout_s", "write_timeout_s", "max_store_bytes_per_tenant", "program_ttl_s")}
+            "auth_timeout_s", "read_timeout_s", "write_timeout_s", "max_store_bytes_per_tenant", "program_ttl_s",
+            "responses_max_stored", "responses_ttl_s")}
         if self.max_instances_per_tenant is not None:
             positive["max_instances_per_tenant"] = self.max_instances_per_tenant
         for name, value in positive.items():

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from starlette.applications import Starlette
@@ -36,8 +36,16 @@ from host.host import HostBusy
 from host.server.http import GuardedStream, read_body, until_disconnect
 from host.server.metrics import CONTENT_TYPE, ServerMetrics
 from host.server.openai_budget import PromptBudget
-from host.server.openai_request import OpenAIError, OpenAIRequest, parse_request
-from host.server.sse import DONE, chat_chunk, completion_chunk, sse_event
+from host.server.openai_request import (
+    OpenAIError,
+    OpenAIRequest,
+    load_body,
+    parse_request,
+    request_of,
+    schema_problems,
+)
+from host.server.openai_responses import ResponseBuilder, ResponseStore, chat_body
+from host.server.sse import DONE, chat_chunk, completion_chunk, sse_event, sse_typed
 from host.server.tenants import TenantLimitError, TenantLimits
 
 __all__ = ["OpenAIHandler", "PromptBudget", "internal_error", "openai_app", "openai_routes", "service_routes"]
@@ -71,6 +79,7 @@ class OpenAIHandler:
     max_queued_bytes: int = 16 * MIB  # messages of one request's instance not yet sent to its client
     budget: PromptBudget | None = None  # None: PromptBudget.of(host)
     stopping: bool = False  # the server is shutting down: new requests get 503
+    responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # for previous_response_id
 
     def __post_init__(self) -> None:
         if self.budget is None:
@@ -204,11 +213,17 @@ def _failure(iid: str, ev: InstanceEvent) -> OpenAIError:
 
 
 async def _messages(run: _Run) -> AsyncIterator[dict[str, Any]]:
-    """The instance's JSON messages until it ends; the caller calls `run.close()` when done with it."""
+    """The instance's JSON messages until it ends; the caller calls `run.close()` when done with it.
+    A handler's {"error": {"message", "param"}} (the request cannot be served as asked: a schema its
+    grammar compiler refuses, messages its template cannot render) is a 400."""
     while True:
         ev = await run.get()
         if ev.event == "message":
-            yield json.loads(ev.message)
+            m = json.loads(ev.message)
+            if "error" in m:
+                err = m["error"] if isinstance(m["error"], dict) else {"message": str(m["error"])}
+                raise OpenAIError(400, str(err.get("message", "bad request"))[:2000], param=err.get("param"))
+            yield m
             continue
         run.ended = True
         run.h.metrics.instance_ended(ev.event)
@@ -232,8 +247,9 @@ def _completion_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any]
     if entries is None:
         return None
     return {"tokens": [e["token"] for e in entries],
-            "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],  # null for an echoed prompt's first token
+            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
             "text_offset": [e["text_offset"] for e in entries]}
 
 
@@ -245,7 +261,10 @@ def _choice(chat: bool, final: dict[str, Any]) -> dict[str, Any]:
     base = {"index": final["index"], "logprobs": _logprobs(chat, final.get("logprobs")),
             "finish_reason": final["finish_reason"]}
     if chat:
-        return {**base, "message": {"role": "assistant", "content": final["text"]}}
+        message: dict[str, Any] = {"role": "assistant", "content": final["text"]}
+        if final.get("tool_calls"):  # content null unless the model also wrote text
+            message = {"role": "assistant", "content": final["text"] or None, "tool_calls": final["tool_calls"]}
+        return {**base, "message": message}
     return {**base, "text": final["text"]}
 
 
@@ -272,7 +291,8 @@ async def _collect(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) 
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage}
 
 
-async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) -> AsyncIterator[bytes]:
+async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run,
+                  messages: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """The SSE events of one request; whoever stops iterating early calls `run.close()`."""
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     start, first, usage = time.perf_counter(), 0.0, {}
@@ -280,8 +300,11 @@ async def _stream(h: OpenAIHandler, req: OpenAIRequest, chat: bool, run: _Run) -
         for i in range(req.n):
             yield sse_event(chat_chunk(rid, created, req.model, i, {"role": "assistant", "content": ""}))
     try:
-        async for m in _messages(run):
-            if "delta" in m:
+        async for m in messages:
+            if "tool_calls" in m and "text" not in m:  # a call's id and name, or a fragment of its arguments
+                first = first or time.perf_counter() - start
+                yield sse_event(chat_chunk(rid, created, req.model, m["index"], {"tool_calls": m["tool_calls"]}))
+            elif "delta" in m:
                 first = first or time.perf_counter() - start
                 lp = _logprobs(chat, m.get("logprobs"))
                 yield sse_event(chat_chunk(rid, created, req.model, m["index"], {"content": m["delta"]},
@@ -317,15 +340,35 @@ async def _respond(h: OpenAIHandler, request: Request, chat: bool, tenant: str,
         release()
         return Response(status_code=400)  # nobody reads it
     req = parse_request(body, chat, h.max_tokens)
+    return await _run_request(h, request, req, chat, tenant, release)
+
+
+async def _checked(h: OpenAIHandler, req: OpenAIRequest) -> OpenAIRequest:
+    """The boundary checks that compile or count (off the event loop): the schemas, the prompt's budget."""
+    await asyncio.to_thread(schema_problems, req)
     if h.budget is not None:
         req = await asyncio.to_thread(h.budget.check, req)
+    return req
+
+
+async def _run_request(h: OpenAIHandler, request: Request, req: OpenAIRequest, chat: bool, tenant: str,
+                       release: Callable[[], None]) -> Response:
+    """Check, launch and answer one validated chat or completions request."""
+    req = await _checked(h, req)
     run = _launch(h, req, tenant)
-    if req.stream:
+    if req.stream:  # a handler's refusal then comes as the stream's error event (the status is sent)
         def close() -> None:
             run.close()
             release()
-        return GuardedStream(_stream(h, req, chat, run), h.write_timeout_s, close)
-    collect = asyncio.ensure_future(_collect(h, req, chat, run))
+        return GuardedStream(_stream(h, req, chat, run, _messages(run)), h.write_timeout_s, close)
+    return await _answer(request, _collect(h, req, chat, run), release)
+
+
+async def _answer(request: Request, answer: Coroutine[Any, Any, dict[str, Any]],
+                  release: Callable[[], None]) -> Response:
+    """The non-streamed answer, unless the client goes away first (cancelling `answer` then terminates
+    its instance); `release` is called once it has ended."""
+    collect = asyncio.ensure_future(answer)
     gone = asyncio.ensure_future(until_disconnect(request.receive))
     try:
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -339,7 +382,103 @@ async def _respond(h: OpenAIHandler, request: Request, chat: bool, tenant: str,
     return Response(status_code=400)  # nobody reads it
 
 
+# ---- /v1/responses (host/server/openai_responses.py has the conversions) ------------------------
+
+_RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
+
+
+async def _respond_responses(h: OpenAIHandler, request: Request, tenant: str,
+                             release: Callable[[], None]) -> Response:
+    """Read, check and run one Responses request; `release` is called once it has ended."""
+    try:
+        raw = await read_body(request, h.max_body_bytes, h.read_timeout_s)
+    except ClientDisconnect:
+        release()
+        return Response(status_code=400)  # nobody reads it
+    body = load_body(raw)
+    prev = body.get("previous_response_id")
+    if prev is not None and not isinstance(prev, str):
+        raise OpenAIError(400, "previous_response_id: expected a string", param="previous_response_id")
+    history = h.responses.get(prev, tenant) if prev else []
+    chat = chat_body(body, history)
+    try:
+        req = request_of(chat, True, h.max_tokens)
+    except OpenAIError as e:  # name the Responses parameter
+        e.param = _RESPONSES_PARAMS.get(e.param or "", e.param)
+        e.message = f"{e.param}:{e.message.partition(':')[2]}" if e.param else e.message
+        raise
+    kept = chat["messages"][1:] if body.get("instructions") is not None else chat["messages"]
+    builder = ResponseBuilder(body, req.model)
+    req = await _checked(h, req)
+    run = _launch(h, req, tenant)
+
+    def store() -> None:
+        if body.get("store", True) is not False:
+            h.responses.put(builder.id, tenant, builder.conversation(kept))
+
+    if req.stream:
+        def close() -> None:
+            run.close()
+            release()
+        return GuardedStream(_response_events(h, builder, run, _messages(run), store), h.write_timeout_s, close)
+    return await _answer(request, _response_object(h, builder, run, store), release)
+
+
+async def _response_object(h: OpenAIHandler, builder: ResponseBuilder, run: _Run,
+                           store: Callable[[], None]) -> dict[str, Any]:
+    start, first = time.perf_counter(), 0.0
+    try:
+        async for m in _messages(run):
+            first = first or time.perf_counter() - start
+            builder.feed(m)
+    finally:  # also when cancelled (the client went away): terminates the instance
+        run.close()
+    builder.finish()
+    store()
+    _observe(h, start, first, builder.usage)
+    return builder.object()
+
+
+async def _response_events(h: OpenAIHandler, builder: ResponseBuilder, run: _Run,
+                           messages: AsyncIterator[dict[str, Any]], store: Callable[[], None]) -> AsyncIterator[bytes]:
+    """The Responses SSE stream (`event: <type>` lines and `data: <json>`); a handler failing mid-stream
+    ends it with an `error` event."""
+    start, first = time.perf_counter(), 0.0
+    for ev in builder.start():
+        yield sse_typed(ev)
+    try:
+        async for m in messages:
+            first = first or time.perf_counter() - start
+            for ev in builder.feed(m):
+                yield sse_typed(ev)
+    except OpenAIError as e:
+        run.close()
+        yield sse_typed({"type": "error", "sequence_number": builder.seq, "code": e.code, "message": e.message,
+                         "param": e.param})
+        return
+    run.close()
+    for ev in builder.finish():
+        yield sse_typed(ev)
+    store()
+    _observe(h, start, first, builder.usage)
+
+
+def _observe(h: OpenAIHandler, start: float, first: float, usage: dict[str, Any] | None) -> None:
+    u = usage or {}
+    h.metrics.observe_request(first, time.perf_counter() - start, u.get("input_tokens", 0), u.get("output_tokens", 0))
+
+
+Respond = Callable[[OpenAIHandler, Request, str, Callable[[], None]], Awaitable[Response]]
+
+
 def _completions(h: OpenAIHandler, chat: bool) -> Any:
+    async def respond(h: OpenAIHandler, request: Request, tenant: str, release: Callable[[], None]) -> Response:
+        return await _respond(h, request, chat, tenant, release)
+    return _endpoint(h, respond)
+
+
+def _endpoint(h: OpenAIHandler, respond: Respond) -> Any:
+    """A POST route that runs a handler instance: auth, the tenant's requests in progress, errors."""
     async def endpoint(request: Request) -> Response:
         try:
             tenant = _tenant(h, request)
@@ -358,7 +497,7 @@ def _completions(h: OpenAIHandler, chat: bool) -> Any:
                     h.limits.give_connection(tenant)
 
             try:
-                response = await _respond(h, request, chat, tenant, release)
+                response = await respond(h, request, tenant, release)
             except BaseException:
                 release()
                 raise
@@ -393,6 +532,7 @@ def openai_routes(h: OpenAIHandler) -> list[BaseRoute]:
 
     return [Route("/v1/chat/completions", _completions(h, True), methods=["POST"]),
             Route("/v1/completions", _completions(h, False), methods=["POST"]),
+            Route("/v1/responses", _endpoint(h, _respond_responses), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]), *service_routes(h.metrics)]
 
 

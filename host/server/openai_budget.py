@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jinja2
+from inferlet.toolcalls import plain_chat, render_chat
 
 from host.server.openai_request import OpenAIError, OpenAIRequest
 
@@ -41,11 +42,22 @@ class PromptBudget:
         caps = [info.num_pages, config.max_pages_per_instance, config.max_pages_per_tenant]
         pages = min(c for c in caps if c is not None)
 
+        def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+            try:
+                return tok.apply_chat_template(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
+            except (jinja2.TemplateError, TypeError) as e:  # as the host's apply-chat-template-json reports it
+                raise ValueError(str(e)) from None
+
         def count(req: OpenAIRequest) -> int:
-            if req.messages is not None:
-                return len(tok.encode(tok.apply_chat_template([dict(m) for m in req.messages],
-                                                              add_generation_prompt=True)))
-            return len(tok.encode(req.prompt or ""))
+            if isinstance(req.prompt, tuple):  # token ids: the handler refuses ids outside the vocabulary
+                return len(req.prompt)
+            if req.messages is None:
+                return len(tok.encode(req.prompt or ""))
+            messages = [dict(m) for m in req.messages]
+            tools = list(req.tools or ()) if req.tool_choice != "none" else None
+            if plain_chat(messages, tools):
+                return len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
+            return len(tok.encode(render_chat(render, info.chat_template, messages, tools)[0]))  # as the handler
 
         return cls(count, info.max_position, pages * info.page_size)
 
@@ -56,7 +68,7 @@ class PromptBudget:
         param = "messages" if req.messages is not None else "prompt"
         try:
             prompt = self.count(req)
-        except (ValueError, jinja2.TemplateError) as e:  # e.g. a template that wants roles to alternate
+        except (ValueError, TypeError, jinja2.TemplateError) as e:  # e.g. a template that wants roles to alternate
             raise OpenAIError(400, f"{param}: the model's chat template cannot format these messages: "
                               f"{str(e)[:300]}", param=param) from None
         limit, what = self.kv_tokens, f"the {self.kv_tokens} tokens the KV cache can hold for one request"

@@ -8,10 +8,14 @@ naming the offending parameter. Nothing past this boundary re-checks the body.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["OpenAIError", "OpenAIRequest", "parse_request", "SERVER_ONLY_FIELDS"]
+from gpu_backend.grammar import schema_error
+
+__all__ = ["OpenAIError", "OpenAIRequest", "load_body", "parse_request", "parse_tools", "request_of", "schema_problems",
+           "SERVER_ONLY_FIELDS"]
 
 # Fields of `OpenAIRequest` the server keeps to itself: not in the handler's JSON argument.
 SERVER_ONLY_FIELDS = ("max_tokens_given",)
@@ -41,11 +45,12 @@ class OpenAIError(Exception):
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """A validated request; `messages` is set for chat, `prompt` for completions."""
+    """A validated request; `messages` is set for chat, `prompt` for completions (its text, or its
+    token ids as lm-eval's tokenized requests send them)."""
 
     model: str
-    messages: tuple[dict[str, str], ...] | None
-    prompt: str | None
+    messages: tuple[dict[str, Any], ...] | None
+    prompt: str | tuple[int, ...] | None
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -59,6 +64,12 @@ class OpenAIRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     response_format: dict[str, Any] | None = field(default=None)
+    # Chat: function tools ({"type": "function", "function": {"name", "description"?, "parameters"}}),
+    # tool_choice "none" / "auto" / "required" / {"type": "function", "function": {"name"}}.
+    tools: tuple[dict[str, Any], ...] | None = None
+    tool_choice: str | dict[str, Any] = "none"
+    parallel_tool_calls: bool = True
+    echo: bool = False  # completions: the prompt before the text (with logprobs: the prompt's too)
     # The client gave max_tokens (or max_completion_tokens); not sent to the handler. Without it
     # the server may lower `max_tokens` to what fits the context (host/server/openai_api.py).
     max_tokens_given: bool = False
@@ -97,22 +108,122 @@ def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: 
     return value
 
 
-def _messages(value: Any) -> tuple[dict[str, str], ...]:
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, list):  # content parts: only text parts are supported
+        if not all(isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text") for p in content):
+            raise _bad("messages", f"{where}: only text content parts are supported")
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        raise _bad("messages", f"{where}: content must be a string")
+    return content
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, back in the conversation."""
+    if not isinstance(value, list):
+        raise _bad("messages", f"{where}: tool_calls must be an array")
+    out = []
+    for j, c in enumerate(value):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(c.get("id", ""), str):
+            raise _bad("messages", f"{where}: tool_calls[{j}] needs an id and a function with a name")
+        args = fn.get("arguments", "{}")
+        out.append({"id": c.get("id", ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    return out
+
+
+def _messages(value: Any) -> tuple[dict[str, Any], ...]:
+    """Roles system (and OpenAI's `developer`, as system), user, assistant (content null when it made
+    tool_calls) and tool (a tool call's result: tool_call_id and content)."""
     if not isinstance(value, list) or not value:
         raise _bad("messages", "expected a non-empty array of messages")
     out = []
     for i, msg in enumerate(value):
-        if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant"):
-            raise _bad("messages", f"message {i} needs role system, user or assistant")
-        content = msg.get("content")
-        if isinstance(content, list):  # content parts: only text parts are supported
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise _bad("messages", f"message {i}: only text content parts are supported")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
-            raise _bad("messages", f"message {i}: content must be a string")
-        out.append({"role": msg["role"], "content": content})
+        if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
+            raise _bad("messages", f"message {i} needs role system, developer, user, assistant or tool")
+        role = "system" if msg["role"] == "developer" else msg["role"]
+        where = f"message {i}"
+        m: dict[str, Any] = {"role": role}
+        if role == "assistant" and msg.get("tool_calls"):
+            m["tool_calls"] = _tool_calls(msg["tool_calls"], where)
+            m["content"] = None if msg.get("content") is None else _text(msg["content"], where)
+        else:
+            m["content"] = _text(msg.get("content"), where)
+        if role == "tool":
+            if not isinstance(msg.get("tool_call_id"), str):
+                raise _bad("messages", f"{where}: a tool message needs the tool_call_id it answers")
+            m["tool_call_id"] = msg["tool_call_id"]
+        if isinstance(msg.get("name"), str):
+            m["name"] = msg["name"]
+        out.append(m)
     return tuple(out)
+
+
+def _tools(value: Any) -> tuple[dict[str, Any], ...] | None:
+    """Function tools, each {"type": "function", "function": {"name", "description"?, "parameters"?}}."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _bad("tools", f"expected an array of tools, got {type(value).__name__}")
+    out, names = [], set()
+    for i, t in enumerate(value):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise _bad("tools", f"tool {i}: only {{\"type\": \"function\", \"function\": {{...}}}} tools are supported")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _bad("tools", f"tool {i}: the function name must be 1-64 of a-z, A-Z, 0-9, _ . -, got {name!r}")
+        if name in names:
+            raise _bad("tools", f"tool {i}: the function name {name!r} is used twice")
+        names.add(name)
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise _bad("tools", f"tool {i} ({name}): parameters must be a JSON schema object")
+        f = {"name": name, "parameters": params}
+        if isinstance(fn.get("description"), str):
+            f["description"] = fn["description"]
+        out.append({"type": "function", "function": f})
+    return tuple(out) or None
+
+
+def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...] | None) -> str | dict[str, Any]:
+    if value is None:
+        return "auto" if tools else "none"
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise _bad("tool_choice", f"expected none, auto, required or a named function, got {value!r}")
+        if value == "required" and not tools:
+            raise _bad("tool_choice", "required needs tools")
+        return value if tools else "none"
+    name = None
+    if isinstance(value, dict) and value.get("type") == "function":
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else value.get("name")  # chat's shape, or Responses'
+    if not isinstance(name, str):
+        raise _bad("tool_choice", f"expected none, auto, required or {{\"type\": \"function\", \"function\": "
+                   f"{{\"name\": ...}}}}, got {value!r}")
+    if not any(t["function"]["name"] == name for t in tools or ()):
+        raise _bad("tool_choice", f"names the function {name!r}, which is not among the tools")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    """A string, token ids, or a one-item list of either."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                                 for t in value):
+        return tuple(value)
+    raise _bad("prompt", f"expected a string or a non-empty array of token ids, got {str(value)[:100]}")
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -169,8 +280,8 @@ def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
     return count is not None, count or 0
 
 
-def parse_request(raw: bytes, chat: bool, max_tokens_limit: int) -> OpenAIRequest:
-    """Parse and validate a request body; `chat` selects /v1/chat/completions rules."""
+def load_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object (OpenAIError 400 for anything else)."""
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -186,26 +297,46 @@ def parse_request(raw: bytes, chat: bool, max_tokens_limit: int) -> OpenAIReques
                           "\\uD800-\\uDFFF escape)") from None
     except RecursionError:
         raise OpenAIError(400, "request body is nested too deeply") from None
+    return body
+
+
+def parse_request(raw: bytes, chat: bool, max_tokens_limit: int) -> OpenAIRequest:
+    """Parse and validate a request body; `chat` selects /v1/chat/completions rules."""
+    return request_of(load_body(raw), chat, max_tokens_limit)
+
+
+def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, str | dict[str, Any], bool]:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of a body."""
+    tools = _tools(body.get("tools"))
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", f"expected a boolean, got {parallel!r}")
+    return tools, _tool_choice(body.get("tool_choice"), tools), parallel
+
+
+def request_of(body: dict[str, Any], chat: bool, max_tokens_limit: int) -> OpenAIRequest:
+    """Validate a parsed body (see `parse_request`)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", f"expected a model name, got {model!r}")
     messages, prompt = None, None
+    tools, tool_choice, parallel = parse_tools(body) if chat else (None, "none", True)
     if chat:
         messages = _messages(body.get("messages"))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise _bad("prompt", f"expected a string, got {prompt!r}")
+        prompt = _prompt(body.get("prompt"))
+    echo = body.get("echo", False) if not chat else False
+    if not isinstance(echo, bool):
+        raise _bad("echo", f"expected a boolean, got {echo!r}")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _integer(body, name, 16 if not chat else max_tokens_limit, 1, max_tokens_limit)
+    # max_tokens 0 only echoes the prompt (prompt logprobs, as lm-eval asks for them)
+    max_tokens = _integer(body, name, 16 if not chat else max_tokens_limit, 0 if echo else 1, max_tokens_limit)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream", f"expected a boolean, got {stream!r}")
     logprobs, top_logprobs = _logprobs(body, chat)
     return OpenAIRequest(
-        model=model, messages=messages, prompt=prompt, max_tokens=int(max_tokens or 1),
+        model=model, messages=messages, prompt=prompt, max_tokens=int(max_tokens if max_tokens is not None else 1),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         top_k=int(_integer(body, "top_k", 0, 0, 1 << 20) or 0),
@@ -215,5 +346,21 @@ def parse_request(raw: bytes, chat: bool, max_tokens_limit: int) -> OpenAIReques
         stream=stream, include_usage=_stream_options(body, stream),
         logprobs=logprobs, top_logprobs=top_logprobs,
         response_format=_response_format(body.get("response_format")),
+        tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, echo=echo,
         max_tokens_given=body.get(name) is not None,
     )
+
+
+def schema_problems(req: OpenAIRequest) -> None:
+    """OpenAIError 400 when a schema of the request (response_format, a tool's parameters) uses what
+    constrained generation cannot enforce, naming the keyword and its path. Annotations (`format`,
+    `title`, `examples`, ...) pass. Compiles each schema without a vocabulary: run it off the event loop."""
+    if req.response_format is not None and req.response_format.get("schema") is not None:
+        why = schema_error(req.response_format["schema"])
+        if why:
+            raise _bad("response_format", f"json_schema.schema cannot be enforced: {why}")
+    if req.tool_choice != "none":
+        for t in req.tools or ():
+            why = schema_error(t["function"]["parameters"])
+            if why:
+                raise _bad("tools", f"function {t['function']['name']!r}: parameters cannot be enforced: {why}")

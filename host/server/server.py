@@ -38,6 +38,7 @@ from host.server.http import h11_with_header_timeout
 from host.server.instances import InstanceTable
 from host.server.metrics import ServerMetrics
 from host.server.openai_api import OpenAIHandler, internal_error, openai_routes, service_routes
+from host.server.openai_responses import ResponseStore
 from host.server.programs import ProgramStore
 from host.server.tenants import TenantLimitError, TenantLimits
 
@@ -97,7 +98,8 @@ class Server:
                                         auth_token=config.auth_token, tenants=config.tenants, limits=self.limits,
                                         max_body_bytes=config.max_body_bytes, read_timeout_s=config.read_timeout_s,
                                         write_timeout_s=config.write_timeout_s,
-                                        max_queued_bytes=config.max_queued_bytes)
+                                        max_queued_bytes=config.max_queued_bytes,
+                                        responses=ResponseStore(config.responses_max_stored, config.responses_ttl_s))
         routes: list[BaseRoute] = (openai_routes(self.openai) if self.openai is not None
                                    else service_routes(self.metrics))
         # Protocol v1 clients connect to ws://host:port (any path: the old server took any).

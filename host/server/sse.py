@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["DONE", "chat_chunk", "completion_chunk", "sse_event"]
+__all__ = ["DONE", "chat_chunk", "completion_chunk", "sse_event", "sse_typed"]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -17,6 +17,11 @@ DONE = b"data: [DONE]\n\n"
 def sse_event(payload: dict[str, Any]) -> bytes:
     """One SSE event carrying `payload` as compact JSON."""
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_typed(payload: dict[str, Any]) -> bytes:
+    """One Responses stream event: `event: <its type>` then its data (no [DONE] ends that stream)."""
+    return b"event: " + payload["type"].encode() + b"\n" + sse_event(payload)
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any],

@@ -16,7 +16,7 @@ from inferlet.args import ArgumentParser
 from inferlet.context import ChatError, Context, Forward, wait_any
 from inferlet.entry import HelpRequested, InferletError, make_world
 from inferlet.grammar import Grammar, GrammarError, Matcher, any_json, choice, ebnf, json_schema, lark, regex
-from inferlet.model import Model, ModelError, available_models, get_model
+from inferlet.model import Model, ModelError, TemplateError, available_models, get_model
 from inferlet.pages import PAGES, OutOfPages
 from inferlet.runtime import (
     args,
@@ -41,7 +41,7 @@ from inferlet.sampler import AnyOf, MaxTokens, Sampler, Stop, UntilSequence, Unt
 
 __all__ = [
     "ArgumentParser", "Context", "Forward", "wait_any", "ChatError", "InferletError", "HelpRequested", "make_world",
-    "Model", "ModelError", "get_model", "available_models", "PAGES", "OutOfPages",
+    "Model", "ModelError", "TemplateError", "get_model", "available_models", "PAGES", "OutOfPages",
     "Grammar", "GrammarError", "Matcher", "json_schema", "regex", "choice", "ebnf", "lark", "any_json",
     "Sampler", "Stop", "MaxTokens", "UntilTokens", "UntilSequence", "UntilText", "AnyOf",
     "args", "version", "instance_id", "set_return", "log", "elapsed_ms",

@@ -124,6 +124,24 @@ class Context:
         if n > 0:
             _host.forward.run(*self._prepare(n), [])
 
+    def flush_scored(self, k: int = 0) -> list[tuple[float, list[int], list[float]]]:
+        """`flush`, scoring what it prefills, in the same one pass (WIT forward.run-scored, 0.3.0): for each
+        pending token after the first, its log-probability given the tokens before it (the model's own
+        distribution at temperature 1) and the `k` most probable tokens at its place with their
+        probabilities. A fresh context would take a cached prefix's tokens without running them (no
+        scores for them): make one to score with prefix_cache=False."""
+        self._check_idle("flush_scored")
+        if self.prefix_cache and self.kv_len == 0:
+            raise RuntimeError("Context.flush_scored: a context with prefix_cache may skip pending tokens; "
+                               "make it with Context(prefix_cache=False)")
+        n = len(self.tokens) - self.kv_len - 1
+        if n <= 0:
+            return []
+        targets = self.tokens[self.kv_len + 1 : self.kv_len + n + 1]
+        specs = [_host.forward.OutputSpec(index=i, sample=None, dist=k) for i in range(n)]
+        outs, logprobs = _host.forward.run_scored(*self._prepare(n), specs, targets)
+        return [(float(lp), list(o.ids), list(o.probs)) for lp, o in zip(logprobs, outs, strict=True)]
+
     def decode_step(self, sampler: Sampler = GREEDY, matcher: Matcher | None = None) -> int:
         """Run the pending tokens and sample the next one (appended as pending). One host call.
         With `matcher`, the token is drawn from what its grammar allows and the matcher accepts it."""

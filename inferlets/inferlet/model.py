@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from inferlet import _host
 
-__all__ = ["Model", "ModelError", "get_model", "available_models"]
+__all__ = ["Model", "ModelError", "TemplateError", "get_model", "available_models"]
 
 
 class ModelError(RuntimeError):
     """The host could not load the requested model (the message names the available ones)."""
+
+
+class TemplateError(ValueError):
+    """The chat template could not render the messages (it raised, or they are not what it reads)."""
 
 
 class Model:
@@ -74,6 +80,16 @@ class Model:
         """Render messages ({"role", "content"} maps or (role, content) pairs) with the model's template."""
         wit = [_to_message(m) for m in messages]
         return _host.model.apply_chat_template(wit, add_generation_prompt)
+
+    def apply_chat_template_json(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                                 add_generation_prompt: bool = True) -> str:
+        """Render messages as OpenAI/transformers write them (`tool_calls`, role `tool`, ...) with the
+        model's template, `tools` in its context (WIT 0.3.0). TemplateError when the template raises."""
+        try:
+            return str(_host.model.apply_chat_template_json(json.dumps(messages), json.dumps(tools) if tools else "",
+                                                            add_generation_prompt))
+        except _host.Err as e:
+            raise TemplateError(str(e.value)) from None
 
     def _reset(self) -> None:
         self._name = self._page_size = self._stop = self._template = None

@@ -7,6 +7,7 @@ the page list against what the instance holds here, the rest by `gpu_backend.val
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from inferlet import _host
@@ -15,7 +16,7 @@ from inferlet.testing.kv import FakeKv
 from inferlet.testing.records import Request, WitGeneration, WitOutput, WitOutputSpec, WitSampler, trap
 from inferlet.testing.tiny import TinyBackend
 
-from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams
+from gpu_backend.types import ForwardRequest, OutputResult, OutputSpec, SamplerParams
 from gpu_backend.validate import check_request
 
 __all__ = ["FakeForward"]
@@ -56,18 +57,33 @@ class FakeForward:
         self.backend.script = list(tokens)
 
     def run(self, pages, last_page_len, tokens, positions, mask, outputs) -> list[WitOutput]:  # noqa: ANN001
+        return [WitOutput(r.token, r.ids, r.probs)
+                for r in self._run(pages, last_page_len, tokens, positions, mask, outputs, None)]
+
+    def run_scored(self, pages, last_page_len, tokens, positions, mask, outputs,  # noqa: ANN001
+                   targets) -> tuple[list[WitOutput], list[float]]:  # noqa: ANN001
+        if len(targets) != len(outputs):
+            raise trap("forward.run-scored", f"{len(targets)} targets for {len(outputs)} outputs")
+        result = self._run(pages, last_page_len, tokens, positions, mask, outputs, list(targets))
+        return [WitOutput(r.token, r.ids, r.probs) for r in result], [float(r.logprob or 0.0) for r in result]
+
+    def _run(self, pages, last_page_len, tokens, positions, mask, outputs,  # noqa: ANN001
+             targets: list[int] | None) -> list[OutputResult]:
         rec = Request(
             list(pages), last_page_len, list(tokens), list(positions), [list(r) for r in mask], list(outputs)
         )
         self.requests.append(rec)
-        req = ForwardRequest(rec.pages, rec.last_page_len, rec.tokens, rec.positions, rec.mask or None,
-                             [_spec(o) for o in rec.outputs], name="fake-instance")  # fmt: skip
+        specs = [_spec(o) for o in rec.outputs]
+        if targets is not None:
+            specs = [replace(o, target=t) for o, t in zip(specs, targets, strict=True)]
+        req = ForwardRequest(rec.pages, rec.last_page_len, rec.tokens, rec.positions, rec.mask or None, specs,
+                             name="fake-instance")
         self._check(req)
         try:
             (result,) = self.backend.forward([check_request(req, self.backend.info)])
         except ValueError as e:  # from check_request, or a ForwardError from the backend
             raise trap("forward", str(e)) from None
-        return [WitOutput(r.token, r.ids, r.probs) for r in result]
+        return result
 
     def _check(self, req: ForwardRequest) -> None:
         """What the host checks before the validator: page list, lengths, holds, mask shape."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from inferlet import _host
 from inferlet.testing.records import WitMessage
 from inferlet.testing.tiny import TinyBackend
@@ -111,6 +113,13 @@ class FakeModel:
     def apply_chat_template(self, messages: list[WitMessage], add_generation_prompt: bool) -> str:
         chat = [{"role": m.role, "content": m.content} for m in messages]
         return self.backend.tokenizer.apply_chat_template(chat, add_generation_prompt)
+
+    def apply_chat_template_json(self, messages: str, tools: str, add_generation_prompt: bool) -> str:
+        try:
+            kwargs = {"tools": json.loads(tools)} if tools else {}
+            return self.backend.tokenizer.apply_chat_template(json.loads(messages), add_generation_prompt, **kwargs)
+        except Exception as e:  # the real host's error case
+            raise _host.Err(f"chat template failed: {e}") from None
 
     def encode(self, text: str) -> list[int]:
         return self.backend.tokenizer.encode(text)

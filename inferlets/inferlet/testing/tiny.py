@@ -8,6 +8,7 @@ page, length, position or mask changes the output.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -164,5 +165,8 @@ class TinyBackend:
             token = self.script.pop(0) if self.script and spec.sample else next_token(visible)
             ids = [(token + k) % self.info.vocab_size for k in range(spec.dist)]
             probs = [0.5 / (k + 1) for k in range(spec.dist)]
-            results.append(OutputResult(token if spec.sample is not None else None, ids, probs))
+            res = OutputResult(token if spec.sample is not None else None, ids, probs)
+            if spec.target is not None:  # the same made-up distribution: token + k has p = 0.5 / (k + 1)
+                res.logprob = math.log(0.5 / ((spec.target - token) % self.info.vocab_size + 1))
+            results.append(res)
         return results
