@@ -185,3 +185,25 @@ def started(outputs: list[list[OutputResult]]) -> Started:
 # goes on. The scheduler then prepares the next batch while this one runs (host/batching/
 # scheduler.py, "ahead"). `gpu_backend.standin.StandInBackend` has it; a backend whose
 # `forward` computes synchronously gains nothing from it and leaves it out.
+
+
+@runtime_checkable
+class SwapsPages(Protocol):
+    """Optional backend capability: copy pages' K/V out to host memory and back (the host suspends
+    an instance under KV pressure with it: host/suspend.py). A backend without it (the engine-process
+    client) cannot suspend instances; the host then fails an instance that waits for pages nobody
+    will free with `out_of_resources`, naming why.
+
+    Both run on the scheduler thread between batches (`Scheduler.call`), after every batch started
+    before them and before any started after: no page moves under a running forward.
+    """
+
+    swap_page_bytes: int  # host memory one swapped page takes
+
+    def swap_out(self, pages: Sequence[int]) -> object:
+        """A host-memory copy of `pages`' K/V (the pages themselves are left as they are)."""
+        ...
+
+    def swap_in(self, swapped: object, pages: Sequence[int]) -> None:
+        """Write a `swap_out` copy back into `pages` (as many, in the same order; any free pages)."""
+        ...

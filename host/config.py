@@ -37,6 +37,8 @@ class HostConfig:
     max_pages_per_tenant: KV pages the instances of one tenant may own at once together (None =
         no cap): one tenant cannot take the whole cache from the others.
     max_inbox_bytes: unread client messages (signals) per instance; a signal past it is refused.
+    swap_memory_bytes: host memory for the KV of instances suspended under KV pressure (host/suspend.py);
+        0 = never suspend (an instance that waits for pages nobody frees ends with out_of_resources).
     max_kv_store_bytes: UTF-8 bytes of keys and values one tenant may keep in the key-value store
         (host/state/kvstore.py); a `store.set` past it traps its caller.
     run_gate: instance threads take turns running, `run_slots` at a time (see host/batching/gate.py);
@@ -88,6 +90,7 @@ class HostConfig:
     max_pages_per_instance: int | None = None
     max_pages_per_tenant: int | None = None
     max_inbox_bytes: int = 4 * 2**20
+    swap_memory_bytes: int = 4 * 2**30
     max_kv_store_bytes: int = 64 * 2**20
     prefix_cache: str = "per-client"  # per-client | shared | off (host/state/prefix_cache.py)
     max_published_messages: int = 1024  # unread pub/sub messages kept per instance (oldest dropped)
@@ -148,6 +151,8 @@ class HostConfig:
         if self.engine == "inproc" and (self.tp > 1 or self.replicas > 1):
             raise ValueError(f"tp={self.tp} / replicas={self.replicas} run in engine processes: use "
                              "engine='process' (or 'auto'), not 'inproc'")
+        if self.swap_memory_bytes < 0:
+            raise ValueError(f"swap_memory_bytes must be >= 0, got {self.swap_memory_bytes}")
         if self.max_pages_per_instance is not None and self.max_pages_per_instance < 1:
             raise ValueError(f"max_pages_per_instance must be >= 1, got {self.max_pages_per_instance}")
         if self.max_pages_per_tenant is not None and self.max_pages_per_tenant < 1:

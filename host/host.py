@@ -30,6 +30,7 @@ from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
 from host.state.prefix_cache import PrefixCache
 from host.state.topics import Topics
+from host.suspend import Suspender
 from host.wasm.engine import WasmEngine
 from host.wasm.instance import InboxFull, Instance, InstanceEnv
 from host.wasm.limits import InstanceLimits
@@ -110,7 +111,8 @@ class Host:
             sched.bind(b.forward, b.copy_tokens, info.page_size, pins=pm, start=start)
         # each instance lives on one replica, its WIT imports reach that replica's pages and
         # scheduler (host/replicas.py); `pages` / `scheduler`: the first's (the only one by default)
-        self.replicas = [Replica(r, pm, sched) for r, (pm, sched) in enumerate(zip(managers, schedulers, strict=True))]
+        self.replicas = [Replica(r, pm, sched, Suspender(pm, sched, b, config.swap_memory_bytes))
+                         for r, (pm, sched, b) in enumerate(zip(managers, schedulers, backends, strict=True))]
         self.pages: PageManager = managers[0]
         self.scheduler: Scheduler = schedulers[0]
         self._load = [0] * len(backends)  # running instances per replica (placement)
@@ -298,7 +300,9 @@ class Host:
                     log.debug("instance %s ends with a failed forward: %s", inst.id, e)
         inst.forwards.clear()
         rep = self.replicas[inst.pages.replica]
-        rep.pages.release_all(inst.pages)
+        rep.pages.release_all(inst.pages)  # (and its swapped-out pages' host memory, if suspended)
+        if rep.suspender is not None:
+            rep.suspender.forget(inst)
         rep.scheduler.forget(inst.id)
 
     def instances(self) -> list[dict[str, Any]]:
@@ -324,11 +328,22 @@ class Host:
                 "instances": running, "free_pages": self.free_pages(), "total_pages": self.total_pages,
                 "model": self.model_name,
                 "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"},
+                "memory": self.memory_stats(),
                 "engine": {"kind": "process" if self.engines else "inproc",
                            "tp": self.engines[0].spec.tp if self.engines else 1,
                            "replicas": [{"pid": e.pid, "alive": e.alive, "deaths": e.deaths,
                                          "instances": self._load[r], "free_pages": self.replicas[r].pages.free_count}
                                         for r, e in enumerate(self.engines)]}}
+
+    def memory_stats(self) -> dict[str, int]:
+        """KV pressure (host/suspend.py), all replicas: suspensions, resumes, pages and bytes
+        swapped out (ever), instances suspended and allocations waiting now, swap space used."""
+        total: dict[str, int] = {}
+        for r in self.replicas:
+            if r.suspender is not None:
+                for k, v in r.suspender.as_dict().items():
+                    total[k] = total.get(k, 0) + v
+        return total
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Terminate every instance, then stop the scheduler and the epoch ticker."""
@@ -342,6 +357,8 @@ class Host:
         for inst in insts:
             inst.join(timeout)
         for r in self.replicas:
+            if r.suspender is not None:
+                r.suspender.stop()
             r.scheduler.stop()
         for eng in self.engines:
             eng.close()
