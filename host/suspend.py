@@ -145,11 +145,11 @@ class Suspender:
         error string for a refusal the guest can handle. Raises OutOfResources when they can never be had."""
         table, pm = inst.pages, self.pages
         with self.gate(inst):
+            self._never_fits(table, count)
             if not self._requests and (table.held or not self._suspended):
                 got = pm.allocate(table, count)
                 if not isinstance(got, str) or not got.startswith("out of KV pages"):
                     return got
-            self._never_fits(table, count)
             req = _Request(inst, count, new=not table.held)
             with self._lock:
                 self._requests.append(req)
@@ -169,6 +169,8 @@ class Suspender:
     def _never_fits(self, table: InstancePages, count: int) -> None:
         pm = self.pages
         have = len(table.held)
+        if count < 0:
+            return  # (the page manager names the bad value)
         if have + count > pm.num_pages:
             raise OutOfResources(f"the instance needs {have + count} KV pages ({have} held, {count} more) and the "
                                  f"whole cache has {pm.num_pages}: it can never fit (raise --kv-memory)")

@@ -53,6 +53,10 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-limit-mb", type=int,
                         help=f"memory limit per instance, all linear memories and tables together (default {_default('memory_limit_bytes') // MIB} MiB)")
     parser.add_argument("--wall-budget-s", type=float, help="wall-clock budget per instance in seconds (default: none)")
+    parser.add_argument("--swap-memory", type=int, metavar="MB",
+                        help="host memory for the KV pages of instances suspended under KV pressure, to be "
+                             "resumed when pages free up; 0 = never suspend (an instance waiting for pages "
+                             f"nobody frees then ends with out_of_resources) (default {_default('swap_memory_bytes') // MIB} MiB)")
     parser.add_argument("--max-pages-per-instance", type=int, help="KV pages one instance may hold (default: no cap)")
     parser.add_argument("--max-pages-per-tenant", type=int,
                         help="KV pages the instances of one tenant may hold together, so one tenant cannot take "
@@ -97,7 +101,7 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "num_pages": args.num_pages, "kv_memory_bytes": _mib(args.kv_memory), "policy": args.policy,
         "max_batch_tokens": args.max_batch_tokens, "memory_limit_bytes": _mib(args.memory_limit_mb),
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
-        "max_pages_per_tenant": args.max_pages_per_tenant,
+        "max_pages_per_tenant": args.max_pages_per_tenant, "swap_memory_bytes": _mib(args.swap_memory),
         "max_inbox_bytes": None if args.max_inbox_kb is None else args.max_inbox_kb * 1024,
         "max_kv_store_bytes": None if args.max_kv_store_mb is None else int(args.max_kv_store_mb * MIB),
         "prefix_cache": args.prefix_cache, "max_instances": args.max_instances,
