@@ -5,13 +5,15 @@ Usage: python bench/kv_pressure.py --json OUT [--step-ms 10] [--instances 16 64 
 
 Stand-in part: the standard `text_completion` inferlet (host-side loop, greedy, `--tokens` new
 tokens) on the stand-in backend sleeping `--step-ms` per batch, N instances launched at once on a
-pool of N * pages_per_instance / factor pages. Each output is checked (the stand-in counts up from
-the prompt's last token), so `completed` (must be 1.0) counts only exact outputs. The ideal for a
-pool of that size: it holds `fit` = pool // pages_per_instance instances at once, so at best
-ceil(N / fit) waves of (tokens + 1) steps each: ideal_tok_s = N * tokens / (waves * (tokens + 1) * step),
-efficiency = tok_s / ideal_tok_s (tok_s: N * tokens over the wall time from the first launch to the
-last end). `unpressured_*`: the same N on a pool that holds them all, in the same run (its ideal is
-one wave). suspensions / swapped_mb per instance from `Host.stats()["memory"]`.
+pool of N * pages_per_instance / factor pages; each prompt differs from its first page on (no
+prefix-cache sharing). Each output is checked (the stand-in counts up from the prompt's last
+token), so `completed` (must be 1.0) counts only exact outputs. The ideal for a pool of that size
+(an upper bound): an instance holds prompt + tokens / 2 slots on average over its life, so the
+pool's slots run at most `fit` = pool * page_size / that many at once, one token each per step:
+ideal_tok_s = N * tokens / (max(1, N / fit) * (tokens + 1) * step), efficiency = tok_s / ideal_tok_s
+(tok_s: N * tokens over the wall time from the first launch to the last end). `unpressured_*`: the
+same N on a pool that holds them all, in the same run. suspensions / swapped_mb per instance from
+`Host.stats()["memory"]`.
 
 Real part (`--real N`, default 8): the default model on CPU, N chats of `--real-tokens` tokens on a
 pool that holds a quarter of them at once, against the same chats on a pool that holds them all:
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ from typing import Any
 from common import Run, compile_inferlet
 
 from gpu_backend.standin import StandInBackend
+from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams
 from host import Host, HostConfig
 
 PROMPT = "Write a story about a lighthouse."
@@ -49,17 +53,15 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def _pages_needed(host: Host, tokens: int) -> tuple[list[int], int]:
-    tok = host.backend.tokenizer
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}], True))
-    return prompt, math.ceil((len(prompt) + tokens) / PS)
+def _prompt(i: int) -> str:
+    return f"{i:04d} {PROMPT}"  # all of one length, each its own first page
 
 
-def burst(host: Host, program: str, args: list[str], n: int, want: str | None) -> dict[str, Any]:
+def burst(host: Host, program: str, tokens: int, n: int, want: str | None) -> dict[str, Any]:
     """Launch n at once; wall time and how many completed (with `want`, exactly that output)."""
     mem0 = host.memory_stats()
     t0 = time.perf_counter()
-    runs = [Run(host, program, args) for _ in range(n)]
+    runs = [Run(host, program, ["--prompt", _prompt(i), "--max-tokens", str(tokens)]) for i in range(n)]
     ends = [r.finish(1800) for r in runs]
     wall = time.perf_counter() - t0
     ok = [e.message for e in ends if e.event == "completed" and (want is None or e.message == want)]
@@ -70,25 +72,22 @@ def burst(host: Host, program: str, args: list[str], n: int, want: str | None) -
 
 
 def standin_entry(n: int, factor: int, step_s: float, tokens: int) -> dict[str, Any]:
-    probe = Host(HostConfig(warm_auto=0), backend=StandInBackend(page_size=PS, num_pages=64))
-    prompt, per = _pages_needed(probe, tokens)
-    vocab = probe.backend.info.vocab_size
-    want = probe.backend.tokenizer.decode([(prompt[-1] + 1 + i) % vocab for i in range(tokens)])
-    probe.shutdown()
+    tok = StandInBackend().tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": _prompt(0)}], True))
+    per = math.ceil((len(prompt) + tokens) / PS)
+    want = tok.decode([(prompt[-1] + 1 + i) % StandInBackend().info.vocab_size for i in range(tokens)])
     pool = max(n * per // factor, per)
-    args = ["--prompt", PROMPT, "--max-tokens", str(tokens)]
     out: dict[str, Any] = {"instances": n, "factor": factor, "pool_pages": pool, "pages_per_instance": per}
     for label, pages in (("", pool), ("unpressured_", n * per)):
         host = Host(HostConfig(), backend=StandInBackend(page_size=PS, num_pages=pages, delay_s=step_s))
         try:
             program = compile_inferlet(host, "text_completion")
-            burst(host, program, args, min(n, 8), want)  # unmeasured: slots mapped, programs warm
-            r = burst(host, program, args, n, want)
+            burst(host, program, tokens, min(n, 8), want)  # unmeasured: slots mapped, programs warm
+            r = burst(host, program, tokens, n, want)
         finally:
             host.shutdown()
-        fit = max(pages // per, 1)
-        waves = math.ceil(n / fit)
-        ideal = n * tokens / (waves * (tokens + 1) * step_s)
+        fit = pages * PS / (len(prompt) + tokens / 2)
+        ideal = n * tokens / (max(1.0, n / fit) * (tokens + 1) * step_s)
         tok_s = n * tokens * r["completed"] / r["wall_s"]
         out.update({f"{label}completed": r["completed"], f"{label}tok_s": round(tok_s, 1),
                     f"{label}ideal_tok_s": round(ideal, 1), f"{label}efficiency": round(tok_s / ideal, 3),
@@ -113,6 +112,28 @@ def _chats(host: Host, prompts: list[str], tokens: int) -> tuple[list[str], dict
         "suspensions": mem.get("suspensions", 0), "swapped_mb": round(mem.get("swapped_bytes", 0) / 2**20, 2)}
 
 
+def swap_vs_prefill(backend: Any, pages: int, reps: int = 3) -> dict[str, float]:
+    """Resuming a plain causal sequence of `pages` full pages: its K/V copied out and back in
+    (`swap_out` + `swap_in`), or dropped and recomputed (one prefill forward over its tokens), ms."""
+    ps = backend.info.page_size
+    ids = list(range(pages))
+    tokens = (backend.tokenizer.encode("The sea is calm tonight. " * (pages * ps)) * 2)[: pages * ps]
+    req = ForwardRequest(pages=ids, last_page_len=ps, tokens=tokens, positions=list(range(len(tokens))),
+                         outputs=[OutputSpec(index=len(tokens) - 1, sample=SamplerParams())])
+    swap, prefill = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        backend.forward([req])
+        t1 = time.perf_counter()
+        backend.swap_in(backend.swap_out(ids), ids)
+        t2 = time.perf_counter()
+        prefill.append(1000 * (t1 - t0))
+        swap.append(1000 * (t2 - t1))
+    return {"pages": pages, "swap_ms": round(statistics.median(swap), 2),
+            "prefill_ms": round(statistics.median(prefill), 2),
+            "swap_mb": round(pages * backend.swap_page_bytes / 2**20, 2)}
+
+
 def real_entry(n: int, tokens: int) -> dict[str, Any]:
     """The default model on CPU: n chats on a pool holding a quarter of them, against a pool holding all."""
     prompts = [f"Tell me a short fact about the number {i}." for i in range(n)]
@@ -122,6 +143,7 @@ def real_entry(n: int, tokens: int) -> dict[str, Any]:
         per = max(math.ceil((len(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], True)))
                              + tokens) / ps) for p in prompts)
         want, full = _chats(host, prompts, tokens)
+        resume = [swap_vs_prefill(host.backend, k) for k in (4, 16, 64)]
     finally:
         host.shutdown()
     pool = max(n * per // 4, per)
@@ -131,7 +153,7 @@ def real_entry(n: int, tokens: int) -> dict[str, Any]:
     finally:
         host.shutdown()
     results = {"instances": n, "tokens": tokens, "pool_pages": pool, "pages_per_instance": per, "full": full,
-               "quarter": quarter, "outputs_equal": got == want}
+               "quarter": quarter, "outputs_equal": got == want, "swap_vs_prefill": resume}
     print(json.dumps(results), flush=True)
     return results
 
@@ -155,6 +177,9 @@ def main() -> None:
                      f"{real['quarter']['wall_s']} s ({real['quarter']['suspensions']} suspensions, "
                      f"{real['quarter']['swapped_mb']} MB swapped) vs {real['full']['wall_s']} s on a pool "
                      f"holding all; outputs equal: {real['outputs_equal']}")
+        lines += ["", "| pages | swap out + in ms | re-prefill ms | MB |", "|---|---|---|---|"]
+        lines += [f"| {r['pages']} | {r['swap_ms']} | {r['prefill_ms']} | {r['swap_mb']} |"
+                  for r in real["swap_vs_prefill"]]
     a.json.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
