@@ -9,7 +9,9 @@ whose pool holds everything at once (no suspension there: checked).
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Any
 
 import pytest
 from fakes import FakeBackend
@@ -203,3 +205,37 @@ def test_no_swap_space_refuses_with_a_clear_message_instead_of_hanging(tmp_path,
         wait_for(lambda: h.free_pages() == 16, 10)
     finally:
         h.shutdown()
+
+
+class _SmallPool:
+    """The session's real backend behind a host that uses only its first `num_pages` pages."""
+
+    def __init__(self, backend: Any, num_pages: int) -> None:
+        self._backend = backend
+        self.info = dataclasses.replace(backend.info, num_pages=num_pages)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+@pytest.mark.parametrize("mode", ["host-greedy", "host-seeded", "steps"])
+def test_real_model_suspended_and_resumed_equals_the_uninterrupted_run(backend, real_host, tmp_path, mode) -> None:  # noqa: ANN001
+    tok = backend.tokenizer
+    prompts = [tok.encode(f"Write one line about the number {i} and the sea.") for i in range(4)]
+    if mode == "steps":
+        arglists = [["steps", "40", *map(str, p)] for p in prompts]
+    else:
+        seed = "-1" if mode == "host-greedy" else "7"
+        arglists = [["host", "40", seed, *map(str, p)] for p in prompts]
+    program = real_host.compile(wasm_bytes("pressure"))
+    want = _run_all(real_host, program, arglists, timeout=600)
+    assert all(ev == "completed" for ev, _ in want), want
+    pages = max(-(-(len(p) + 41) // 16) for p in prompts)  # one instance's pages at its end
+    small = Host(HostConfig(data_dir=tmp_path, warm_auto=0), backend=_SmallPool(backend, pages + 1))
+    try:
+        got = _run_all(small, small.compile(wasm_bytes("pressure")), arglists, timeout=600)
+        assert got == want
+        assert small.stats()["memory"]["suspensions"] > 0
+        wait_for(lambda: small.free_pages() == pages + 1, 10)
+    finally:
+        small.shutdown()
