@@ -43,7 +43,10 @@ class HostConfig:
         (host/state/kvstore.py); a `store.set` past it traps its caller.
     run_gate: instance threads take turns running, `run_slots` at a time (see host/batching/gate.py);
         False lets them all contend for the GIL at once (for comparisons).
-    max_instances: instances running at once; a launch beyond it is refused (`HostBusy`).
+    max_instances: instances running at once; a launch beyond it waits in the launch queue.
+    launch_queue: launches that may wait for a free instance slot, in order; one more is refused
+        (`HostBusy`); 0 = refuse at once. launch_queue_timeout_s: a launch that waited this long ends
+        with `out_of_resources` without having run.
     warm_instances: instances of each recently launched program kept started ahead of demand,
         waiting at their first host call (host/wasm/warm.py); 0 = none kept for their own sake.
     warm_auto: besides those, keep as many instances of each recent program warm as it has had
@@ -99,6 +102,8 @@ class HostConfig:
     run_gate: bool = True
     run_slots: int = 2
     max_instances: int = 1024
+    launch_queue: int = 1024
+    launch_queue_timeout_s: float = 300.0
     warm_instances: int = 0
     warm_auto: int = 256
     instance_pool: bool = True
@@ -151,6 +156,9 @@ class HostConfig:
         if self.engine == "inproc" and (self.tp > 1 or self.replicas > 1):
             raise ValueError(f"tp={self.tp} / replicas={self.replicas} run in engine processes: use "
                              "engine='process' (or 'auto'), not 'inproc'")
+        if self.launch_queue < 0 or not self.launch_queue_timeout_s > 0:
+            raise ValueError(f"launch_queue must be >= 0 and launch_queue_timeout_s > 0, got {self.launch_queue}, "
+                             f"{self.launch_queue_timeout_s}")
         if self.swap_memory_bytes < 0:
             raise ValueError(f"swap_memory_bytes must be >= 0, got {self.swap_memory_bytes}")
         if self.max_pages_per_instance is not None and self.max_pages_per_instance < 1:

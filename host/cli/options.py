@@ -71,7 +71,13 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
                         help="automatic prefix cache: entries kept per client (tenant), shared by all clients "
                              f"(a timing side channel between them), or off (default {_default('prefix_cache')})")
     parser.add_argument("--max-instances", type=int,
-                        help=f"instances running at once; more launches are refused (default {_default('max_instances')})")
+                        help=f"instances running at once; more launches wait in the launch queue (default {_default('max_instances')})")
+    parser.add_argument("--launch-queue", type=int, metavar="N",
+                        help="launches that may wait for a free instance slot, in order; one more is refused "
+                             f"(HTTP 503); 0 = refuse at once (default {_default('launch_queue')})")
+    parser.add_argument("--launch-queue-timeout-s", type=float,
+                        help="a queued launch that waited this long ends with out_of_resources "
+                             f"(default {_default('launch_queue_timeout_s'):g})")
     parser.add_argument("--warm-instances", type=int,
                         help="instances of each recently launched program started ahead of demand, so a launch "
                              f"skips the start-up (default {_default('warm_instances')})")
@@ -105,6 +111,7 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "max_inbox_bytes": None if args.max_inbox_kb is None else args.max_inbox_kb * 1024,
         "max_kv_store_bytes": None if args.max_kv_store_mb is None else int(args.max_kv_store_mb * MIB),
         "prefix_cache": args.prefix_cache, "max_instances": args.max_instances,
+        "launch_queue": args.launch_queue, "launch_queue_timeout_s": args.launch_queue_timeout_s,
         "warm_instances": args.warm_instances, "warm_auto": args.warm_auto,
         "engine": args.engine, "tp": args.tp, "replicas": args.replicas,
         "data_dir": getattr(args, "data_dir", None),

@@ -70,6 +70,13 @@ class _HostCollector(Collector):
                                 value=mem["waiting"])
         yield GaugeMetricFamily("pie_kv_swap_used_bytes", "Host memory held by suspended instances' KV",
                                 value=mem["swap_used_bytes"])
+        lq = {"queued": 0, "queued_total": 0, "timeouts": 0, **s.get("launch_queue", {})}
+        yield GaugeMetricFamily("pie_launch_queue_length", "Launches waiting for an instance slot (--max-instances)",
+                                value=lq["queued"])
+        yield CounterMetricFamily("pie_launches_queued", "Launches that waited for an instance slot",
+                                  value=lq["queued_total"])
+        yield CounterMetricFamily("pie_launch_queue_timeouts", "Queued launches that waited past "
+                                  "--launch-queue-timeout-s", value=lq["timeouts"])
         counts = sched.get("batch_size_counts")
         if counts:  # the scheduler's batch-size histogram (forwards per batch)
             from host.batching.scheduler import BATCH_SIZE_BUCKETS
