@@ -77,7 +77,7 @@ def test_kv_pressure_and_the_launch_queue_from_the_host_stats() -> None:
            "waiting": 2, "swap_used_bytes": 10 * 4096, "out_of_resources": 1}
     lq = {"queued": 5, "queued_total": 9, "timeouts": 2, "limit": 1024}
     s = _samples(ServerMetrics(lambda: {**_stats(), "memory": mem, "launch_queue": lq}, lambda: 0))
-    assert s["pie_launch_queue_length"] == 5 and s["pie_launches_queued_total"] == 9
+    assert s["pie_instances_queued"] == 5 and s["pie_launches_queued_total"] == 9
     assert s["pie_launch_queue_timeouts_total"] == 2
     assert s["pie_kv_suspensions_total"] == 4 and s["pie_kv_resumes_total"] == 3
     assert s["pie_kv_swapped_pages_total"] == 40 and s["pie_kv_swapped_bytes_total"] == 40 * 4096

@@ -36,8 +36,9 @@ class _HostCollector(Collector):
                                  **s.get("scheduler", {})}
         free, total = s["free_pages"], s["total_pages"]
         yield GaugeMetricFamily("pie_instances_running", "Instances running", value=s["instances"])
-        yield GaugeMetricFamily("pie_instances_queued", "Requests waiting for an instance slot",
-                                value=self._queued())
+        lq = {"queued": self._queued(), "queued_total": 0, "timeouts": 0, **s.get("launch_queue", {})}
+        yield GaugeMetricFamily("pie_instances_queued", "Launches waiting for an instance slot (--max-instances)",
+                                value=lq["queued"])
         yield GaugeMetricFamily("pie_kv_pages_free", "KV pages free", value=free)
         yield GaugeMetricFamily("pie_kv_pages_used", "KV pages in use", value=total - free)
         yield CounterMetricFamily("pie_batches", "Batches run by the scheduler", value=sched["batches"])
@@ -70,9 +71,6 @@ class _HostCollector(Collector):
                                 value=mem["waiting"])
         yield GaugeMetricFamily("pie_kv_swap_used_bytes", "Host memory held by suspended instances' KV",
                                 value=mem["swap_used_bytes"])
-        lq = {"queued": 0, "queued_total": 0, "timeouts": 0, **s.get("launch_queue", {})}
-        yield GaugeMetricFamily("pie_launch_queue_length", "Launches waiting for an instance slot (--max-instances)",
-                                value=lq["queued"])
         yield CounterMetricFamily("pie_launches_queued", "Launches that waited for an instance slot",
                                   value=lq["queued_total"])
         yield CounterMetricFamily("pie_launch_queue_timeouts", "Queued launches that waited past "
