@@ -83,7 +83,8 @@ class HostConfig:
     dtype: str | None = None  # "float32" / "bfloat16" / "float16"; None = fp32 on CPU, bf16 on CUDA
     page_size: int = 16
     num_pages: int | None = None
-    kv_memory_bytes: int | None = 256 * 2**20
+    kv_memory_bytes: int | None = None  # None (and no num_pages): from gpu_memory_utilization on CUDA, 256 MiB on CPU
+    gpu_memory_utilization: float = 0.9
     policy: str = "adaptive"
     max_batch_tokens: int = 10240
     batch_k: int = 8
@@ -156,6 +157,8 @@ class HostConfig:
         if self.engine == "inproc" and (self.tp > 1 or self.replicas > 1):
             raise ValueError(f"tp={self.tp} / replicas={self.replicas} run in engine processes: use "
                              "engine='process' (or 'auto'), not 'inproc'")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.launch_queue < 0 or not self.launch_queue_timeout_s > 0:
             raise ValueError(f"launch_queue must be >= 0 and launch_queue_timeout_s > 0, got {self.launch_queue}, "
                              f"{self.launch_queue_timeout_s}")

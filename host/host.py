@@ -58,7 +58,8 @@ def _load_backend(config: HostConfig, progress: bool) -> Backend:
 
     dtype = None if config.dtype is None else getattr(torch, config.dtype)
     return load_backend(config.model, device=config.device, dtype=dtype, page_size=config.page_size,
-                        num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, progress=progress)
+                        num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, progress=progress,
+                        gpu_memory_utilization=config.gpu_memory_utilization)
 
 
 def _start_engines(config: HostConfig) -> list[Any]:
@@ -66,7 +67,8 @@ def _start_engines(config: HostConfig) -> list[Any]:
     from gpu_backend.engine.client import EngineSpec, start_engines
 
     spec = EngineSpec(model=config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
-                      num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, tp=config.tp)
+                      num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, tp=config.tp,
+                      gpu_memory_utilization=config.gpu_memory_utilization)
     return start_engines(spec, config.replicas, restart=config.engine_restart)
 
 
@@ -104,6 +106,9 @@ class Host:
         info = backend.info
         self.model_name: str = info.name
         self.total_pages: int = info.num_pages * len(backends)
+        log.info("KV cache: %d pages of %d tokens (%d tokens)%s; swap space for suspended instances: %d MiB",
+                 info.num_pages, info.page_size, info.num_pages * info.page_size,
+                 f" on each of {len(backends)} replicas" if len(backends) > 1 else "", config.swap_memory_bytes // 2**20)
         managers = [PageManager(info.num_pages, config.max_pages_per_instance,
                                 PrefixCache(info.page_size, config.prefix_cache) if config.prefix_cache != "off"
                                 else None, max_pages_per_tenant=config.max_pages_per_tenant) for _ in backends]

@@ -69,6 +69,7 @@ class EngineSpec:
     page_size: int = 16
     num_pages: int | None = None
     kv_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None  # sizes the cache without kv_memory_bytes (gpu_backend/build.py)
     attention: str = "sdpa"
     tp: int = 1
     replicas: int = 1

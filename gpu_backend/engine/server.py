@@ -64,7 +64,8 @@ def _load(spec: EngineSpec, tp: Any, device: str | None) -> Any:
 
     dtype = None if spec.dtype is None else getattr(torch, spec.dtype)
     return load_backend(spec.model, device=device, dtype=dtype, page_size=spec.page_size, num_pages=spec.num_pages,
-                        kv_memory_bytes=spec.kv_memory_bytes, progress=False, attention=spec.attention, tp=tp)
+                        kv_memory_bytes=spec.kv_memory_bytes, progress=False, attention=spec.attention, tp=tp,
+                        gpu_memory_utilization=spec.gpu_memory_utilization)
 
 
 def _set_threads(spec: EngineSpec) -> None:

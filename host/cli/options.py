@@ -45,8 +45,13 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, help=f"tokens per KV page (default {_default('page_size')})")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--num-pages", type=int,
-                        help=f"KV pages to preallocate (default: from a {_default('kv_memory_bytes') // MIB} MiB budget)")
+                        help="KV pages to preallocate (default: from --gpu-memory-utilization on CUDA, a 256 MiB "
+                             "budget on CPU)")
     budget.add_argument("--kv-memory", type=int, metavar="MB", help="KV cache size in MiB (instead of --num-pages)")
+    parser.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                        help="on CUDA without --kv-memory / --num-pages: the KV cache takes this fraction of the "
+                             "GPU's memory less what is in use, the weights and 1 GiB for activations, like "
+                             f"vLLM's (default {_default('gpu_memory_utilization')})")
     parser.add_argument("--policy", choices=list(POLICIES), help=f"batching policy (default {_default('policy')})")
     parser.add_argument("--max-batch-tokens", type=int,
                         help=f"cap on tokens per batch (default {_default('max_batch_tokens')})")
@@ -111,7 +116,7 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "max_inbox_bytes": None if args.max_inbox_kb is None else args.max_inbox_kb * 1024,
         "max_kv_store_bytes": None if args.max_kv_store_mb is None else int(args.max_kv_store_mb * MIB),
         "prefix_cache": args.prefix_cache, "max_instances": args.max_instances,
-        "launch_queue": args.launch_queue, "launch_queue_timeout_s": args.launch_queue_timeout_s,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "launch_queue": args.launch_queue, "launch_queue_timeout_s": args.launch_queue_timeout_s,
         "warm_instances": args.warm_instances, "warm_auto": args.warm_auto,
         "engine": args.engine, "tp": args.tp, "replicas": args.replicas,
         "data_dir": getattr(args, "data_dir", None),
