@@ -134,11 +134,12 @@ class Suspender:
     def gate(self, inst: Instance) -> _Gate:
         """The context a page-touching import runs in (see `_Gate`)."""
         g = inst.pages.gate
-        if g is None:
-            g = inst.pages.gate = _Gate(inst)
-            with self._lock:
-                self._known[inst.pages.owner] = _Known(inst, next(self._seq))
-        return g  # type: ignore[no-any-return]
+        if isinstance(g, _Gate):
+            return g
+        g = inst.pages.gate = _Gate(inst)
+        with self._lock:
+            self._known[inst.pages.owner] = _Known(inst, next(self._seq))
+        return g
 
     def allocate(self, inst: Instance, count: int) -> list[int] | str:
         """`count` pages for `inst` (guest ids), waiting in line for them when none are free; an
@@ -243,6 +244,9 @@ class Suspender:
     def _grant(self, req: _Request) -> bool:
         table = req.inst.pages
         with table.touch:
+            if table.ended:  # (its thread has stopped waiting: nobody takes the answer)
+                self._answer(req, "the instance has ended")
+                return True
             if table.state is not ACTIVE:
                 return False
             got = self.pages.allocate(table, req.count)
@@ -256,7 +260,7 @@ class Suspender:
             req.result = result
             if req in self._requests:
                 self._requests.remove(req)
-        req.inst.wake(None)
+        req.inst.wake()
 
     def _make_room(self, req: _Request) -> bool:
         victim = self._victim(req.inst.pages)
@@ -370,5 +374,5 @@ class Suspender:
         with self._lock:
             known = self._known.get(table.owner)
         if known is not None:
-            known.inst.wake(None)
+            known.inst.wake()
 

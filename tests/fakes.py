@@ -8,7 +8,6 @@ an inferlet's output is predictable and any cross-talk between instances shows u
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from dataclasses import replace
 
 from gpu_backend.standin import StandInBackend, StandInStep

@@ -239,3 +239,27 @@ def test_real_model_suspended_and_resumed_equals_the_uninterrupted_run(backend, 
         wait_for(lambda: small.free_pages() == pages + 1, 10)
     finally:
         small.shutdown()
+
+
+def test_text_completion_bursts_on_a_pool_for_two_all_complete(tmp_path) -> None:  # noqa: ANN001
+    """The standard inferlet (forward.generate-fresh, then generate after each suspension): a loop
+    ended for a suspension right after a page was started for its next step, or before its first
+    token, hands back only pages the SDK knows of (it trapped with `last-page-len 0` here)."""
+    prompt = "Write a story about a lighthouse."
+    fb = FakeBackend(page_size=16, num_pages=20, delay_s=0.01)
+    h = Host(HostConfig(data_dir=tmp_path, warm_auto=0), backend=fb)
+    try:
+        prog = h.compile(wasm_bytes("text_completion"))
+        tok = fb.tokenizer
+        for _round in range(4):
+            runs, wants = [], []
+            for i in range(16):
+                p = f"{i:04d} {prompt}"
+                ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], True))
+                wants.append(tok.decode([(ids[-1] + 1 + j) % 256 for j in range(96)]))
+                runs.append(Run(h, prog, ["--prompt", p, "--max-tokens", "96"]))
+            assert [(r.finish(120).event, r.end.message) for r in runs] == [("completed", w) for w in wants]
+        assert h.stats()["memory"]["suspensions"] > 0
+        wait_for(lambda: h.free_pages() == 20, 10)
+    finally:
+        h.shutdown()

@@ -72,7 +72,11 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
             result: GenerationResult = inst.wait_for(fut, gen.cancel)
         finally:
             inst.pages.loop = None
-        if first_pages:
+        if first_pages and not result.tokens:  # (ended before its first token: the caller holds nothing new)
+            with passes.gate(inst):
+                passes.pm(inst).release(inst.pages, first_pages + result.new_pages)
+            result = dataclasses.replace(result, new_pages=[])
+        elif first_pages:
             result = dataclasses.replace(result, new_pages=first_pages + result.new_pages)
         return generation_record(result)
 

@@ -260,5 +260,20 @@ class Generation:
             self._pm.note_run(self._table, req.pages, ps, start, tokens, start + self._pos_off)
 
     def _end(self, finish: str) -> bool:
+        if self.cancelled:
+            self._give_back_unused()
         self.result = GenerationResult(self.tokens, self.new_pages, 0, finish)
         return True
+
+    def _give_back_unused(self) -> None:
+        """A cancelled loop ends with the pages its caller resumes from: those holding the pending
+        tokens and every drawn token but the last (which the caller writes next). A page started for
+        a step that ran but whose token was never taken goes back (it stays in the request, pinned
+        until the loop's job ends; `note_writes` notes nothing in it)."""
+        extra = len(self.request.pages) - -(-(self._base + len(self.tokens)) // self.page_size)
+        for _ in range(min(extra, len(self.new_pages))):
+            page = self.new_pages.pop()
+            try:
+                self._pm.release(self._table, [page])
+            except PageError:  # the instance has ended and dropped its pages already
+                pass

@@ -29,6 +29,7 @@ from host.state.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from gpu_backend.types import ForwardRequest
+    from host.batching.generation import Generation
 
 
 SWAPPED = -1  # InstancePages.phys value of a page whose K/V is in host memory while its instance is suspended
@@ -73,7 +74,7 @@ class InstancePages:
     swap: object = None  # the backend's host-memory copy of their K/V
     swap_bytes: int = 0
     gate: object = None  # host/suspend.py's gate for this instance's page-touching calls
-    loop: object = None  # the host-side generation loop it runs (ended with out-of-pages to suspend it)
+    loop: Generation | None = None  # the host-side generation loop it runs (ended with out-of-pages to suspend it)
 
 
 @dataclass
