@@ -85,6 +85,17 @@ def test_guest_driven_steps_needing_8x_the_pool_all_complete_exactly(tmp_path, p
     assert mem["suspensions"] > 0
 
 
+def test_mixed_workloads_needing_8x_the_pool_all_complete_exactly(tmp_path, programs) -> None:  # noqa: ANN001
+    """Host-side loops (greedy and seeded), stepping guests and guests with queued forwards together."""
+    arglists = []
+    for i in range(16):
+        prompt = [str(60 + i + j) for j in range(6)]
+        arglists.append([["host", "50", "-1", *prompt], ["host", "50", str(i), *prompt], ["steps", "50", *prompt],
+                         ["queued", "56", str(60 + i)]][i % 4])
+    mem = _check_outputs(tmp_path, programs, "pressure", arglists, pool=28)
+    assert mem["suspensions"] > 0
+
+
 def test_queued_forwards_keep_their_order_across_a_suspension(tmp_path, programs) -> None:  # noqa: ANN001
     arglists = [["queued", "40", str(20 + i)] for i in range(12)]
     mem = _check_outputs(tmp_path, programs, "pressure", arglists, pool=20)
