@@ -146,7 +146,12 @@ class Suspender:
         error string for a refusal the guest can handle. Raises OutOfResources when they can never be had."""
         table, pm = inst.pages, self.pages
         with self.gate(inst):
-            self._never_fits(table, count)
+            try:
+                self._never_fits(table, count)
+            except OutOfResources:
+                with self._lock:
+                    self.stats.out_of_resources += 1
+                raise
             if not self._requests and (table.held or not self._suspended):
                 got = pm.allocate(table, count)
                 if not isinstance(got, str) or not got.startswith("out of KV pages"):
@@ -300,7 +305,8 @@ class Suspender:
             return False
         why = ("the backend cannot move KV pages to host memory (engine processes)" if self.swapper is None
                else f"the swap space ({self.pages.swap_used} of {self.swap_limit} bytes used) cannot take more")
-        self.stats.out_of_resources += 1
+        with self._lock:
+            self.stats.out_of_resources += 1
         self._answer(req, OutOfResources(
             f"kv.allocate({req.count}): no KV page will come free ({self.pages.free_count} free of "
             f"{self.pages.num_pages}, the other instances wait for pages too) and {why}"))

@@ -142,6 +142,7 @@ def test_an_instance_that_can_never_fit_fails_at_once(tmp_path, programs) -> Non
         assert time.perf_counter() - t0 < 10
         assert ev.event == "out_of_resources", ev
         assert "17 KV pages" in ev.message and "has 16" in ev.message and "can never fit" in ev.message
+        assert h.stats()["memory"]["out_of_resources"] == 1
         assert other.finish(60).event == "completed"
         wait_for(lambda: h.free_pages() == 16, 10)
     finally:
