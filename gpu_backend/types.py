@@ -190,15 +190,16 @@ def started(outputs: list[list[OutputResult]]) -> Started:
 @runtime_checkable
 class SwapsPages(Protocol):
     """Optional backend capability: copy pages' K/V out to host memory and back (the host suspends
-    an instance under KV pressure with it: host/suspend.py). A backend without it (the engine-process
-    client) cannot suspend instances; the host then fails an instance that waits for pages nobody
-    will free with `out_of_resources`, naming why.
+    an instance under KV pressure with it: host/suspend.py). A backend without it (or with
+    `swap_page_bytes` 0: engine processes of tensor-parallel ranks) cannot suspend instances; the
+    host then fails an instance that waits for pages nobody will free with `out_of_resources`,
+    naming why. The engine-process client keeps the copies in the engine process.
 
     Both run on the scheduler thread between batches (`Scheduler.call`), after every batch started
     before them and before any started after: no page moves under a running forward.
     """
 
-    swap_page_bytes: int  # host memory one swapped page takes
+    swap_page_bytes: int  # host memory one swapped page takes; 0: this backend cannot swap after all
 
     def swap_out(self, pages: Sequence[int]) -> object:
         """A host-memory copy of `pages`' K/V (the pages themselves are left as they are)."""

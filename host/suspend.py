@@ -23,7 +23,7 @@ instance waits in line here and one `Suspender` thread per replica makes room:
   whose pages do not fit in it is not chosen. An allocation that can never be met (the instance
   alone would need more than the whole cache, or its page limit) fails at once with
   `out_of_resources`; so does one nobody can make room for (nothing in flight, every other
-  instance waiting or unswappable: e.g. a backend without `SwapsPages`, the engine processes).
+  instance waiting or unswappable: e.g. a backend without `SwapsPages`, tensor-parallel engines).
 
 Where to change the policy: `_victim` (who), `_step` (the order), `watermark` (resume headroom).
 """
@@ -120,7 +120,8 @@ class Suspender:
     stats: SuspendStats = field(default_factory=SuspendStats)
 
     def __post_init__(self) -> None:
-        self.swapper = self.backend if isinstance(self.backend, SwapsPages) else None
+        b = self.backend
+        self.swapper: SwapsPages | None = b if isinstance(b, SwapsPages) and b.swap_page_bytes > 0 else None
         self._lock = self.pages._freed  # the page manager's: frees wake the thread
         self._requests: deque[_Request] = deque()
         self._suspended: deque[InstancePages] = deque()
@@ -303,7 +304,7 @@ class Suspender:
         time.sleep(0.05)  # a forward may have just been submitted: look once more
         if self.scheduler.busy() or req.result is not None:
             return False
-        why = ("the backend cannot move KV pages to host memory (engine processes)" if self.swapper is None
+        why = ("the backend cannot move KV pages to host memory (tensor parallel engines)" if self.swapper is None
                else f"the swap space ({self.pages.swap_used} of {self.swap_limit} bytes used) cannot take more")
         with self._lock:
             self.stats.out_of_resources += 1

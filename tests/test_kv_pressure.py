@@ -275,3 +275,23 @@ def test_text_completion_bursts_on_a_pool_for_two_all_complete(tmp_path) -> None
         wait_for(lambda: h.free_pages() == 20, 10)
     finally:
         h.shutdown()
+
+
+def test_engine_processes_suspend_too_with_the_copies_kept_in_the_engine(tmp_path, programs) -> None:  # noqa: ANN001
+    """`--engine process` (the stand-in in an engine process): the swapped pages stay in the engine
+    process; steppers needing ~8x the pool all complete, with the outputs of a pool for all."""
+    from gpu_backend.engine.client import EngineSpec, start_engines
+
+    arglists = [["steps", "57", *[str(40 + i + j) for j in range(7)]] for i in range(12)]
+    engines = start_engines(EngineSpec(standin=True, page_size=PS, num_pages=24, standin_delay_s=0.001), 1)
+    h = Host(HostConfig(data_dir=tmp_path, warm_auto=0), engines=engines)
+    try:
+        assert h.replicas[0].suspender is not None and h.replicas[0].suspender.swapper is not None
+        got = _run_all(h, h.compile(programs["pressure"]), arglists)
+        want = [("completed", " ".join(str((int(a[-1]) + 1 + k) % 256) for k in range(57))) for a in arglists]
+        assert got == want
+        mem = h.stats()["memory"]
+        assert mem["suspensions"] > 0 and mem["swap_used_bytes"] == 0
+        wait_for(lambda: h.free_pages() == 24, 10)
+    finally:
+        h.shutdown()
