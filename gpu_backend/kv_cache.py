@@ -29,6 +29,23 @@ class KVCache:
         elem = torch.empty((), dtype=dtype).element_size()
         return cfg.num_layers * page_size * 2 * cfg.num_kv_heads * cfg.head_dim * elem
 
+    def page_slots(self, pages: list[int]) -> torch.Tensor:
+        """The slot indices of `pages`, page after page, on the cache's device."""
+        ps = self.page_size
+        slots = torch.tensor(pages, dtype=torch.long).repeat_interleave(ps) * ps + torch.arange(ps).repeat(len(pages))
+        return slots.to(self.data.device)
+
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """`pages`' K/V of every layer, copied to host memory ([layers, pages * page_size, 2, heads, dim])."""
+        out = self.data[:, self.page_slots(pages)]
+        return out.to("cpu", non_blocking=False) if out.is_cuda else out
+
+    def write_pages(self, pages: list[int], kv: torch.Tensor) -> None:
+        """Write `read_pages`' copy back into `pages` (any pages, as many and in the same order)."""
+        self.data[:, self.page_slots(pages)] = kv.to(self.data.device)
+        if self.data.is_cuda:  # the next batch may run on another stream: the copy lands first
+            torch.cuda.synchronize(self.data.device)
+
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the K/V of slots `src` to slots `dst` in every layer."""
         self.data[:, dst] = self.data[:, src]

@@ -152,6 +152,27 @@ class StandInBackend:
                 until = self._free_at = max(start, self._free_at) + self.delay_s
         return StandInStep(out, until)
 
+    @property
+    def swap_page_bytes(self) -> int:
+        """What a swapped page "takes" (`gpu_backend.types.SwapsPages`): 8 bytes a slot."""
+        return 8 * self.info.page_size
+
+    def swap_out(self, pages: Sequence[int]) -> list[list[int]]:
+        """The tokens stored in `pages`' slots (-1: never written)."""
+        ps = self.info.page_size
+        with self._lock:
+            return [[self.slots.get((p, i), -1) for i in range(ps)] for p in pages]
+
+    def swap_in(self, swapped: object, pages: Sequence[int]) -> None:
+        assert isinstance(swapped, list) and len(swapped) == len(pages)
+        with self._lock:
+            for p, slots in zip(pages, swapped, strict=True):
+                for i, t in enumerate(slots):
+                    if t < 0:
+                        self.slots.pop((p, i), None)
+                    else:
+                        self.slots[(p, i)] = t
+
     def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:
         for i in range(count):
             self.slots[(dst_page, dst_offset + i)] = self.slots.get((src_page, src_offset + i), -1)

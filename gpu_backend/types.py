@@ -209,3 +209,26 @@ def started(outputs: list[list[OutputResult]]) -> Started:
 # loops' next batch before it waits for the last (its tokens read on the device). The torch backend
 # and `gpu_backend.standin.StandInBackend` have both; a backend whose `forward` computes
 # synchronously gains nothing from them and leaves them out.
+
+
+@runtime_checkable
+class SwapsPages(Protocol):
+    """Optional backend capability: copy pages' K/V out to host memory and back (the host suspends
+    an instance under KV pressure with it: host/suspend.py). A backend without it (or with
+    `swap_page_bytes` 0: engine processes of tensor-parallel ranks) cannot suspend instances; the
+    host then fails an instance that waits for pages nobody will free with `out_of_resources`,
+    naming why. The engine-process client keeps the copies in the engine process.
+
+    Both run on the scheduler thread between batches (`Scheduler.call`), after every batch started
+    before them and before any started after: no page moves under a running forward.
+    """
+
+    swap_page_bytes: int  # host memory one swapped page takes; 0: this backend cannot swap after all
+
+    def swap_out(self, pages: Sequence[int]) -> object:
+        """A host-memory copy of `pages`' K/V (the pages themselves are left as they are)."""
+        ...
+
+    def swap_in(self, swapped: object, pages: Sequence[int]) -> None:
+        """Write a `swap_out` copy back into `pages` (as many, in the same order; any free pages)."""
+        ...

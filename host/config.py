@@ -37,11 +37,16 @@ class HostConfig:
     max_pages_per_tenant: KV pages the instances of one tenant may own at once together (None =
         no cap): one tenant cannot take the whole cache from the others.
     max_inbox_bytes: unread client messages (signals) per instance; a signal past it is refused.
+    swap_memory_bytes: host memory for the KV of instances suspended under KV pressure (host/suspend.py);
+        0 = never suspend (an instance that waits for pages nobody frees ends with out_of_resources).
     max_kv_store_bytes: UTF-8 bytes of keys and values one tenant may keep in the key-value store
         (host/state/kvstore.py); a `store.set` past it traps its caller.
     run_gate: instance threads take turns running, `run_slots` at a time (see host/batching/gate.py);
         False lets them all contend for the GIL at once (for comparisons).
-    max_instances: instances running at once; a launch beyond it is refused (`HostBusy`).
+    max_instances: instances running at once; a launch beyond it waits in the launch queue.
+    launch_queue: launches that may wait for a free instance slot, in order; one more is refused
+        (`HostBusy`); 0 = refuse at once. launch_queue_timeout_s: a launch that waited this long ends
+        with `out_of_resources` without having run.
     warm_instances: instances of each recently launched program kept started ahead of demand,
         waiting at their first host call (host/wasm/warm.py); 0 = none kept for their own sake.
     warm_auto: besides those, keep as many instances of each recent program warm as it has had
@@ -82,7 +87,8 @@ class HostConfig:
     dtype: str | None = None  # "float32" / "bfloat16" / "float16"; None = fp32 on CPU, bf16 on CUDA
     page_size: int = 16
     num_pages: int | None = None
-    kv_memory_bytes: int | None = 256 * 2**20
+    kv_memory_bytes: int | None = None  # None (and no num_pages): from gpu_memory_utilization on CUDA, 256 MiB on CPU
+    gpu_memory_utilization: float = 0.9
     policy: str = "adaptive"
     max_batch_tokens: int = 10240
     batch_k: int = 8
@@ -92,6 +98,7 @@ class HostConfig:
     max_pages_per_instance: int | None = None
     max_pages_per_tenant: int | None = None
     max_inbox_bytes: int = 4 * 2**20
+    swap_memory_bytes: int = 4 * 2**30
     max_kv_store_bytes: int = 64 * 2**20
     prefix_cache: str = "per-client"  # per-client | shared | off (host/state/prefix_cache.py)
     max_published_messages: int = 1024  # unread pub/sub messages kept per instance (oldest dropped)
@@ -100,6 +107,8 @@ class HostConfig:
     run_gate: bool = True
     run_slots: int = 2
     max_instances: int = 1024
+    launch_queue: int = 1024
+    launch_queue_timeout_s: float = 300.0
     warm_instances: int = 0
     warm_auto: int = 256
     warm_yield: bool = True
@@ -153,6 +162,13 @@ class HostConfig:
         if self.engine == "inproc" and (self.tp > 1 or self.replicas > 1):
             raise ValueError(f"tp={self.tp} / replicas={self.replicas} run in engine processes: use "
                              "engine='process' (or 'auto'), not 'inproc'")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.launch_queue < 0 or not self.launch_queue_timeout_s > 0:
+            raise ValueError(f"launch_queue must be >= 0 and launch_queue_timeout_s > 0, got {self.launch_queue}, "
+                             f"{self.launch_queue_timeout_s}")
+        if self.swap_memory_bytes < 0:
+            raise ValueError(f"swap_memory_bytes must be >= 0, got {self.swap_memory_bytes}")
         if self.max_pages_per_instance is not None and self.max_pages_per_instance < 1:
             raise ValueError(f"max_pages_per_instance must be >= 1, got {self.max_pages_per_instance}")
         if self.max_pages_per_tenant is not None and self.max_pages_per_tenant < 1:

@@ -31,6 +31,7 @@ from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
 from host.state.prefix_cache import PrefixCache
 from host.state.topics import Topics
+from host.suspend import Suspender
 from host.wasm import priority
 from host.wasm.engine import WasmEngine
 from host.wasm.instance import InboxFull, Instance, InstanceEnv
@@ -48,7 +49,7 @@ _REAP_PENDING = 256  # finished instances whose stores may wait for an idle back
 
 
 class HostBusy(RuntimeError):
-    """A launch refused because `HostConfig.max_instances` instances are running."""
+    """A launch refused: `HostConfig.max_instances` instances are running and the launch queue is full."""
 
 
 def _load_backend(config: HostConfig, progress: bool) -> Backend:
@@ -58,7 +59,8 @@ def _load_backend(config: HostConfig, progress: bool) -> Backend:
 
     dtype = None if config.dtype is None else getattr(torch, config.dtype)
     return load_backend(config.model, device=config.device, dtype=dtype, page_size=config.page_size,
-                        num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, progress=progress)
+                        num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, progress=progress,
+                        gpu_memory_utilization=config.gpu_memory_utilization)
 
 
 def _start_engines(config: HostConfig) -> list[Any]:
@@ -66,7 +68,8 @@ def _start_engines(config: HostConfig) -> list[Any]:
     from gpu_backend.engine.client import EngineSpec, start_engines
 
     spec = EngineSpec(model=config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
-                      num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, tp=config.tp)
+                      num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, tp=config.tp,
+                      gpu_memory_utilization=config.gpu_memory_utilization)
     return start_engines(spec, config.replicas, restart=config.engine_restart)
 
 
@@ -104,6 +107,9 @@ class Host:
         info = backend.info
         self.model_name: str = info.name
         self.total_pages: int = info.num_pages * len(backends)
+        log.info("KV cache: %d pages of %d tokens (%d tokens)%s; swap space for suspended instances: %d MiB",
+                 info.num_pages, info.page_size, info.num_pages * info.page_size,
+                 f" on each of {len(backends)} replicas" if len(backends) > 1 else "", config.swap_memory_bytes // 2**20)
         managers = [PageManager(info.num_pages, config.max_pages_per_instance,
                                 PrefixCache(info.page_size, config.prefix_cache) if config.prefix_cache != "off"
                                 else None, max_pages_per_tenant=config.max_pages_per_tenant) for _ in backends]
@@ -113,7 +119,8 @@ class Host:
                        feeds=bool(getattr(b, "feeds", False)))
         # each instance lives on one replica, its WIT imports reach that replica's pages and
         # scheduler (host/replicas.py); `pages` / `scheduler`: the first's (the only one by default)
-        self.replicas = [Replica(r, pm, sched) for r, (pm, sched) in enumerate(zip(managers, schedulers, strict=True))]
+        self.replicas = [Replica(r, pm, sched, Suspender(pm, sched, b, config.swap_memory_bytes))
+                         for r, (pm, sched, b) in enumerate(zip(managers, schedulers, backends, strict=True))]
         self.pages: PageManager = managers[0]
         self.scheduler: Scheduler = schedulers[0]
         self._load = [0] * len(backends)  # running instances per replica (placement)
@@ -148,7 +155,11 @@ class Host:
         self._env = InstanceEnv(
             engine=self.wasm, linker=self.linker, gate=self.gate,
             limits=limits, on_block=self._forget, on_end=self._instance_ended, warm_in_background=background)
-        self._instances: dict[str, Instance] = {}
+        self._instances: dict[str, Instance] = {}  # running and queued
+        self._queued: OrderedDict[str, tuple[Instance, float]] = OrderedDict()  # launch queue: (instance, deadline)
+        self.launches_queued = 0  # launches that waited in the queue, ever
+        self.launch_queue_timeouts = 0
+        self.wasm.on_tick.append(self._admit)  # queued launches past their timeout end
         self._ended: OrderedDict[str, Instance] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
@@ -183,15 +194,17 @@ class Host:
         """Start an instance of a compiled program; returns its id. KeyError for an unknown program.
 
         `tenant` is the client identity the instance acts for: it sees only that tenant's KV exports.
-        Raises HostBusy when `max_instances` are running. A warm instance is used when one is ready."""
+        With `max_instances` running, the launch waits in the launch queue (its id is returned at once,
+        its state is "queued" until it starts; `launch_queue_timeout_s` later it ends with
+        out_of_resources); raises HostBusy when the queue is full too. A warm instance is used when
+        one is ready."""
         if self._closed:
             raise RuntimeError("host is shut down")
         self.wasm.get(program_hash)  # KeyError with a clear message if unknown
         listener = on_event or _ignore
         with self._lock:
-            if len(self._instances) >= self.config.max_instances:
-                raise HostBusy(f"the host is running its maximum of {self.config.max_instances} instances; "
-                               "try again when some have ended (or raise --max-instances)")
+            if len(self._instances) - len(self._queued) >= self.config.max_instances:
+                return self._enqueue(program_hash, args, listener, tenant)
             inst = self.warm.take(program_hash)
             if inst is not None:
                 self._place(inst)  # before it resumes: its first host call may allocate pages
@@ -208,6 +221,50 @@ class Host:
         if cold:
             inst.start()
         return inst.id
+
+    # ---- the launch queue: launches past max_instances wait for a slot, in order ----
+    def _enqueue(self, program_hash: str, args: list[str], listener: Callable[[InstanceEvent], None],
+                 tenant: str) -> str:
+        """Queue a launch (lock held): a cold instance, started by `_admit` when a slot frees."""
+        cfg = self.config
+        if len(self._queued) >= cfg.launch_queue:
+            raise HostBusy(f"the host is running its maximum of {cfg.max_instances} instances and "
+                           f"{len(self._queued)} launches wait for a slot (the launch queue holds "
+                           f"{cfg.launch_queue}); try again when some have ended (or raise --max-instances "
+                           "or --launch-queue)")
+        inst = Instance(self._env, program_hash, args, listener)
+        inst.pages.tenant = tenant
+        inst.state = "queued"
+        self._queued[inst.id] = (inst, time.perf_counter() + cfg.launch_queue_timeout_s)
+        self._instances[inst.id] = inst
+        self.launches_queued += 1
+        return inst.id
+
+    def _admit(self) -> None:
+        """Start queued launches while slots are free, and end those that waited too long or were
+        terminated (started at once: they end before running guest code, with their event)."""
+        if not self._queued:
+            return
+        now = time.perf_counter()
+        start: list[Instance] = []
+        with self._lock:
+            for iid, (inst, deadline) in list(self._queued.items()):
+                if inst.stop_reason is None and now > deadline:
+                    self.launch_queue_timeouts += 1
+                    inst.terminate(f"waited {self.config.launch_queue_timeout_s:g} s in the launch queue for one "
+                                   f"of the {self.config.max_instances} instance slots (--launch-queue-timeout-s)",
+                                   "out_of_resources")
+                if inst.stop_reason is not None:
+                    del self._queued[iid]
+                    start.append(inst)
+            while self._queued and len(self._instances) - len(self._queued) < self.config.max_instances:
+                _iid, (inst, _deadline) = self._queued.popitem(last=False)
+                start.append(inst)
+            for inst in start:
+                self._place(inst)
+        for inst in start:
+            self.replicas[inst.pages.replica].scheduler.expect(inst.id)
+            inst.start()
 
     def _place(self, inst: Instance) -> None:
         """Put a new instance on the least loaded replica whose engine is up (lock held)."""
@@ -281,8 +338,10 @@ class Host:
         self._get(instance_id).close_input()
 
     def terminate(self, instance_id: str, reason: str = "terminated by request") -> None:
-        """Stop an instance; it ends with an `aborted` event carrying `reason`."""
+        """Stop an instance; it ends with an `aborted` event carrying `reason` (a queued launch too)."""
         self._get(instance_id).terminate(reason)
+        if instance_id in self._queued:
+            self._admit()
 
     def wait(self, instance_id: str, timeout: float | None = None) -> bool:
         """Block until the instance has ended (its terminal event was emitted); False on timeout."""
@@ -302,6 +361,7 @@ class Host:
                 self.warm.ended(inst.program)
             if len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
+        self._admit()  # its slot goes to the longest waiting launch
         self.topics.drop(inst)
         self.services.grammars.release(inst)  # its grammars and matchers
         with inst.cond:
@@ -320,7 +380,9 @@ class Host:
                     log.debug("instance %s ends with a failed forward: %s", inst.id, e)
         inst.forwards.clear()
         rep = self.replicas[inst.pages.replica]
-        rep.pages.release_all(inst.pages)
+        rep.pages.release_all(inst.pages)  # (and its swapped-out pages' host memory, if suspended)
+        if rep.suspender is not None:
+            rep.suspender.forget(inst)
         rep.scheduler.forget(inst.id)
 
     def instances(self) -> list[dict[str, Any]]:
@@ -340,17 +402,31 @@ class Host:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            running = len(self._instances)
+            queued = len(self._queued)
+            running = len(self._instances) - queued
         cache = self.pages.cache  # (with replicas: the first's; each has its own)
         return {"scheduler": total_stats(self.replicas).as_dict(), "policy": self.config.policy,
                 "instances": running, "free_pages": self.free_pages(), "total_pages": self.total_pages,
+                "launch_queue": {"queued": queued, "queued_total": self.launches_queued,
+                                 "timeouts": self.launch_queue_timeouts, "limit": self.config.launch_queue},
                 "model": self.model_name,
                 "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"},
+                "memory": self.memory_stats(),
                 "engine": {"kind": "process" if self.engines else "inproc",
                            "tp": self.engines[0].spec.tp if self.engines else 1,
                            "replicas": [{"pid": e.pid, "alive": e.alive, "deaths": e.deaths,
                                          "instances": self._load[r], "free_pages": self.replicas[r].pages.free_count}
                                         for r, e in enumerate(self.engines)]}}
+
+    def memory_stats(self) -> dict[str, int]:
+        """KV pressure (host/suspend.py), all replicas: suspensions, resumes, pages and bytes
+        swapped out (ever), instances suspended and allocations waiting now, swap space used."""
+        total: dict[str, int] = {}
+        for r in self.replicas:
+            if r.suspender is not None:
+                for k, v in r.suspender.as_dict().items():
+                    total[k] = total.get(k, 0) + v
+        return total
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Terminate every instance, then stop the scheduler and the epoch ticker."""
@@ -361,9 +437,12 @@ class Host:
             insts = list(self._instances.values()) + self.warm.close()
         for inst in insts:
             inst.terminate("host shutting down")
+        self._admit()  # queued launches start, to end at once
         for inst in insts:
             inst.join(timeout)
         for r in self.replicas:
+            if r.suspender is not None:
+                r.suspender.stop()
             r.scheduler.stop()
         for eng in self.engines:
             eng.close()

@@ -13,13 +13,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 from host.batching.scheduler import Scheduler
 from host.batching.stats import SchedulerStats
 from host.state.pages import InstancePages, PageManager
+from host.suspend import Suspender
+
+if TYPE_CHECKING:
+    from host.wasm.instance import Instance
 
 __all__ = ["ExportNames", "Replica", "total_stats"]
+
+_NO_GATE = nullcontext()
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,12 @@ class Replica:
     index: int
     pages: PageManager
     scheduler: Scheduler
+    suspender: Suspender | None = None  # makes room under KV pressure (host/suspend.py); None: allocations fail
+
+    def gate(self, inst: Instance) -> AbstractContextManager[Any]:
+        """The context of a call that checks an instance's pages and queues work on them: it waits
+        while the instance is suspended (`Suspender.gate`)."""
+        return _NO_GATE if self.suspender is None else self.suspender.gate(inst)
 
 
 class ExportNames:

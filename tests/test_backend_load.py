@@ -39,3 +39,23 @@ def test_bad_load_arguments():
         load_backend("/nonexistent/model.gguf", progress=False)
     with pytest.raises(ValueError, match="holds no page"):
         load_backend(device="cpu", kv_memory_bytes=10, progress=False)
+
+
+def test_gpu_memory_utilization_sizes_the_cache_on_cuda_and_keeps_256_mib_on_cpu(backend):  # noqa: ARG001
+    be = load_backend(device="cpu", dtype=torch.bfloat16, page_size=32, gpu_memory_utilization=0.9, progress=False)
+    assert be.info.num_pages == 256 * 2**20 // KVCache.bytes_per_page(be.model.cfg, 32, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_memory_utilization_leaves_the_rest_of_the_gpu_free():
+    from gpu_backend.build import ACTIVATION_RESERVE_BYTES
+
+    free0, total = torch.cuda.mem_get_info()
+    be = load_backend(device="cuda", gpu_memory_utilization=0.5, progress=False)
+    free1, _ = torch.cuda.mem_get_info()
+    used = free0 - free1  # weights + cache (+ CUDA graphs' pools)
+    assert be.info.num_pages > 1000
+    assert used <= 0.5 * total - (total - free0) + ACTIVATION_RESERVE_BYTES
+    with pytest.raises(ValueError, match="no GPU memory left for the KV cache"):
+        load_backend(device="cuda", gpu_memory_utilization=0.01, progress=False)

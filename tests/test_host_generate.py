@@ -121,12 +121,12 @@ def test_generate_fresh_attaches_the_cached_prefix_and_prefills_only_the_rest(ri
         assert h.free_pages() == free0
 
 
-def test_generate_fresh_refused_pages_return_out_of_pages_holding_nothing(rig) -> None:  # noqa: ANN001
+def test_generate_fresh_past_the_page_limit_ends_with_out_of_resources_holding_nothing(rig) -> None:  # noqa: ANN001
     h, _fb, prog = rig
     free0 = h.free_pages()
-    # 300 tokens need 75 pages: over the instance's limit of 64
+    # 300 tokens need 75 pages: over the instance's limit of 64, it can never fit
     end = Run(h, prog, ["gen_fresh", "5", "1", *["7"] * 300]).finish(60)
-    assert (end.event, end.message) == ("completed", "OUT_OF_PAGES 0 : ")
+    assert end.event == "out_of_resources" and "instance page limit" in end.message and "limit 64" in end.message
     assert h.free_pages() == free0
 
 

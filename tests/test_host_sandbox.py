@@ -27,7 +27,6 @@ BAD_MODES = {
     "decode_repeated_page": "forward.decode-step: the page list repeats a page",
     "decode_bad_token": "forward.decode-step: token 1000000 is outside the vocabulary (size 256)",
     "decode_bad_sampler": "forward.decode-step: sampler: temperature must be a finite number >= 0",
-    "huge_alloc": "requested 1000000000 KV pages but the host has only",
     "exception": "ValueError: boom from the guest",
     "memory": "MemoryError",
 }
@@ -57,6 +56,19 @@ def start_good(host: Host, program: str, k: int) -> list[tuple[Run, str]]:
         prompt = [10 + 20 * i, 11 + 20 * i, 12 + 20 * i, 13 + 20 * i, 14 + 20 * i]
         runs.append((Run(host, program, ["generate", "24", *map(str, prompt)]), expected_generation(prompt, 24)))
     return runs
+
+
+@pytest.mark.build
+def test_an_allocation_larger_than_the_cache_ends_with_out_of_resources_at_once(host: Host, misbehave: str) -> None:
+    free0 = host.free_pages()
+    good = start_good(host, misbehave, 3)
+    end = Run(host, misbehave, ["huge_alloc"]).finish(60)
+    assert end.event == "out_of_resources", end
+    assert "needs 1000000000 KV pages" in end.message and "whole cache has 256" in end.message
+    for run, want in good:
+        ev = run.finish(60)
+        assert (ev.event, ev.message) == ("completed", want)
+    assert host.free_pages() == free0
 
 
 @pytest.mark.parametrize("mode", sorted(BAD_MODES))

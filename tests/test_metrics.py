@@ -70,3 +70,17 @@ def test_scheduler_counts_batches_by_size() -> None:
     from host.batching.scheduler import BATCH_SIZE_BUCKETS
 
     assert [bisect.bisect_left(BATCH_SIZE_BUCKETS, n) for n in (1, 2, 3, 4, 5, 256, 257)] == [0, 1, 2, 2, 3, 8, 9]
+
+
+def test_kv_pressure_and_the_launch_queue_from_the_host_stats() -> None:
+    mem = {"suspensions": 4, "resumes": 3, "swapped_pages": 40, "swapped_bytes": 40 * 4096, "suspended": 1,
+           "waiting": 2, "swap_used_bytes": 10 * 4096, "out_of_resources": 1}
+    lq = {"queued": 5, "queued_total": 9, "timeouts": 2, "limit": 1024}
+    s = _samples(ServerMetrics(lambda: {**_stats(), "memory": mem, "launch_queue": lq}, lambda: 0))
+    assert s["pie_instances_queued"] == 5 and s["pie_launches_queued_total"] == 9
+    assert s["pie_launch_queue_timeouts_total"] == 2
+    assert s["pie_kv_suspensions_total"] == 4 and s["pie_kv_resumes_total"] == 3
+    assert s["pie_kv_swapped_pages_total"] == 40 and s["pie_kv_swapped_bytes_total"] == 40 * 4096
+    assert s["pie_kv_instances_suspended"] == 1 and s["pie_kv_allocations_waiting"] == 2
+    assert s["pie_kv_swap_used_bytes"] == 10 * 4096 and s["pie_kv_out_of_resources_total"] == 1
+    assert _samples(ServerMetrics(_stats, lambda: 0))["pie_kv_suspensions_total"] == 0  # a host without it

@@ -29,6 +29,12 @@ def test_options_map_to_host_config(tmp_path) -> None:
         (64 * 2**20, "k-or-t", 512, 128 * 2**20)
     assert (cfg.wall_budget_s, cfg.max_pages_per_instance, cfg.page_size, cfg.data_dir) == (30.0, 8, 32, tmp_path)
     assert host_config_from_args(parse_args(["--num-pages", "100"])).num_pages == 100
+    cfg = host_config_from_args(parse_args(["--swap-memory", "128", "--launch-queue", "5", "--launch-queue-timeout-s",
+                                            "2.5", "--gpu-memory-utilization", "0.5"]))
+    assert (cfg.swap_memory_bytes, cfg.launch_queue, cfg.launch_queue_timeout_s, cfg.gpu_memory_utilization) == \
+        (128 * 2**20, 5, 2.5, 0.5)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        host_config_from_args(parse_args(["--gpu-memory-utilization", "1.5"]))
 
 
 def test_bound_flags_map_to_server_config_with_per_tenant_defaults(tmp_path) -> None:

@@ -32,7 +32,8 @@ def expected(prompt: list[int], n: int) -> str:
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
-    cfg = HostConfig(warm_instances=2, wall_budget_s=1.0, max_instances=3, data_dir=tmp_path_factory.mktemp("d"))
+    cfg = HostConfig(warm_instances=2, wall_budget_s=1.0, max_instances=3, launch_queue=1,
+                     data_dir=tmp_path_factory.mktemp("d"))
     h = Host(cfg, backend=FakeBackend(page_size=4, num_pages=256, delay_s=0.002))
     yield h
     h.shutdown()
@@ -112,16 +113,43 @@ def test_a_warm_launch_waits_for_its_turn_at_the_run_gate(host: Host, misbehave:
     wait_for(lambda: host.gate._held == 0 and host.gate._handing == 0, what="the gate to be free")
 
 
-def test_max_instances_refuses_a_launch_with_a_clear_error(host: Host, misbehave: str) -> None:
+def test_launches_past_max_instances_queue_then_a_full_queue_is_a_clear_error(host: Host, misbehave: str) -> None:
     hogs = [Run(host, misbehave, ["hog", "1"]) for _ in range(3)]
     for h in hogs:
         assert h.events.get(timeout=60).message == "holding"
-    with pytest.raises(HostBusy, match="maximum of 3 instances"):
+    queued = Run(host, misbehave, ["generate", "1", "1"])  # the launch queue holds one (launch_queue=1)
+    assert [i["state"] for i in host.instances() if i["id"] == queued.id] == ["queued"]
+    assert host.stats()["launch_queue"]["queued"] == 1
+    with pytest.raises(HostBusy, match="maximum of 3 instances and 1 launches wait"):
         host.launch(misbehave, ["ok"])
-    for h in hogs:
+    time.sleep(0.2)
+    assert queued.events.empty()  # no slot yet
+    host.signal(hogs[0].id, "go")  # its slot goes to the queued launch
+    assert hogs[0].finish(60).message == "released"
+    assert queued.finish(60).message == "2"
+    for h in hogs[1:]:
         host.signal(h.id, "go")
         assert h.finish(60).message == "released"
     assert Run(host, misbehave, ["generate", "1", "1"]).finish(60).message == "2"
+
+
+def test_a_queued_launch_ends_when_terminated_or_past_its_timeout(tmp_path: Path) -> None:
+    h = Host(HostConfig(max_instances=1, launch_queue=4, launch_queue_timeout_s=1.0, warm_auto=0, data_dir=tmp_path),
+             backend=FakeBackend(page_size=4, num_pages=64))
+    try:
+        prog = h.compile(wasm_bytes("misbehave"))
+        hog = Run(h, prog, ["hog", "1"])
+        assert hog.events.get(timeout=60).message == "holding"
+        stopped, late = Run(h, prog, ["ok"]), Run(h, prog, ["ok"])
+        h.terminate(stopped.id, "not wanted")
+        assert (stopped.finish(30).event, stopped.end.message) == ("aborted", "not wanted")
+        end = late.finish(30)
+        assert end.event == "out_of_resources" and "waited 1 s in the launch queue" in end.message
+        assert h.stats()["launch_queue"]["timeouts"] == 1
+        h.signal(hog.id, "go")
+        assert hog.finish(60).message == "released"
+    finally:
+        h.shutdown()
 
 
 @pytest.mark.parametrize("fixture,cold_end", [("loop", "exception"), ("echo", "completed")])

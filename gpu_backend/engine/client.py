@@ -24,6 +24,7 @@ the ranks it starts get SIGTERM when it dies).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -69,6 +70,7 @@ class EngineSpec:
     page_size: int = 16
     num_pages: int | None = None
     kv_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None  # sizes the cache without kv_memory_bytes (gpu_backend/build.py)
     attention: str = "sdpa"
     tp: int = 1
     replicas: int = 1
@@ -111,6 +113,17 @@ class _Proc:
     handled: threading.Event = field(default_factory=threading.Event)  # on_death callbacks have run
 
 
+class EngineSwap:
+    """Pages an engine swapped out, kept in the engine process under `id` (-1 once swapped back in)."""
+
+    def __init__(self, backend: ProcessBackend, handle: int) -> None:
+        self.backend, self.id = backend, handle
+
+    def __del__(self) -> None:
+        if self.id >= 0:
+            self.backend._swap_dropped_later(self.id)
+
+
 class ProcessBackend:
     """A `Backend` whose model runs in an engine process (see the module docstring).
 
@@ -136,6 +149,11 @@ class ProcessBackend:
         self._proc.watched = True
         self.info: BackendInfo = hello[0]
         self.tokenizer: Tokenizer = hello[1]
+        # 0: the engine cannot swap pages out (tensor parallel); the host then suspends nobody
+        self.swap_page_bytes: int = self._swap_page_bytes
+        self._swap_ids = itertools.count(1)
+        self._swap_lock = threading.Lock()
+        self._swap_dropped: list[int] = []
         self._ready.set()
         self._watcher = threading.Thread(target=self._watch, name=f"pie-{name}-watch", daemon=True)
         self._watcher.start()
@@ -152,6 +170,27 @@ class ProcessBackend:
 
     def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:
         self._call("copy", [src_page, src_offset, dst_page, dst_offset, count])
+
+    # -- swapping pages out (gpu_backend.types.SwapsPages): the copies stay in the engine process --
+
+    def swap_out(self, pages: Sequence[int]) -> EngineSwap:
+        """Have the engine copy `pages`' K/V into its own host memory; the handle brings it back."""
+        handle = EngineSwap(self, next(self._swap_ids))
+        with self._swap_lock:
+            dropped, self._swap_dropped = self._swap_dropped, []
+        self._call("swap_out", [handle.id, list(pages), dropped])
+        return handle
+
+    def swap_in(self, swapped: object, pages: Sequence[int]) -> None:
+        assert isinstance(swapped, EngineSwap)
+        swapped.id, handle = -1, swapped.id  # taken: nothing to drop later
+        self._call("swap_in", [handle, list(pages)])
+
+    def _swap_dropped_later(self, handle: int) -> None:
+        """A copy the host no longer needs (its instance ended while suspended): freed in the engine
+        with the next swap_out (no socket traffic from a finalizer)."""
+        with self._swap_lock:
+            self._swap_dropped.append(handle)
 
     def logits(self, reqs: list[ForwardRequest]) -> list[Any]:
         """Float32 logits of each request's output rows (numpy [outputs, vocab]); writes K/V like forward."""
@@ -235,6 +274,7 @@ class ProcessBackend:
             raise
 
     def _hello(self, payload: dict[str, Any]) -> tuple[BackendInfo, Tokenizer]:
+        self._swap_page_bytes = int(payload.get("swap_page_bytes", 0))
         if payload["kind"] == "standin":
             from gpu_backend.standin import StandInInfo, StandInTokenizer
 

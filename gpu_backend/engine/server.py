@@ -64,7 +64,8 @@ def _load(spec: EngineSpec, tp: Any, device: str | None) -> Any:
 
     dtype = None if spec.dtype is None else getattr(torch, spec.dtype)
     return load_backend(spec.model, device=device, dtype=dtype, page_size=spec.page_size, num_pages=spec.num_pages,
-                        kv_memory_bytes=spec.kv_memory_bytes, progress=False, attention=spec.attention, tp=tp)
+                        kv_memory_bytes=spec.kv_memory_bytes, progress=False, attention=spec.attention, tp=tp,
+                        gpu_memory_utilization=spec.gpu_memory_utilization)
 
 
 def _set_threads(spec: EngineSpec) -> None:
@@ -75,10 +76,13 @@ def _set_threads(spec: EngineSpec) -> None:
 
 
 def _hello_payload(spec: EngineSpec, backend: Any) -> dict[str, Any]:
+    # swap: host memory per page when pages can be swapped out and back (gpu_backend.types.SwapsPages),
+    # kept in this process; 0 with tensor parallel (each rank would have to keep its share)
+    swap = backend.swap_page_bytes if spec.tp == 1 else 0
     if spec.standin:
-        return {"kind": "standin", "info": asdict(backend.info)}
+        return {"kind": "standin", "info": asdict(backend.info), "swap_page_bytes": swap}
     tok = backend.tokenizer
-    return {"kind": "model", "info": asdict(backend.info), "tokenizer": asdict(tok.spec)}
+    return {"kind": "model", "info": asdict(backend.info), "tokenizer": asdict(tok.spec), "swap_page_bytes": swap}
 
 
 def _serve(spec: EngineSpec, endpoint: str, backend: Any, tp: Any) -> None:
@@ -97,6 +101,7 @@ def _serve(spec: EngineSpec, endpoint: str, backend: Any, tp: Any) -> None:
     parent = os.getppid()
     idle_since = time.monotonic()
     tp_on = tp is not None and tp.world > 1
+    swapped: dict[int, Any] = {}  # swap_out's copies in this process, by handle (the host keeps the handle)
     while True:
         if not sock.poll(POLL_MS):
             if os.getppid() != parent:
@@ -113,6 +118,17 @@ def _serve(spec: EngineSpec, endpoint: str, backend: Any, tp: Any) -> None:
                 reply: list[Any] = ["ok", encode_results(backend.forward(decode_requests(payload)))]
             elif op == "copy":
                 backend.copy_tokens(*payload)
+                reply = ["ok", None]
+            elif op == "swap_out":  # [handle, pages, handles the host dropped]
+                for h in payload[2]:
+                    swapped.pop(h, None)
+                swapped[payload[0]] = backend.swap_out(payload[1])
+                reply = ["ok", None]
+            elif op == "swap_in":  # [handle, pages]
+                copy = swapped.pop(payload[0], None)
+                if copy is None:
+                    raise ValueError(f"swap_in: no swapped pages under handle {payload[0]} (the engine restarted?)")
+                backend.swap_in(copy, payload[1])
                 reply = ["ok", None]
             elif op == "logits":
                 out = backend.logits(decode_requests(payload))

@@ -67,10 +67,11 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
             return allowed
         specs = outputs_of(outputs)
         specs[constrained] = replace(specs[constrained], allowed=allowed)
-        req = passes.admit(inst, ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens,
-                                                positions=positions, mask=mask or None, outputs=specs,
-                                                name=inst.label))
-        fut = passes.scheduler(inst).submit(req, inst.id)
+        with passes.gate(inst):
+            req = passes.admit(inst, ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens,
+                                                    positions=positions, mask=mask or None, outputs=specs,
+                                                    name=inst.label))
+            fut = passes.scheduler(inst).submit(req, inst.id)
         m.busy = True
         fut.add_done_callback(_accept_when_done(m, constrained))  # before the waiter's wake-up
         return inst.new_handle(fut)
@@ -91,9 +92,12 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
         allowed = allowed_mask(m.matcher)
         if isinstance(allowed, str):
             return allowed
-        req = passes.decode_request(inst, pages, last_len, token, position, sampler, tuple(sampler.__dict__.values()))
-        req.outputs = [replace(req.outputs[0], allowed=allowed)]
-        out: int | None = inst.wait_for(passes.scheduler(inst).submit(req, inst.id))[0].token
+        with passes.gate(inst):
+            req = passes.decode_request(inst, pages, last_len, token, position, sampler,
+                                        tuple(sampler.__dict__.values()))
+            req.outputs = [replace(req.outputs[0], allowed=allowed)]
+            fut = passes.scheduler(inst).submit(req, inst.id)
+        out: int | None = inst.wait_for(fut)[0].token
         assert out is not None  # the spec asked for a sampled token
         if not m.matcher.accept(out):
             log.error("a matcher refused token %s drawn from its own mask", out)
@@ -108,17 +112,21 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
         if isinstance(allowed, str):
             return allowed
         make = functools.partial(ConstrainedGeneration, matcher=m.matcher, first_mask=allowed)
-        gen = generation(passes, tok, inst, pages, last_len, tokens, positions, sampler, max_tokens, stop_tokens,
-                          stop_strings, stream, make=make)
-        assert isinstance(gen, ConstrainedGeneration)
-        fut = passes.scheduler(inst).submit(gen.request, inst.id, generation=gen)
+        with passes.gate(inst):
+            gen = generation(passes, tok, inst, pages, last_len, tokens, positions, sampler, max_tokens,
+                              stop_tokens, stop_strings, stream, make=make)
+            assert isinstance(gen, ConstrainedGeneration)
+            fut = passes.scheduler(inst).submit(gen.request, inst.id, generation=gen)
+            inst.pages.loop = gen  # (ended with out-of-pages if the instance is suspended: host/suspend.py)
         m.busy = True
         try:
             result: GenerationResult = inst.wait_for(fut, gen.cancel)
         finally:
             m.busy = not fut.done()
+            inst.pages.loop = None
         if result.finish == GRAMMAR_ERROR:  # undo the call: its pages and what the matcher accepted
-            passes.pm(inst).release(inst.pages, result.new_pages)
+            with passes.gate(inst):
+                passes.pm(inst).release(inst.pages, result.new_pages)
             m.matcher.rollback(gen.accepted)
             return gen.error or "the grammar admits no token here"
         return generation_record(result)

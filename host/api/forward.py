@@ -6,13 +6,14 @@ host/api/passes.py, the decode-step lookahead in host/api/lookahead.py.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from wasmtime.component import Record
 
 from gpu_backend.types import BackendInfo, ForwardRequest, OutputResult, Tokenizer
 from host.api.guest import GuestError, Import, guest_import
+from host.api.kv import allocate
 from host.api.lookahead import Stepper
 from host.api.passes import Passes, generation, generation_record, outputs_of
 from host.batching.generation import Generation, GenerationResult
@@ -75,16 +76,26 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
         out: int = stepper.step(pages, last_len, token, position, sampler)
         return out
 
-    def run_generation(inst: Instance, gen: Generation, first_pages: list[int]) -> Record:
-        result: GenerationResult = inst.wait_for(passes.scheduler(inst).submit(gen.request, inst.id, generation=gen),
-                                                 gen.cancel)
-        if first_pages:
+    def run_generation(inst: Instance, make: Callable[[], Generation], first_pages: list[int]) -> Record:
+        with passes.gate(inst):
+            gen = make()
+            fut = passes.scheduler(inst).submit(gen.request, inst.id, generation=gen)
+            inst.pages.loop = gen  # (ended with out-of-pages if the instance is suspended: host/suspend.py)
+        try:
+            result: GenerationResult = inst.wait_for(fut, gen.cancel)
+        finally:
+            inst.pages.loop = None
+        if first_pages and not result.tokens:  # (ended before its first token: the caller holds nothing new)
+            with passes.gate(inst):
+                passes.pm(inst).release(inst.pages, first_pages + result.new_pages)
+            result = dataclasses.replace(result, new_pages=[])
+        elif first_pages:
             result = dataclasses.replace(result, new_pages=first_pages + result.new_pages)
         return generation_record(result)
 
     @guest_import("forward.generate")
     def generate(inst: Instance, *args: Any) -> Record:
-        return run_generation(inst, generation(passes, tok, inst, *args), [])
+        return run_generation(inst, lambda: generation(passes, tok, inst, *args), [])
 
     @guest_import("forward.generate-fresh")
     def generate_fresh(inst: Instance, tokens: list[int], sampler: Any, max_tokens: int, stop_tokens: list[int],
@@ -93,14 +104,17 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
         if first is None:
             return generation_record(GenerationResult([], [], 0, "out-of-pages"))
         pages, cached = first
-        try:
-            gen = generation(passes, tok, inst, pages, len(tokens) - (len(pages) - 1) * passes.page_size,
-                              tokens[cached:], list(range(cached, len(tokens))), sampler, max_tokens, stop_tokens,
-                              stop_strings, stream)
-        except BaseException:
-            passes.pm(inst).release(inst.pages, pages)  # a bad argument: the caller traps holding nothing new
-            raise
-        return run_generation(inst, gen, pages)
+
+        def make() -> Generation:
+            try:
+                return generation(passes, tok, inst, pages, len(tokens) - (len(pages) - 1) * passes.page_size,
+                                  tokens[cached:], list(range(cached, len(tokens))), sampler, max_tokens,
+                                  stop_tokens, stop_strings, stream)
+            except BaseException:
+                passes.pm(inst).release(inst.pages, pages)  # a bad argument: the caller traps holding nothing new
+                raise
+
+        return run_generation(inst, make, pages)
 
     return {"submit": submit, "wait": wait, "wait-any": wait_any, "run": run, "run-scored": run_scored,
             "decode-step": decode_step, "generate": generate, "generate-fresh": generate_fresh}
@@ -116,10 +130,12 @@ def _fresh_pages(passes: Passes, inst: Instance, tokens: list[int], prefix_cache
     if not tokens:
         raise GuestError("no pending tokens to start from")
     ps, pm = passes.page_size, passes.pm(inst)
-    cached = pm.attach_prefix(inst.pages, tokens[:-1]) if prefix_cache and len(tokens) > ps else []
-    fresh = pm.allocate(inst.pages, -(-len(tokens) // ps) - len(cached))
+    with passes.gate(inst):
+        cached = pm.attach_prefix(inst.pages, tokens[:-1]) if prefix_cache and len(tokens) > ps else []
+    fresh = allocate(passes.replicas[inst.pages.replica], inst, -(-len(tokens) // ps) - len(cached))
     if isinstance(fresh, str):
         if cached:
-            pm.release(inst.pages, cached)
+            with passes.gate(inst):
+                pm.release(inst.pages, cached)
         return None
     return cached + fresh, len(cached) * ps

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from host.api.guest import GuestError, Import, guest_import
 from host.batching.future import CopyRequest
 from host.replicas import ExportNames, Replica
+from host.suspend import OutOfResources
 from host.wasm.instance import Instance
 
 
@@ -21,21 +23,24 @@ def imports(replicas: Sequence[Replica], names: ExportNames, page_size: int) -> 
         return replicas[inst.pages.replica].pages.free_count
 
     @guest_import("kv.allocate", keeps_lookahead=True)  # the next step's own page
-    def allocate(inst: Instance, count: int) -> list[int] | str:
-        inst.check_alive()
-        return replicas[inst.pages.replica].pages.allocate(inst.pages, count)
+    def kv_allocate(inst: Instance, count: int) -> list[int] | str:
+        return allocate(replicas[inst.pages.replica], inst, count)
 
     @guest_import("kv.release")
     def release(inst: Instance, pages: list[int]) -> None:
-        replicas[inst.pages.replica].pages.release(inst.pages, pages)
+        rep = replicas[inst.pages.replica]
+        with rep.gate(inst):
+            rep.pages.release(inst.pages, pages)
 
     @guest_import("kv.export-pages")
     def export_pages(inst: Instance, name: str, pages: list[int], persistent: bool) -> str | None:
-        return names.export(inst.pages, name, pages, persistent)
+        with replicas[inst.pages.replica].gate(inst):
+            return names.export(inst.pages, name, pages, persistent)
 
     @guest_import("kv.import-pages")
     def import_pages(inst: Instance, name: str) -> list[int] | str:
-        return names.import_(inst.pages, name)
+        with replicas[inst.pages.replica].gate(inst):
+            return names.import_(inst.pages, name)
 
     @guest_import("kv.unexport")
     def unexport(inst: Instance, name: str) -> str | None:
@@ -48,28 +53,49 @@ def imports(replicas: Sequence[Replica], names: ExportNames, page_size: int) -> 
     @guest_import("kv.attach-prefix")
     def attach_prefix(inst: Instance, tokens: list[int]) -> list[int]:
         inst.check_alive()
-        return replicas[inst.pages.replica].pages.attach_prefix(inst.pages, tokens)
+        rep = replicas[inst.pages.replica]
+        with rep.gate(inst):
+            return rep.pages.attach_prefix(inst.pages, tokens)
 
     @guest_import("kv.copy-tokens")
     def copy_tokens(inst: Instance, src_page: int, src_off: int, dst_page: int, dst_off: int, count: int) -> None:
         rep = replicas[inst.pages.replica]
         _copy_tokens(rep, page_size, inst, CopyRequest(src_page, src_off, dst_page, dst_off, count, inst.label))
 
-    return {"page-size": kv_page_size, "free-pages": free_pages, "allocate": allocate, "release": release,
+    return {"page-size": kv_page_size, "free-pages": free_pages, "allocate": kv_allocate, "release": release,
             "export-pages": export_pages, "import-pages": import_pages, "unexport": unexport,
             "list-exports": list_exports, "copy-tokens": copy_tokens, "attach-prefix": attach_prefix}
+
+
+def allocate(rep: Replica, inst: Instance, count: int) -> list[int] | str:
+    """`count` fresh pages for `inst` (its ids for them), waiting for room under KV pressure
+    (host/suspend.py); an error string the guest can handle; an allocation that can never be met
+    ends the instance with `out_of_resources`."""
+    inst.check_alive()
+    if rep.suspender is None:
+        return rep.pages.allocate(inst.pages, count)
+    try:
+        return rep.suspender.allocate(inst, count)
+    except OutOfResources as e:
+        inst.terminate(str(e), "out_of_resources")
+        inst.check_alive()
+        raise
 
 
 def _copy_tokens(rep: Replica, page_size: int, inst: Instance, c: CopyRequest) -> None:
     """Through the scheduler: the copy runs after this instance's forwards submitted before it."""
     inst.check_alive()
     pm = rep.pages
-    pm.check_pages(inst.pages, [c.src_page], writable_from=1)
-    pm.check_writable(inst.pages, c.dst_page)
-    if c.src_offset + c.count > page_size or c.dst_offset + c.count > page_size:
-        raise GuestError(f"copy of {c.count} tokens at offsets {c.src_offset}/{c.dst_offset} runs past "
-                         f"the page size {page_size}")
-    if c.count == 0:
-        return
-    pm.note_copy(inst.pages, c.dst_page, c.dst_offset + c.count)
-    inst.wait_for(rep.scheduler.submit(c, inst.id))
+    with rep.gate(inst):
+        pm.check_pages(inst.pages, [c.src_page], writable_from=1)
+        pm.check_writable(inst.pages, c.dst_page)
+        if c.src_offset + c.count > page_size or c.dst_offset + c.count > page_size:
+            raise GuestError(f"copy of {c.count} tokens at offsets {c.src_offset}/{c.dst_offset} runs past "
+                             f"the page size {page_size}")
+        if c.count == 0:
+            return
+        src, dst = pm.to_phys(inst.pages, [c.src_page, c.dst_page])
+        c = dataclasses.replace(c, src_page=src, dst_page=dst)
+        pm.note_copy(inst.pages, dst, c.dst_offset + c.count)
+        fut = rep.scheduler.submit(c, inst.id)
+    inst.wait_for(fut)

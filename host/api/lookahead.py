@@ -46,7 +46,7 @@ class Stepper:
     """
 
     __slots__ = ("passes", "inst", "lock", "closed", "trust", "pending", "dropped", "key", "e_pages", "e_len",
-                 "e_token", "e_pos")
+                 "e_token", "e_pos", "moves")
 
     def __init__(self, passes: Passes, inst: Instance) -> None:
         self.passes, self.inst = passes, inst
@@ -62,43 +62,53 @@ class Stepper:
         self.e_len = 0
         self.e_token = -1
         self.e_pos = -1
+        # the instance's suspensions when the last step was queued: a prediction is made on physical
+        # pages, stale once the instance was suspended (host/suspend.py) and resumed into others
+        self.moves = inst.pages.moves
 
     def step(self, pages: list[int], last_len: int, token: int, position: int, sampler: Any) -> int:
         """forward.decode-step: claim the prediction if these are its arguments, else submit."""
         inst, passes = self.inst, self.passes
         key = tuple(sampler.__dict__.values())
-        fut = self.pending
-        if fut is not None:
-            self.pending = None
-            req = fut.request
-            assert isinstance(req, ForwardRequest)
-            if (token == req.tokens[0] and position == req.positions[0] and last_len == req.last_page_len
-                    and key == self.key and pages == req.pages):
-                ctx = passes.check_pages(inst, pages, last_len, 1, step=True)  # as for any step
-                passes.pm(inst).note_write(inst.pages, req, passes.page_size, context_len=ctx)
+        with passes.gate(inst):  # (waits while the instance is suspended)
+            if inst.pages.moves != self.moves:  # suspended since: what was predicted is stale
+                self.moves = inst.pages.moves
+                self.drop()
+            fut = self.pending
+            if fut is not None:
+                self.pending = None
+                req = fut.request
+                assert isinstance(req, ForwardRequest)
+                # (the prediction continues the last step, on its pages: `e_pages`, the guest's ids)
+                if (token == req.tokens[0] and position == req.positions[0] and last_len == req.last_page_len
+                        and key == self.key and pages == self.e_pages):
+                    ctx, _phys = passes.check_pages(inst, pages, last_len, 1, step=True)  # as for any step
+                    passes.pm(inst).note_write(inst.pages, req, passes.page_size, context_len=ctx)
+                    self.trust += 1
+                else:
+                    if not passes.scheduler(inst).withdraw(fut):  # if still queued; else its result is dropped
+                        self.dropped = fut
+                    self.trust = 0
+                    fut = None
+            elif (token == self.e_token and position == self.e_pos and key == self.key
+                  and self._expected(pages, last_len)):
                 self.trust += 1
             else:
-                if not passes.scheduler(inst).withdraw(fut):  # if still queued; else its result is dropped
-                    self.dropped = fut
                 self.trust = 0
-                fut = None
-        elif (token == self.e_token and position == self.e_pos and key == self.key and self._expected(pages, last_len)):
-            self.trust += 1
-        else:
-            self.trust = 0
-        if fut is None:
-            fut = passes.scheduler(inst).submit(
-                passes.decode_request(inst, pages, last_len, token, position, sampler, key), inst.id)
-        self.key = key
-        trusted = self.trust >= TRUST and passes.lookahead
-        if trusted:
-            fut.follow = self.follow
+            if fut is None:
+                fut = passes.scheduler(inst).submit(
+                    passes.decode_request(inst, pages, last_len, token, position, sampler, key), inst.id)
+            self.key = key
+            trusted = self.trust >= TRUST and passes.lookahead
+            if trusted:
+                fut.follow = self.follow
         # (terminated or out of budget: nothing more ahead)
         out: int | None = inst.wait_for(fut, lambda: setattr(fut, "follow", None))[0].token
         assert out is not None  # the spec asked for a sampled token
         if trusted and fut.follow is not None:  # done before this thread set it: queue the prediction here
             fut.follow = None
-            self._queue(fut, out)
+            with passes.gate(inst):
+                self._queue(fut, out)
         self.e_pages, self.e_token, self.e_pos = pages, out, position + 1
         self.e_len = last_len + 1 if last_len < passes.page_size else 0
         return out
@@ -116,8 +126,11 @@ class Stepper:
         passes = self.passes
         if (token is None or token >= passes.info.vocab_size or req.last_page_len >= passes.page_size
                 or req.positions[0] + 1 >= passes.max_position or self.closed or self.pending is not None
-                or passes.pm(self.inst).filled(self.inst.pages, req.pages[-1]) > req.last_page_len):
-            return False  # (the last: the guest wrote that slot before, and may still count on it)
+                or passes.pm(self.inst).filled(self.inst.pages, req.pages[-1]) > req.last_page_len
+                or self.inst.pages.moves != self.moves or self.inst.pages.state != "active"):
+            # (filled: the guest wrote that slot before, and may still count on it; moves / state:
+            # the instance is being suspended or was, the step's physical pages are not its own now)
+            return False
         req.last_page_len += 1
         req.tokens[0] = token
         req.positions[0] += 1

@@ -11,6 +11,7 @@ call made per token. Shared by the `forward` imports (host/api/forward.py), the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from wasmtime.component import Record
@@ -55,10 +56,16 @@ class Passes:
         """The scheduler of the instance's replica."""
         return self.replicas[inst.pages.replica].scheduler
 
-    def check_pages(self, inst: Instance, pages: list[int], last_len: int, n_tokens: int, step: bool = False) -> int:
+    def gate(self, inst: Instance) -> AbstractContextManager[Any]:
+        """What a call that checks pages and queues work on them runs in (host/suspend.py)."""
+        return self.replicas[inst.pages.replica].gate(inst)
+
+    def check_pages(self, inst: Instance, pages: list[int], last_len: int, n_tokens: int,
+                    step: bool = False) -> tuple[int, list[int]]:
         """The page list of a pass of `n_tokens` new tokens: held by the instance, long enough, written
         pages writable (`step`: and none repeated, checked incrementally from the last step's list).
-        Returns the pass's context length (tokens in the pages before it)."""
+        Returns the pass's context length (tokens in the pages before it) and its physical pages
+        (the list itself unless the instance was resumed into other pages: host/state/pages.py)."""
         inst.check_alive()
         ps = self.page_size
         if not pages:
@@ -70,26 +77,28 @@ class Passes:
             raise GuestError(f"{n_tokens} new tokens do not fit: the {len(pages)} pages with "
                              f"last-page-len {last_len} hold {total} tokens")
         ctx = total - n_tokens
+        pm = self.pm(inst)
         if step:
-            self.pm(inst).check_step_pages(inst.pages, pages, writable_from=ctx // ps)
-        else:
-            self.pm(inst).check_pages(inst.pages, pages, writable_from=ctx // ps)
-        return ctx
+            return ctx, pm.check_step_pages(inst.pages, pages, writable_from=ctx // ps)
+        pm.check_pages(inst.pages, pages, writable_from=ctx // ps)
+        return ctx, pm.to_phys(inst.pages, pages)
 
     def admit(self, inst: Instance, req: ForwardRequest) -> ForwardRequest:
         """The boundary check of a pass a guest asked for: its pages (`check_pages`), then everything
         else (`check_request`: the request comes back checked), then its writes noted for the prefix
         cache. Every forward import admits its request here (decode steps: `decode_request`)."""
-        ctx = self.check_pages(inst, req.pages, req.last_page_len, len(req.tokens))
+        ctx, req.pages = self.check_pages(inst, req.pages, req.last_page_len, len(req.tokens))
         req = check_request(req, self.info)
         self.pm(inst).note_write(inst.pages, req, self.page_size, context_len=ctx)
         return req
 
     def submit(self, inst: Instance, pages: list[int], last_len: int, tokens: list[int], positions: list[int],
                mask: list[list[int]], outputs: list[Any]) -> int:
-        req = self.admit(inst, ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens, positions=positions,
-                                              mask=mask or None, outputs=outputs_of(outputs), name=inst.label))
-        return inst.new_handle(self.scheduler(inst).submit(req, inst.id))
+        with self.gate(inst):
+            req = self.admit(inst, ForwardRequest(pages=pages, last_page_len=last_len, tokens=tokens,
+                                                  positions=positions, mask=mask or None, outputs=outputs_of(outputs),
+                                                  name=inst.label))
+            return inst.new_handle(self.scheduler(inst).submit(req, inst.id))
 
     def take(self, inst: Instance, handle: int) -> list[OutputResult]:
         fut = inst.forwards.get(handle)
@@ -104,8 +113,8 @@ class Passes:
                        sampler: Any, key: tuple[Any, ...]) -> ForwardRequest:
         """forward.run(pages, last_len, [token], [position], [], [sample-only spec at 0]), checked
         inline: everything check_request would reject, for this fixed shape (the call made per token).
-        `key`: the sampler's fields, as a tuple."""
-        ctx = self.check_pages(inst, pages, last_len, 1, step=True)  # no page repeated either
+        `key`: the sampler's fields, as a tuple. Run it and the submit in `gate`."""
+        ctx, phys = self.check_pages(inst, pages, last_len, 1, step=True)  # no page repeated either
         if token >= self.info.vocab_size:
             raise GuestError(f"token {token} is outside the vocabulary (size {self.info.vocab_size})")
         if position >= self.max_position:
@@ -115,7 +124,7 @@ class Passes:
             outputs = [OutputSpec(index=0, sample=as_sampler(sampler_of(sampler), "sampler"))]
             if len(self.decode_specs) < 1024:
                 self.decode_specs[key] = outputs
-        req = ForwardRequest(pages=pages, last_page_len=last_len, tokens=[token], positions=[position],
+        req = ForwardRequest(pages=phys, last_page_len=last_len, tokens=[token], positions=[position],
                              outputs=outputs, name=inst.label, checked=True)
         self.pm(inst).note_write(inst.pages, req, self.page_size, context_len=ctx)
         return req
@@ -124,7 +133,8 @@ class Passes:
 def generation(passes: Passes, tok: Tokenizer, inst: Instance, pages: list[int], last_len: int,
                 tokens: list[int], positions: list[int], sampler: Any, max_tokens: int, stop_tokens: list[int],
                 stop_strings: list[str], stream: bool, make: Callable[..., Generation] = Generation) -> Generation:
-    """The checked first step and the loop state of `forward.generate` (a `make` loop, e.g. constrained)."""
+    """The checked first step and the loop state of `forward.generate` (a `make` loop, e.g. constrained).
+    Run it and the submit in `Passes.gate`."""
     if max_tokens < 1:
         raise GuestError(f"max-tokens must be >= 1, got {max_tokens}")
     if any(not s for s in stop_strings):

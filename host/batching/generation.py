@@ -68,6 +68,7 @@ class Generation:
         self.new_pages: list[int] = []
         self.result: GenerationResult | None = None
         self.cancelled = False  # set by the instance when it stops waiting (terminated, out of budget)
+        self.cancelled_as = "cancelled"
         # with a seed, step i draws with seed + i (as the SDK's own loop does)
         self._seeded = sampler.seed is not None
         # The first step (noted by its submitter) writes up to slot `_base`; drawn token i goes to
@@ -84,8 +85,10 @@ class Generation:
         # strings: whether one ends the loop is known only from the decoded text
         self.ahead = self.AHEAD and not rules.stop_strings
 
-    def cancel(self) -> None:
-        """Its caller has gone (terminated, out of budget): the loop ends at its next step."""
+    def cancel(self, finish: str = "cancelled") -> None:
+        """Its caller has gone (terminated, out of budget): the loop ends at its next step. With
+        finish `out-of-pages`: its instance is being suspended (host/suspend.py), the SDK goes on."""
+        self.cancelled_as = finish
         self.cancelled = True
 
     def fast_step(self, token: int) -> None:
@@ -104,7 +107,7 @@ class Generation:
         The common step (no stop, no stream, no seed, the page not full) is a handful of attribute
         updates: with 256 loops in a batch this runs 256 times between two backend calls."""
         if self.cancelled:
-            return self._end("cancelled")
+            return self._end(self.cancelled_as)
         tokens = self.tokens
         tokens.append(token)
         rules = self.rules
@@ -162,8 +165,9 @@ class Generation:
             got = self._pm.allocate(self._table, 1)
             if isinstance(got, str):
                 return "out-of-pages"
-            self._pm.pin(got)  # like the pages it started with: not freed while the loop may write it
-            req.pages.append(got[0])
+            page = self._pm.to_phys(self._table, got)[0]  # (`got`: the guest's id for it)
+            self._pm.pin([page])  # like the pages it started with: not freed while the loop may write it
+            req.pages.append(page)
             self.new_pages.append(got[0])
             req.last_page_len = 1
         else:
@@ -219,9 +223,9 @@ class Generation:
         req = self.request
         if req.last_page_len == 1:  # the prepared step started this page (a launched step writes >= 1 slot)
             page = req.pages.pop()
-            self.new_pages.pop()
+            guest_id = self.new_pages.pop()
             try:
-                self._pm.release(self._table, [page])
+                self._pm.release(self._table, [guest_id])
             except PageError:  # the instance has ended and dropped its pages already
                 pass
             self._pm.unpin([page])
@@ -247,6 +251,8 @@ class Generation:
         it then, before the pages' content may be forgotten)."""
         req, ps = self.request, self.page_size
         end = (len(req.pages) - 1) * ps + req.last_page_len  # after the slot the last step writes
+        # (a loop cancelled after a launch: that step's token was never taken, nor is its slot noted)
+        end = min(end, self._base + len(self.tokens))
         start = self._noted
         if end > start:
             self._noted = end
@@ -254,5 +260,20 @@ class Generation:
             self._pm.note_run(self._table, req.pages, ps, start, tokens, start + self._pos_off)
 
     def _end(self, finish: str) -> bool:
+        if self.cancelled:
+            self._give_back_unused()
         self.result = GenerationResult(self.tokens, self.new_pages, 0, finish)
         return True
+
+    def _give_back_unused(self) -> None:
+        """A cancelled loop ends with the pages its caller resumes from: those holding the pending
+        tokens and every drawn token but the last (which the caller writes next). A page started for
+        a step that ran but whose token was never taken goes back (it stays in the request, pinned
+        until the loop's job ends; `note_writes` notes nothing in it)."""
+        extra = len(self.request.pages) - -(-(self._base + len(self.tokens)) // self.page_size)
+        for _ in range(min(extra, len(self.new_pages))):
+            page = self.new_pages.pop()
+            try:
+                self._pm.release(self._table, [page])
+            except PageError:  # the instance has ended and dropped its pages already
+                pass

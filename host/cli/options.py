@@ -45,14 +45,23 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, help=f"tokens per KV page (default {_default('page_size')})")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--num-pages", type=int,
-                        help=f"KV pages to preallocate (default: from a {_default('kv_memory_bytes') // MIB} MiB budget)")
+                        help="KV pages to preallocate (default: from --gpu-memory-utilization on CUDA, a 256 MiB "
+                             "budget on CPU)")
     budget.add_argument("--kv-memory", type=int, metavar="MB", help="KV cache size in MiB (instead of --num-pages)")
+    parser.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                        help="on CUDA without --kv-memory / --num-pages: the KV cache takes this fraction of the "
+                             "GPU's memory less what is in use, the weights and 1 GiB for activations, like "
+                             f"vLLM's (default {_default('gpu_memory_utilization')})")
     parser.add_argument("--policy", choices=list(POLICIES), help=f"batching policy (default {_default('policy')})")
     parser.add_argument("--max-batch-tokens", type=int,
                         help=f"cap on tokens per batch (default {_default('max_batch_tokens')})")
     parser.add_argument("--memory-limit-mb", type=int,
                         help=f"memory limit per instance, all linear memories and tables together (default {_default('memory_limit_bytes') // MIB} MiB)")
     parser.add_argument("--wall-budget-s", type=float, help="wall-clock budget per instance in seconds (default: none)")
+    parser.add_argument("--swap-memory", type=int, metavar="MB",
+                        help="host memory for the KV pages of instances suspended under KV pressure, to be "
+                             "resumed when pages free up; 0 = never suspend (an instance waiting for pages "
+                             f"nobody frees then ends with out_of_resources) (default {_default('swap_memory_bytes') // MIB} MiB)")
     parser.add_argument("--max-pages-per-instance", type=int, help="KV pages one instance may hold (default: no cap)")
     parser.add_argument("--max-pages-per-tenant", type=int,
                         help="KV pages the instances of one tenant may hold together, so one tenant cannot take "
@@ -67,7 +76,13 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
                         help="automatic prefix cache: entries kept per client (tenant), shared by all clients "
                              f"(a timing side channel between them), or off (default {_default('prefix_cache')})")
     parser.add_argument("--max-instances", type=int,
-                        help=f"instances running at once; more launches are refused (default {_default('max_instances')})")
+                        help=f"instances running at once; more launches wait in the launch queue (default {_default('max_instances')})")
+    parser.add_argument("--launch-queue", type=int, metavar="N",
+                        help="launches that may wait for a free instance slot, in order; one more is refused "
+                             f"(HTTP 503); 0 = refuse at once (default {_default('launch_queue')})")
+    parser.add_argument("--launch-queue-timeout-s", type=float,
+                        help="a queued launch that waited this long ends with out_of_resources "
+                             f"(default {_default('launch_queue_timeout_s'):g})")
     parser.add_argument("--warm-instances", type=int,
                         help="instances of each recently launched program started ahead of demand, so a launch "
                              f"skips the start-up (default {_default('warm_instances')})")
@@ -97,10 +112,11 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "num_pages": args.num_pages, "kv_memory_bytes": _mib(args.kv_memory), "policy": args.policy,
         "max_batch_tokens": args.max_batch_tokens, "memory_limit_bytes": _mib(args.memory_limit_mb),
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
-        "max_pages_per_tenant": args.max_pages_per_tenant,
+        "max_pages_per_tenant": args.max_pages_per_tenant, "swap_memory_bytes": _mib(args.swap_memory),
         "max_inbox_bytes": None if args.max_inbox_kb is None else args.max_inbox_kb * 1024,
         "max_kv_store_bytes": None if args.max_kv_store_mb is None else int(args.max_kv_store_mb * MIB),
         "prefix_cache": args.prefix_cache, "max_instances": args.max_instances,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "launch_queue": args.launch_queue, "launch_queue_timeout_s": args.launch_queue_timeout_s,
         "warm_instances": args.warm_instances, "warm_auto": args.warm_auto,
         "engine": args.engine, "tp": args.tp, "replicas": args.replicas,
         "data_dir": getattr(args, "data_dir", None),

@@ -36,8 +36,9 @@ class _HostCollector(Collector):
                                  **s.get("scheduler", {})}
         free, total = s["free_pages"], s["total_pages"]
         yield GaugeMetricFamily("pie_instances_running", "Instances running", value=s["instances"])
-        yield GaugeMetricFamily("pie_instances_queued", "Requests waiting for an instance slot",
-                                value=self._queued())
+        lq = {"queued": self._queued(), "queued_total": 0, "timeouts": 0, **s.get("launch_queue", {})}
+        yield GaugeMetricFamily("pie_instances_queued", "Launches waiting for an instance slot (--max-instances)",
+                                value=lq["queued"])
         yield GaugeMetricFamily("pie_kv_pages_free", "KV pages free", value=free)
         yield GaugeMetricFamily("pie_kv_pages_used", "KV pages in use", value=total - free)
         yield CounterMetricFamily("pie_batches", "Batches run by the scheduler", value=sched["batches"])
@@ -53,6 +54,27 @@ class _HostCollector(Collector):
                                   "(the guest's call was not the predicted one)", value=sched["lookaheads_withdrawn"])
         yield GaugeMetricFamily("pie_batch_size_mean", "Mean forwards per batch",
                                 value=sched["mean_batch_size"])
+        mem: dict[str, int] = {"suspensions": 0, "resumes": 0, "swapped_pages": 0, "swapped_bytes": 0,
+                               "suspended": 0, "waiting": 0, "swap_used_bytes": 0, "out_of_resources": 0,
+                               **s.get("memory", {})}  # KV pressure (host/suspend.py)
+        yield CounterMetricFamily("pie_kv_suspensions", "Instances suspended to host memory under KV pressure",
+                                  value=mem["suspensions"])
+        yield CounterMetricFamily("pie_kv_resumes", "Suspended instances resumed", value=mem["resumes"])
+        yield CounterMetricFamily("pie_kv_swapped_pages", "KV pages copied out to host memory",
+                                  value=mem["swapped_pages"])
+        yield CounterMetricFamily("pie_kv_swapped_bytes", "Bytes of KV copied out to host memory",
+                                  value=mem["swapped_bytes"])
+        yield CounterMetricFamily("pie_kv_out_of_resources", "Allocations that could never be met",
+                                  value=mem["out_of_resources"])
+        yield GaugeMetricFamily("pie_kv_instances_suspended", "Instances suspended now", value=mem["suspended"])
+        yield GaugeMetricFamily("pie_kv_allocations_waiting", "Allocations waiting for KV pages now",
+                                value=mem["waiting"])
+        yield GaugeMetricFamily("pie_kv_swap_used_bytes", "Host memory held by suspended instances' KV",
+                                value=mem["swap_used_bytes"])
+        yield CounterMetricFamily("pie_launches_queued", "Launches that waited for an instance slot",
+                                  value=lq["queued_total"])
+        yield CounterMetricFamily("pie_launch_queue_timeouts", "Queued launches that waited past "
+                                  "--launch-queue-timeout-s", value=lq["timeouts"])
         counts = sched.get("batch_size_counts")
         if counts:  # the scheduler's batch-size histogram (forwards per batch)
             from host.batching.scheduler import BATCH_SIZE_BUCKETS

@@ -9,12 +9,19 @@ pins it; the ref-count of a page = holds by instances + 1 per export name that l
 is pinned while a forward or copy that reads or writes it is queued or running (the scheduler
 pins at submit and unpins when the job ends), so a page an instance releases with a write still
 queued cannot be handed to another instance before that write has landed.
+
+Page ids a guest holds are its own (`InstancePages.held` is keyed by them): the same as the
+physical page while the instance has never been suspended, and mapped to another one after it
+was resumed into whatever pages were free (`InstancePages.phys` / `guest`, empty when identical,
+so the common path does no translation). While suspended, its own pages' K/V sit in host memory
+(host/suspend.py) and their ids map to SWAPPED. Everything the page manager stores in its
+arrays, exports and the prefix cache is physical; what it hands a guest is the guest's id.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,6 +29,13 @@ from host.state.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from gpu_backend.types import ForwardRequest
+    from host.batching.generation import Generation
+
+
+SWAPPED = -1  # InstancePages.phys value of a page whose K/V is in host memory while its instance is suspended
+
+# InstancePages.state (host/suspend.py)
+ACTIVE, SUSPENDING, SUSPENDED, RESUMING = "active", "suspending", "suspended", "resuming"
 
 
 class PageError(Exception):
@@ -43,6 +57,24 @@ class InstancePages:
     checked: list[int] = field(default_factory=list)
     checked_set: set[int] = field(default_factory=set)
     checked_drops: int = -1
+    checked_phys: list[int] = field(default_factory=list)  # `checked` translated (when `phys` is not empty)
+    # guest id -> physical page where they differ, and back (both empty until a resume moved a page;
+    # a swapped-out page maps to SWAPPED). Synthetic guest ids count up from `next_id` (>= num_pages).
+    phys: dict[int, int] = field(default_factory=dict)
+    guest: dict[int, int] = field(default_factory=dict)
+    next_id: int = 0
+    # suspension (host/suspend.py): the state, guarded by `touch`, which the instance's thread holds
+    # from checking it to having pinned the pages a call queues work on
+    state: str = ACTIVE
+    touch: threading.Lock = field(default_factory=threading.Lock)
+    ended: bool = False  # release_all ran: nothing may be restored into this table
+    moves: int = 0  # suspensions so far: work prepared on the physical pages of before is stale
+    swapped: list[int] = field(default_factory=list)  # guest ids of the pages swapped out, in order
+    swap_filled: list[int] = field(default_factory=list)  # their `filled` marks
+    swap: object = None  # the backend's host-memory copy of their K/V
+    swap_bytes: int = 0
+    gate: object = None  # host/suspend.py's gate for this instance's page-touching calls
+    loop: Generation | None = None  # the host-side generation loop it runs (ended with out-of-pages to suspend it)
 
 
 @dataclass
@@ -72,6 +104,8 @@ class PageManager:
         self._filled = [0] * num_pages  # slots written since the page was allocated (a high-water mark)
         self._exports: dict[tuple[str, str], _Export] = {}  # (tenant, name) -> export
         self.refused = 0  # allocations refused for lack of free pages (a condition the guest waits out)
+        self.swap_used = 0  # bytes of host memory held by suspended instances' pages (host/suspend.py)
+        self.watching = 0  # threads waiting for pins to drop (host/suspend.py): unpin notifies them
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
 
@@ -103,10 +137,49 @@ class PageManager:
                 self._refs[p] = 1
                 self._filled[p] = 0
                 self._charged_to[p] = table.tenant
-                table.held[p] = [1, True]
+            ids = self._new_ids(table, pages)
+            for g in ids:
+                table.held[g] = [1, True]
             table.owned_count += count
             self._tenant_pages[table.tenant] = held + count
+            return ids
+
+    # ---- guest ids <-> physical pages ----
+    def _new_ids(self, table: InstancePages, pages: list[int]) -> list[int]:
+        """The guest ids of physical pages `table` starts to hold (lock held): the page's own id
+        unless the table uses it already for another page (after a resume), then a synthetic one."""
+        if not table.phys:
             return pages
+        ids = []
+        for p in pages:
+            g = p
+            if p in table.held:
+                g = table.next_id = max(table.next_id, self.num_pages) + 1
+                table.phys[g], table.guest[p] = p, g
+            ids.append(g)
+        return ids
+
+    def _held_as(self, table: InstancePages, page: int) -> int | None:
+        """The guest id under which `table` holds physical `page`, or None (lock held)."""
+        g = table.guest.get(page) if table.guest else None
+        if g is not None:
+            return g
+        return page if page in table.held and page not in table.phys else None
+
+    def to_phys(self, table: InstancePages, pages: list[int]) -> list[int]:
+        """The physical pages of guest ids `table` holds (the list itself when none is mapped)."""
+        phys = table.phys
+        if not phys:
+            return pages
+        out = [phys.get(g, g) for g in pages]
+        if SWAPPED in out:
+            raise PageError(f"instance {table.owner} touched a page while its KV is swapped out")
+        return out
+
+    def to_guest(self, table: InstancePages, pages: list[int]) -> list[int]:
+        """The guest ids of physical pages `table` holds."""
+        back = table.guest
+        return [back.get(p, p) for p in pages] if back else pages
 
     def release(self, table: InstancePages, pages: list[int]) -> None:
         """Drop one hold on each page; raises PageError naming the first page not held."""
@@ -125,12 +198,17 @@ class PageManager:
     def _drop_hold(self, table: InstancePages, page: int) -> None:
         entry = table.held[page]
         entry[0] -= 1
+        phys = table.phys.get(page, page) if table.phys else page
         if entry[0] == 0:
             del table.held[page]
             table.drops += 1
             if entry[1]:
                 table.owned_count -= 1
-        self._unref(page)
+            if phys != page:
+                del table.phys[page]
+                table.guest.pop(phys, None)
+        if phys != SWAPPED:
+            self._unref(phys)
 
     def _take_free(self) -> int:
         if self._free:
@@ -171,7 +249,7 @@ class PageManager:
                 if pins[p] == 0 and refs[p] == 0:
                     self._let_go(p)
                     freed = True
-            if freed:
+            if freed or self.watching:
                 self._freed.notify_all()
 
     def pinned(self, page: int) -> int:
@@ -187,18 +265,18 @@ class PageManager:
             if i >= writable_from and not entry[1]:
                 raise PageError(f"page {p} is read-only here (imported); new tokens cannot be written into it")
 
-    def check_step_pages(self, table: InstancePages, pages: list[int], writable_from: int) -> None:
+    def check_step_pages(self, table: InstancePages, pages: list[int], writable_from: int) -> list[int]:
         """`check_pages`, and no page repeated, for a pass sent every token with the
         whole page list: O(pages added) when `pages` extends the list this table last passed here
         and the instance has dropped no page since (instead of a dict lookup per page per token:
-        a 4k-token context is 256 pages)."""
+        a 4k-token context is 256 pages). Returns the physical pages (`to_phys`, O(pages added) too)."""
         ok = table.checked
         n = len(ok)
         if n and table.checked_drops == table.drops and len(pages) >= n and pages[n - 1] == ok[-1] \
                 and pages[:n] == ok:
             seen, new = table.checked_set, pages[n:]
         else:
-            seen, new = set(), pages
+            seen, new, n = set(), pages, 0
         held = table.held
         table.checked = []  # stays empty if a check below fails (seen may be half-updated)
         for p in new:
@@ -209,6 +287,10 @@ class PageManager:
             seen.add(p)
         self.check_pages(table, pages[writable_from:], 0)  # the written ones writable (all held: checked)
         table.checked, table.checked_set, table.checked_drops = list(pages), seen, table.drops
+        if not table.phys:
+            return pages
+        table.checked_phys = phys = table.checked_phys[:n] + self.to_phys(table, new)
+        return phys
 
     def check_writable(self, table: InstancePages, page: int) -> None:
         entry = table.held.get(page)
@@ -226,8 +308,9 @@ class PageManager:
             key = (table.tenant, name)
             if key in self._exports:
                 return f"export name {name!r} is already in use"
-            self._exports[key] = _Export(list(pages), table.owner, persistent)
-            for p in pages:
+            phys = list(self.to_phys(table, pages))
+            self._exports[key] = _Export(phys, table.owner, persistent)
+            for p in phys:
                 self._refs[p] += 1
             return None
 
@@ -237,18 +320,22 @@ class PageManager:
             exp = self._exports.get((table.tenant, name))
             if exp is None:
                 return f"no export named {name!r}"
-            self._hold_read_only(table, exp.pages)
-            return list(exp.pages)
+            return self._hold_read_only(table, exp.pages)
 
-    def _hold_read_only(self, table: InstancePages, pages: list[int]) -> None:
-        """One more read-only hold by `table` on each page (imports, prefix-cache hits); lock held."""
+    def _hold_read_only(self, table: InstancePages, pages: list[int]) -> list[int]:
+        """One more read-only hold by `table` on each page (imports, prefix-cache hits); lock held.
+        Returns the pages' guest ids."""
+        ids = []
         for p in pages:
-            entry = table.held.get(p)
-            if entry is None:
-                table.held[p] = [1, False]
+            g = self._held_as(table, p)
+            if g is None:
+                g = self._new_ids(table, [p])[0]
+                table.held[g] = [1, False]
             else:
-                entry[0] += 1
+                table.held[g][0] += 1
             self._refs[p] += 1
+            ids.append(g)
+        return ids
 
     def unexport(self, table: InstancePages, name: str) -> str | None:
         """Remove one of the table's tenant's exports; an error string if it has none by that name."""
@@ -291,12 +378,103 @@ class PageManager:
             for key in [k for k, e in self._exports.items() if e.owner == table.owner and not e.persistent]:
                 for p in self._exports.pop(key).pages:
                     self._unref(p)
-            for p, entry in list(table.held.items()):
-                for _ in range(entry[0]):
-                    self._unref(p)
+            for g, entry in list(table.held.items()):
+                p = table.phys.get(g, g) if table.phys else g
+                if p != SWAPPED:
+                    for _ in range(entry[0]):
+                        self._unref(p)
             table.held.clear()
+            table.phys.clear()
+            table.guest.clear()
             table.drops += 1
             table.owned_count = 0
+            table.ended = True
+            table.swapped, table.swap_filled, table.swap = [], [], None
+            self.swap_used -= table.swap_bytes
+            table.swap_bytes = 0
+            self._freed.notify_all()
+
+    # ---- suspension: the instance's own pages out to host memory and back (host/suspend.py) ----
+    def own_pages(self, table: InstancePages) -> tuple[list[int], list[int]]:
+        """The guest ids and physical pages only `table` holds (no export, no other instance, not
+        only a read-only prefix-cache hit shared with others): what a suspension may move."""
+        with self._lock:
+            guests, phys = [], []
+            for g, entry in table.held.items():
+                p = table.phys.get(g, g) if table.phys else g
+                if p != SWAPPED and self._refs[p] == entry[0]:
+                    guests.append(g)
+                    phys.append(p)
+            return guests, phys
+
+    def wait_unpinned(self, pages: list[int], ready: Callable[[], bool]) -> None:
+        """Block until none of `pages` is pinned (their jobs have run) or `ready()`."""
+        with self._lock:
+            self.watching += 1
+            try:
+                while any(self._pins[p] for p in pages) and not ready():
+                    self._freed.wait(0.5)
+            finally:
+                self.watching -= 1
+
+    def evict(self, table: InstancePages, guests: list[int], phys: list[int], swap: object, nbytes: int) -> bool:
+        """The K/V of `phys` (pinned by the caller while it was copied out into `swap`) is in host
+        memory: the pages go back (unpinned), their guest ids now map to SWAPPED. False (nothing
+        changes but the unpin) if the instance ended or another holder took one of them meanwhile."""
+        with self._lock:
+            for p in phys:
+                self._pins[p] -= 1
+            if table.ended or any(self._refs[p] != table.held[g][0] for g, p in zip(guests, phys, strict=True)):
+                for p in phys:
+                    if self._pins[p] == 0 and self._refs[p] == 0:
+                        self._let_go(p)
+                return False
+            table.swapped, table.swap_filled = guests, [self._filled[p] for p in phys]
+            table.swap, table.swap_bytes = swap, nbytes
+            self.swap_used += nbytes
+            for g, p in zip(guests, phys, strict=True):
+                table.phys[g] = SWAPPED
+                table.guest.pop(p, None)
+            table.moves += 1
+            for p in phys:
+                self._refs[p] = 0
+                if self._pins[p] == 0:
+                    self._let_go(p)
+            table.drops += 1
+            self._freed.notify_all()
+            return True
+
+    def restore_pages(self, table: InstancePages) -> list[int] | None:
+        """Free pages for a suspended table's swapped pages (pinned until `settle`), its guest ids
+        mapped to them; None if too few are free or the instance has ended."""
+        with self._lock:
+            n = len(table.swapped)
+            if table.ended or self.free_count < n:
+                return None
+            pages = [self._take_free() for _ in range(n)]
+            tenant = table.tenant
+            for g, p, filled in zip(table.swapped, pages, table.swap_filled, strict=True):
+                self._refs[p] = table.held[g][0]
+                self._pins[p] += 1
+                self._filled[p] = filled
+                self._charged_to[p] = tenant
+                if p == g:
+                    del table.phys[g]
+                else:
+                    table.phys[g], table.guest[p] = p, g
+            self._tenant_pages[tenant] = self._tenant_pages.get(tenant, 0) + n
+            return pages
+
+    def settle(self, table: InstancePages, pages: list[int]) -> None:
+        """The swapped K/V is back in `pages`: unpin them, drop the host-memory copy."""
+        with self._lock:
+            self.swap_used -= table.swap_bytes
+            table.swapped, table.swap_filled, table.swap, table.swap_bytes = [], [], None, 0
+            table.drops += 1
+            for p in pages:
+                self._pins[p] -= 1
+                if self._pins[p] == 0 and self._refs[p] == 0:  # the instance ended meanwhile
+                    self._let_go(p)
             self._freed.notify_all()
 
     def refcount(self, page: int) -> int:
@@ -314,9 +492,7 @@ class PageManager:
         if self.cache is None:
             return []
         with self._lock:
-            pages = self.cache.lookup(tokens, table.tenant)
-            self._hold_read_only(table, pages)
-            return pages
+            return self._hold_read_only(table, self.cache.lookup(tokens, table.tenant))
 
     def note_write(self, table: InstancePages, req: ForwardRequest, page_size: int,
                    context_len: int | None = None) -> None:

@@ -356,8 +356,9 @@ class Instance:
                 raise
         return fut.wait()
 
-    def wake(self, _fut: ForwardFuture) -> None:
-        """Done-callback of this instance's forwards: wake its thread (in its turn, see RunGate)."""
+    def wake(self, _fut: ForwardFuture | None = None) -> None:
+        """Done-callback of this instance's forwards: wake its thread (in its turn, see RunGate); also
+        called without one when what it waits for changed (host/suspend.py)."""
         self.env.gate.wake(self._notify)
 
     def _notify(self) -> bool:
