@@ -86,7 +86,7 @@ class Plan:
     attentions: tuple[str, ...] = ("sdpa", "flex")
     b8_batches: tuple[int, ...] = (1, 8)
     pytest_timeout_s: float = 600.0  # the run gives pytest at most this
-    switch_ms: float = 0.0  # the host section's sys.setswitchinterval (0: Python's default, 5 ms)
+    switch_ms: float | None = None  # the host section's HostConfig.switch_interval_ms (None: its default)
 
     @classmethod
     def make(cls, dry: bool) -> Plan:
@@ -519,9 +519,8 @@ def sec_host(s: Suite) -> dict[str, Any]:
     del hf
     out: dict[str, Any] = {"new_tokens": plan.host_tokens, "long_new_tokens": plan.host_tokens_long,
                            "fed": bool(be.feeds), "concurrency": {}, "concurrency_long": {}}
-    if plan.switch_ms:  # how often a thread waiting for the GIL gets it from one that runs Python
-        sys.setswitchinterval(plan.switch_ms / 1000)
-    out["switch_interval_ms"] = round(sys.getswitchinterval() * 1000, 3)
+    # how often a thread waiting for the GIL gets it from one that runs Python (HostConfig)
+    switch = {} if plan.switch_ms is None else {"switch_interval_ms": plan.switch_ms}
     prompt = "Write a short story about a robot learning to paint."
     seq = be.tokenizer.encode(be.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
     from common import BatchLog
@@ -531,7 +530,8 @@ def sec_host(s: Suite) -> dict[str, Any]:
             (False, "concurrency", plan.host_tokens)]
     for ahead in (True, False):
         with tempfile.TemporaryDirectory() as data:
-            host = Host(HostConfig(data_dir=Path(data), run_ahead=ahead, prefix_cache="off"), backend=be)
+            host = Host(HostConfig(data_dir=Path(data), run_ahead=ahead, prefix_cache="off", **switch), backend=be)
+            out["switch_interval_ms"] = round(sys.getswitchinterval() * 1000, 3)
             try:
                 program = host.compile(wasm.read_bytes())
                 for _, table, tokens in [r for r in runs if r[0] == ahead]:
@@ -730,8 +730,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=1140.0, help="stop starting measurements after this")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)}")
     ap.add_argument("--pytest-timeout-s", type=float, default=600.0, help="the most the pytest section may take")
-    ap.add_argument("--host-switch-ms", type=float, default=0.0,
-                    help="the host section's GIL switch interval (sys.setswitchinterval; 0: Python's 5 ms)")
+    ap.add_argument("--host-switch-ms", type=float, default=None,
+                    help="the host section's GIL switch interval (HostConfig.switch_interval_ms; default: the "
+                         "host's; 0: Python's 5 ms)")
     a = ap.parse_args(argv)
     if a.prepare:
         prepare(a.prepare)

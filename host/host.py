@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -170,6 +171,9 @@ class Host:
         self._gc_tuned = config.tune_gc
         if self._gc_tuned:
             _tune_gc()
+        self._switch_set = config.switch_interval_ms > 0
+        if self._switch_set:
+            _set_switch_interval(config.switch_interval_ms)
 
     def _reaping(self) -> bool:
         """Stores of finished instances are still waiting to be freed. The warm pool waits for them:
@@ -451,6 +455,8 @@ class Host:
         self.kvstore.close()
         if self._gc_tuned:
             _untune_gc()
+        if self._switch_set:
+            _restore_switch_interval()
 
     def __enter__(self) -> Host:
         return self
@@ -509,6 +515,23 @@ def _untune_gc() -> None:
         if _gc_hosts == 0:
             gc.unfreeze()
             gc.set_threshold(*_gc_before)
+
+
+_switch_hosts: list[float] = []  # the interval each host alive with one set found (the first's is restored)
+
+
+def _set_switch_interval(ms: float) -> None:
+    """The GIL switch interval while a host runs (`HostConfig.switch_interval_ms`); the last set wins."""
+    with _gc_lock:
+        _switch_hosts.append(sys.getswitchinterval())
+        sys.setswitchinterval(ms / 1000)
+
+
+def _restore_switch_interval() -> None:
+    with _gc_lock:
+        before = _switch_hosts.pop()
+        if not _switch_hosts:
+            sys.setswitchinterval(before)
 
 
 def _ignore(_event: InstanceEvent) -> None:

@@ -33,6 +33,7 @@ def test_pie_run_options_map_to_host_config() -> None:
     assert (cfg.device, cfg.dtype, cfg.num_pages, cfg.wall_budget_s, cfg.memory_limit_bytes) == \
         ("cpu", "bfloat16", 64, 2.5, 128 * 2**20)
     assert host_config_from_args(run._parser().parse_args(["app.wasm"])) == HostConfig()  # defaults untouched
+    assert host_config_from_args(run._parser().parse_args(["app.wasm", "--switch-interval-ms", "0"])).switch_interval_ms == 0
 
 
 def test_inferlet_arguments_follow_a_double_dash() -> None:

@@ -1,5 +1,6 @@
 """The host freezes its start-up objects out of the cyclic GC's reach and collects the young
-generation less often (HostConfig.tune_gc).
+generation less often (HostConfig.tune_gc), and shortens the GIL switch interval while it runs
+(HostConfig.switch_interval_ms).
 
 Why it matters: a full collection scans every tracked object with all threads stopped; a host
 holds ~190k of them (torch, the tokenizer, modules) for its whole life, so each full collection
@@ -9,12 +10,14 @@ stopped every instance and the scheduler for ~100 ms (bench/host_ramp.py, gc_max
 from __future__ import annotations
 
 import gc
+import sys
 import time
 import weakref
 from pathlib import Path
 
+import pytest
 from fakes import FakeBackend
-from helpers import wait_for, wasm_bytes
+from helpers import Run, wait_for, wasm_bytes
 
 from host import Host, HostConfig
 
@@ -111,4 +114,47 @@ def test_without_tune_gc_the_host_does_not_collect_on_refill(tmp_path: Path) -> 
         assert ref() is not None
     finally:
         gc.enable()
+        h.shutdown()
+
+
+def test_a_host_sets_the_gil_switch_interval_and_the_last_one_out_restores_it(tmp_path: Path) -> None:
+    """HostConfig.switch_interval_ms: the scheduler's thread gets the GIL back sooner while instances
+    run Python (bench/gpu_suite_notes.md); 0 leaves Python's interval alone."""
+    before = sys.getswitchinterval()
+    a = Host(HostConfig(data_dir=tmp_path / "a", switch_interval_ms=0.25), backend=FakeBackend(page_size=4, num_pages=64))
+    try:
+        assert sys.getswitchinterval() == 0.00025
+        b = Host(HostConfig(data_dir=tmp_path / "b", switch_interval_ms=1.0), backend=FakeBackend(page_size=4, num_pages=64))
+        assert sys.getswitchinterval() == 0.001
+        b.shutdown()
+        assert sys.getswitchinterval() != before  # a still runs
+    finally:
+        a.shutdown()
+    assert sys.getswitchinterval() == before
+    c = Host(HostConfig(data_dir=tmp_path / "c", switch_interval_ms=0), backend=FakeBackend(page_size=4, num_pages=64))
+    try:
+        assert sys.getswitchinterval() == before
+    finally:
+        c.shutdown()
+    with pytest.raises(ValueError, match="switch_interval_ms"):
+        HostConfig(switch_interval_ms=-1)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("ms", [0.0, 0.1])
+def test_text_completion_bursts_give_the_same_text_at_any_switch_interval(tmp_path: Path, ms: float) -> None:
+    """The standard inferlet, 24 at once, under Python's interval and a short one: exact outputs."""
+    fb = FakeBackend(page_size=16, num_pages=512, delay_s=0.002)
+    h = Host(HostConfig(data_dir=tmp_path, switch_interval_ms=ms), backend=fb)
+    try:
+        prog = h.compile(wasm_bytes("text_completion"))
+        tok = fb.tokenizer
+        runs, wants = [], []
+        for i in range(24):
+            p = f"{i:03d} tell me about lighthouses"
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], True))
+            wants.append(tok.decode([(ids[-1] + 1 + j) % 256 for j in range(32)]))
+            runs.append(Run(h, prog, ["--prompt", p, "--max-tokens", "32"]))
+        assert [(r.finish(120).event, r.end.message) for r in runs] == [("completed", w) for w in wants]
+    finally:
         h.shutdown()

@@ -89,6 +89,10 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-auto", type=int, metavar="N",
                         help="also keep as many instances of each recent program warm as it has had running "
                              f"at once, up to N parked in all; 0 = off (default {_default('warm_auto')})")
+    parser.add_argument("--switch-interval-ms", type=float, metavar="MS",
+                        help="the GIL switch interval while the host runs: how long the scheduler may wait for the "
+                             "GIL while instances start; 0 = Python's 5 ms "
+                             f"(default {_default('switch_interval_ms')})")
     parser.add_argument("--engine", choices=list(ENGINES),
                         help="where the model runs: inproc = in this process, on the scheduler thread; "
                              "process = in engine processes fed over pyzmq + msgpack; auto = inproc for one "
@@ -118,6 +122,7 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "prefix_cache": args.prefix_cache, "max_instances": args.max_instances,
         "gpu_memory_utilization": args.gpu_memory_utilization, "launch_queue": args.launch_queue, "launch_queue_timeout_s": args.launch_queue_timeout_s,
         "warm_instances": args.warm_instances, "warm_auto": args.warm_auto,
+        "switch_interval_ms": args.switch_interval_ms,
         "engine": args.engine, "tp": args.tp, "replicas": args.replicas,
         "data_dir": getattr(args, "data_dir", None),
     }
