@@ -644,7 +644,8 @@ def sec_pytest(s: Suite) -> dict[str, Any]:
         transformers.AutoTokenizer.from_pretrained(s.kit / "tokenizer").save_pretrained(d)
         env = dict(os.environ, PIE_TEST_MODEL=d)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-        files = ["tests/test_backend_gpu.py", "tests/test_backend_graphs.py"]
+        files = ["tests/test_backend_gpu.py", "tests/test_backend_graphs.py", "tests/test_backend_swap.py",
+                 "tests/test_backend_load.py"]
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
         try:
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,

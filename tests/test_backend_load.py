@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -52,10 +53,10 @@ def test_gpu_memory_utilization_leaves_the_rest_of_the_gpu_free():
     from gpu_backend.build import ACTIVATION_RESERVE_BYTES
 
     free0, total = torch.cuda.mem_get_info()
-    be = load_backend(device="cuda", gpu_memory_utilization=0.5, progress=False)
+    be = load_backend(os.environ.get("PIE_TEST_MODEL"), device="cuda", gpu_memory_utilization=0.5, progress=False)
     free1, _ = torch.cuda.mem_get_info()
     used = free0 - free1  # weights + cache (+ CUDA graphs' pools)
     assert be.info.num_pages > 1000
     assert used <= 0.5 * total - (total - free0) + ACTIVATION_RESERVE_BYTES
     with pytest.raises(ValueError, match="no GPU memory left for the KV cache"):
-        load_backend(device="cuda", gpu_memory_utilization=0.01, progress=False)
+        load_backend(os.environ.get("PIE_TEST_MODEL"), device="cuda", gpu_memory_utilization=0.01, progress=False)

@@ -3,6 +3,7 @@ and back into other pages continue the sequence exactly as the original pages do
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -47,4 +48,4 @@ def test_swap_round_trip_on_cpu(backend) -> None:  # noqa: ANN001
 def test_swap_round_trip_on_cuda() -> None:
     from gpu_backend import load_backend
 
-    check_swap_round_trip(load_backend(device="cuda", num_pages=64, progress=False))
+    check_swap_round_trip(load_backend(os.environ.get("PIE_TEST_MODEL"), device="cuda", num_pages=64, progress=False))
