@@ -15,10 +15,11 @@ from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams, SwapsPa
 GREEDY = SamplerParams()
 
 
-def _continue(be: Any, pages: list[int], last_len: int, token: int, position: int) -> tuple[int | None, list[float]]:
-    out = be.forward([ForwardRequest(pages=pages, last_page_len=last_len, tokens=[token], positions=[position],
-                                     outputs=[OutputSpec(index=0, sample=GREEDY, dist=5)])])[0][0]
-    return out.token, out.probs
+def _continue(be: Any, pages: list[int], last_len: int, token: int, position: int) -> torch.Tensor:
+    """The float32 logits of one more step over `pages` (logits, not probabilities: a random model's
+    distribution can be one-hot whatever it attends to, as the kit's was on an H200)."""
+    return be.logits([ForwardRequest(pages=pages, last_page_len=last_len, tokens=[token], positions=[position],
+                                     outputs=[OutputSpec(index=0)])])[0][0].float().cpu()
 
 
 def check_swap_round_trip(be: Any) -> None:
@@ -33,10 +34,10 @@ def check_swap_round_trip(be: Any) -> None:
     be.swap_in(be.swap_out(src), dst)
     want = _continue(be, src, 6, first, len(tokens))
     got = _continue(be, dst, 6, first, len(tokens))
-    assert got[0] == want[0]
-    assert got[1] == pytest.approx(want[1], abs=1e-3)
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= 1e-3 * scale  # the same K/V, the same kernels
     other = _continue(be, [20, 21, 22, 23], 6, first, len(tokens))  # pages never written: differs
-    assert other[1] != pytest.approx(want[1], abs=1e-3)
+    assert float((other - want).abs().max()) > 1e-2 * scale
 
 
 def test_swap_round_trip_on_cpu(backend) -> None:  # noqa: ANN001
