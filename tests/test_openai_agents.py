@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import signal
 from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
-from test_openai_e2e import Served, _start
+from test_openai_e2e import Served, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.build]
 
@@ -30,16 +29,7 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    proc, base = _start(tmp_path_factory.mktemp("openai-agents"), "--num-pages", "1024")
-    try:
-        yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(60) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    yield from serving(tmp_path_factory.mktemp("openai-agents"), "--num-pages", "1024")
 
 
 def _args(name: str, arguments: str) -> dict[str, Any]:

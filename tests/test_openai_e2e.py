@@ -93,10 +93,9 @@ def _start(data: object, *extra: str) -> tuple[subprocess.Popen[str], Served]:
     return proc, base
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    proc, base = _start(tmp_path_factory.mktemp("openai-e2e"), "--max-instances", str(MAX_INSTANCES),
-                        "--num-pages", "2048")
+def serving(data: object, *extra: str) -> Iterator[Served]:
+    """`_start`'s server for a fixture's life; it must stop cleanly on SIGTERM."""
+    proc, base = _start(data, *extra)
     try:
         yield base
     finally:
@@ -106,6 +105,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from serving(tmp_path_factory.mktemp("openai-e2e"), "--max-instances", str(MAX_INSTANCES),
+                       "--num-pages", "2048")
 
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]

@@ -21,6 +21,18 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
+# KV pressure (host/suspend.py): Host.stats()["memory"] key -> metric
+_KV_PRESSURE: list[tuple[type[CounterMetricFamily] | type[GaugeMetricFamily], str, str, str]] = [
+    (CounterMetricFamily, "pie_kv_suspensions", "Instances suspended to host memory under KV pressure", "suspensions"),
+    (CounterMetricFamily, "pie_kv_resumes", "Suspended instances resumed", "resumes"),
+    (CounterMetricFamily, "pie_kv_swapped_pages", "KV pages copied out to host memory", "swapped_pages"),
+    (CounterMetricFamily, "pie_kv_swapped_bytes", "Bytes of KV copied out to host memory", "swapped_bytes"),
+    (CounterMetricFamily, "pie_kv_out_of_resources", "Allocations that could never be met", "out_of_resources"),
+    (GaugeMetricFamily, "pie_kv_instances_suspended", "Instances suspended now", "suspended"),
+    (GaugeMetricFamily, "pie_kv_allocations_waiting", "Allocations waiting for KV pages now", "waiting"),
+    (GaugeMetricFamily, "pie_kv_swap_used_bytes", "Host memory held by suspended instances' KV", "swap_used_bytes"),
+]
+
 
 class _HostCollector(Collector):
     """Turns one `Host.stats()` snapshot into gauges and counters per scrape."""
@@ -57,20 +69,8 @@ class _HostCollector(Collector):
         mem: dict[str, int] = {"suspensions": 0, "resumes": 0, "swapped_pages": 0, "swapped_bytes": 0,
                                "suspended": 0, "waiting": 0, "swap_used_bytes": 0, "out_of_resources": 0,
                                **s.get("memory", {})}  # KV pressure (host/suspend.py)
-        yield CounterMetricFamily("pie_kv_suspensions", "Instances suspended to host memory under KV pressure",
-                                  value=mem["suspensions"])
-        yield CounterMetricFamily("pie_kv_resumes", "Suspended instances resumed", value=mem["resumes"])
-        yield CounterMetricFamily("pie_kv_swapped_pages", "KV pages copied out to host memory",
-                                  value=mem["swapped_pages"])
-        yield CounterMetricFamily("pie_kv_swapped_bytes", "Bytes of KV copied out to host memory",
-                                  value=mem["swapped_bytes"])
-        yield CounterMetricFamily("pie_kv_out_of_resources", "Allocations that could never be met",
-                                  value=mem["out_of_resources"])
-        yield GaugeMetricFamily("pie_kv_instances_suspended", "Instances suspended now", value=mem["suspended"])
-        yield GaugeMetricFamily("pie_kv_allocations_waiting", "Allocations waiting for KV pages now",
-                                value=mem["waiting"])
-        yield GaugeMetricFamily("pie_kv_swap_used_bytes", "Host memory held by suspended instances' KV",
-                                value=mem["swap_used_bytes"])
+        for family, name, what, key in _KV_PRESSURE:
+            yield family(name, what, value=mem[key])
         yield CounterMetricFamily("pie_launches_queued", "Launches that waited for an instance slot",
                                   value=lq["queued_total"])
         yield CounterMetricFamily("pie_launch_queue_timeouts", "Queued launches that waited past "
