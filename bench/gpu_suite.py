@@ -87,6 +87,7 @@ class Plan:
     b8_batches: tuple[int, ...] = (1, 8)
     pytest_timeout_s: float = 600.0  # the run gives pytest at most this
     switch_ms: float | None = None  # the host section's HostConfig.switch_interval_ms (None: its default)
+    run_slots: int | None = None  # the host section's HostConfig.run_slots (None: its default)
 
     @classmethod
     def make(cls, dry: bool) -> Plan:
@@ -520,7 +521,9 @@ def sec_host(s: Suite) -> dict[str, Any]:
     out: dict[str, Any] = {"new_tokens": plan.host_tokens, "long_new_tokens": plan.host_tokens_long,
                            "fed": bool(be.feeds), "concurrency": {}, "concurrency_long": {}}
     # how often a thread waiting for the GIL gets it from one that runs Python (HostConfig)
-    switch = {} if plan.switch_ms is None else {"switch_interval_ms": plan.switch_ms}
+    switch: dict[str, Any] = {} if plan.switch_ms is None else {"switch_interval_ms": plan.switch_ms}
+    if plan.run_slots is not None:  # instance threads running at once (host/batching/gate.py)
+        switch["run_slots"] = plan.run_slots
     prompt = "Write a short story about a robot learning to paint."
     seq = be.tokenizer.encode(be.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
     from common import BatchLog
@@ -532,6 +535,7 @@ def sec_host(s: Suite) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as data:
             host = Host(HostConfig(data_dir=Path(data), run_ahead=ahead, prefix_cache="off", **switch), backend=be)
             out["switch_interval_ms"] = round(sys.getswitchinterval() * 1000, 3)
+            out["run_slots"] = host.config.run_slots
             try:
                 program = host.compile(wasm.read_bytes())
                 for _, table, tokens in [r for r in runs if r[0] == ahead]:
@@ -734,6 +738,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-switch-ms", type=float, default=None,
                     help="the host section's GIL switch interval (HostConfig.switch_interval_ms; default: the "
                          "host's; 0: Python's 5 ms)")
+    ap.add_argument("--host-run-slots", type=int, default=None,
+                    help="the host section's instance threads running at once (HostConfig.run_slots; default: the host's)")
     a = ap.parse_args(argv)
     if a.prepare:
         prepare(a.prepare)
@@ -755,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: run on the GPU machine, or use --dry-run on CPU")
     suite = Suite(out=a.out, kit=kit, plan=replace(Plan.make(a.dry_run), pytest_timeout_s=a.pytest_timeout_s,
-                                                      switch_ms=a.host_switch_ms),
+                                                      switch_ms=a.host_switch_ms, run_slots=a.host_run_slots),
                   budget_s=a.budget_s, device=device)
     if a.dry_run:
         suite.plan = replace(suite.plan, attentions=("sdpa",) if "PIE_KIT_NO_FLEX" in os.environ else ("sdpa", "flex"))
