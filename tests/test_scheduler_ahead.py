@@ -22,6 +22,7 @@ import pytest
 from gpu_backend.standin import StandInBackend
 from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams
 from host.batching.generation import Generation, StopRules
+from host.batching.policy import AdaptivePolicy
 from host.batching.scheduler import Scheduler
 from host.state.pages import InstancePages, PageManager
 from host.state.prefix_cache import PrefixCache
@@ -78,13 +79,13 @@ def _record(rows: dict[str, list[tuple[Any, ...]]], reqs: Any) -> None:
 
 
 def _run(ahead: bool, specs: list[Spec], cancel: str | None = None, backend: Any = None,
-         fed: bool = False) -> Outcome:
+         fed: bool = False, policy: Any = None) -> Outcome:
     """`specs` as loops through a scheduler (`backend`: the stand-in unless given; page size PS, 256 pages).
     `fed`: the loops' steps are launched before the batch drawing their tokens is waited for
     (`Feed`); the rows are recorded with the tokens the backend read."""
     be = backend if backend is not None else StandInBackend(page_size=PS, num_pages=256, delay_s=0.001)
     pm = PageManager(256, CAP, PrefixCache(PS))
-    sched = Scheduler()
+    sched = Scheduler(policy)
     out = Outcome()
     lock = threading.Lock()
 
@@ -223,6 +224,21 @@ def test_fed_loops_overlap_the_batch_before() -> None:
     # every later launch comes before the batch before it is waited for
     ahead = sum(1 for k in range(1, len(starts)) if starts[k] < waits[k - 1])
     assert ahead >= len(starts) - 3, (len(starts), ahead)
+
+
+@pytest.mark.parametrize("fed", [False, True])
+def test_a_loop_that_ends_while_others_run_holds_no_batch(fed: bool) -> None:
+    """The policy waits for the owners of an ended loop only when no loop goes on (their instance may
+    submit its next forward soon): with loops still running, their next batch goes at once."""
+    done: list[list[str]] = []
+
+    class Recording(AdaptivePolicy):
+        def batch_done(self, owners: Any, start: float, end: float) -> None:
+            done.append(list(owners))
+            super().batch_done(owners, start, end)
+
+    _run(True, [Spec([10, 11, 12], 3), Spec([20, 21], 40)], fed=fed, policy=Recording())
+    assert done == [["loop1"]]  # loop0 ended while loop1 ran: not waited for
 
 
 @pytest.mark.parametrize("fed", [False, True])

@@ -415,7 +415,7 @@ class Scheduler:
                 f.finish(r, None)
             elif not gen.ahead and lp.step(f, gen, r, end):  # (a first step run ahead: in fill)
                 ended.append(f.owner)
-        if ended and not lp.resident and not lp.ahead:
+        if ended and not lp.resident and not lp.ahead and not fed:  # (fed: loops run in the next batch)
             self._expect(ended, start, end)
         lp.last_batch = (start, end)
 
