@@ -92,6 +92,8 @@ class _FakeInstance:
 
     def _openai(self, req: dict[str, Any]) -> tuple[str, str]:
         last = (req["messages"] or [{}])[-1].get("content", "") if req.get("messages") else req.get("prompt") or ""
+        if not isinstance(last, str):  # a prompt of token ids, a null or multi-part content
+            last = ""
         if last == "hold":
             self._wait(lambda: False)
         if last == "crash":

@@ -52,7 +52,7 @@ def test_stop_string_not_included(client: TestClient, real_host: Any) -> None:
 def test_disconnect_mid_stream_frees_pages(client: TestClient, real_host: Any) -> None:
     import asyncio
 
-    from host.server.openai_api import _launch, _stream
+    from host.server.openai_api import _launch, _messages, _stream
     from host.server.openai_request import parse_request
 
     h = OpenAIHandler(real_host, real_host.compile(wasm_bytes("openai_chat")), real_host.model_name,
@@ -63,7 +63,7 @@ def test_disconnect_mid_stream_frees_pages(client: TestClient, real_host: Any) -
 
     async def first_chunk_then_leave() -> tuple[str, bytes]:
         run = _launch(h, req)
-        gen = _stream(h, req, False, run)
+        gen = _stream(h, req, False, run, _messages(run))
         chunk = await gen.__anext__()
         await gen.aclose()  # what Starlette does when the client goes away
         run.close()  # and then the response's close (_GuardedStream)

@@ -49,7 +49,7 @@ def guest_import(name: str, store: bool = False, keeps_lookahead: bool = False) 
                     inst.stepper.drop()
                 return fn(inst, _store, *args) if store else fn(inst, *args)
             except Terminated as e:
-                raise wasmtime.WasmtimeError(f"instance terminated: {e}") from None
+                raise wasmtime.WasmtimeError(f"{name}: instance terminated: {e}") from None
             except (GuestError, PageError, ValueError, TypeError, OverflowError) as e:
                 raise _trap(inst, f"{name}: {e}") from None
             except wasmtime.WasmtimeError:
