@@ -109,8 +109,9 @@ def serving(data: object, *extra: str) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    # (no launch queue: a request past the slots is refused at once; tests/test_launch_queue.py queues)
     yield from serving(tmp_path_factory.mktemp("openai-e2e"), "--max-instances", str(MAX_INSTANCES),
-                       "--num-pages", "2048")
+                       "--launch-queue", "0", "--num-pages", "2048")
 
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
@@ -254,7 +255,8 @@ def test_errors(served: Served) -> None:
 
 
 def test_busy_host_answers_503_and_disconnects_free_pages(served: Served) -> None:
-    """Fill every instance slot with streams, ask once more (503), then leave mid-stream."""
+    """Fill every instance slot with streams, ask once more (503: the server has no launch queue),
+    then leave mid-stream."""
     before = served.wait_idle()
     body = {"model": served.model, "messages": CAPITAL, "max_tokens": 2000, "stream": True,
             "temperature": 1.0, "seed": 1}
