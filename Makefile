@@ -27,9 +27,10 @@ lint: $(VENV)/.installed
 test: $(VENV)/.installed lint
 	PIE_FUZZ_EXAMPLES=400 $(BIN)/python -m pytest -q
 
-# The developer's loop: every test that needs neither the real model nor a componentize-py build.
+# The developer's loop: every test that needs neither the real model nor a componentize-py build,
+# on two workers (pytest-xdist; 105 s -> 73 s on the 2-vCPU VM). `make test` stays on one.
 test-fast: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m "not slow and not build and not gpu"
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not build and not gpu"
 
 bench: $(VENV)/.installed
 	mkdir -p out
