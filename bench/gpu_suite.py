@@ -599,7 +599,9 @@ def phases_ms(calls: list[tuple[float, float, int]], t0: float, t1: float, n: in
     full = [k for k, x in enumerate(c) if x[2] == n]
     a = c[full[0]][0] if full else c[-1][1]
     b = c[full[-1]][1] if full else c[-1][1]
-    ms = lambda x: round(1000 * x, 2)  # noqa: E731
+    def ms(seconds: float) -> float:
+        return round(1000 * seconds, 2)
+
     return {"to_first_call": ms(c[0][0] - t0), "ramp": ms(a - c[0][0]), "full": ms(b - a), "full_calls": len(full),
             "tail": ms(t1 - b), "calls": len(c),
             # the first calls: (start from the run's start, size, start to wait's return), ms

@@ -466,7 +466,7 @@ class Host:
 
 
 _YOUNG_GC_THRESHOLD = 10_000  # net allocations between two young collections (Python's default: 700)
-_gc_lock = threading.Lock()
+_tuning_lock = threading.Lock()  # the process-wide settings hosts change (GC, GIL switch interval)
 _gc_hosts = 0  # hosts alive with tune_gc; the first tunes the collector, the last one out restores it
 _gc_before = (700, 10, 10)
 
@@ -483,7 +483,7 @@ def _tune_gc() -> None:
     makes 1-2 young ones (~2.5 ms) and no full one. A serving process keeps its start-up
     objects anyway; cyclic garbage waits a little longer to be collected."""
     global _gc_hosts, _gc_before
-    with _gc_lock:
+    with _tuning_lock:
         if _gc_hosts == 0:
             _gc_before = gc.get_threshold()
         _gc_hosts += 1
@@ -510,7 +510,7 @@ def _untune_gc() -> None:
     """A tuned host has shut down: with no other left, what they left behind can be collected
     again and the collector runs as before."""
     global _gc_hosts
-    with _gc_lock:
+    with _tuning_lock:
         _gc_hosts -= 1
         if _gc_hosts == 0:
             gc.unfreeze()
@@ -522,13 +522,13 @@ _switch_hosts: list[float] = []  # the interval each host alive with one set fou
 
 def _set_switch_interval(ms: float) -> None:
     """The GIL switch interval while a host runs (`HostConfig.switch_interval_ms`); the last set wins."""
-    with _gc_lock:
+    with _tuning_lock:
         _switch_hosts.append(sys.getswitchinterval())
         sys.setswitchinterval(ms / 1000)
 
 
 def _restore_switch_interval() -> None:
-    with _gc_lock:
+    with _tuning_lock:
         before = _switch_hosts.pop()
         if not _switch_hosts:
             sys.setswitchinterval(before)

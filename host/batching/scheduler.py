@@ -293,15 +293,14 @@ class Scheduler:
         self._ahead_in_batch, self._loops_in_batch, self._fed_rows, self._running = [], 0, [], None
         reqs.extend(f.request for f in batch[ahead:] if isinstance(f.request, ForwardRequest))
         launched = self._launch(batch, reqs, loops, ahead, prev.handle if prev is not None and fed else None, fed)
-        if prev is not None and not self._settle(prev, fed=bool(fed)) and launched is not None:
-            # the batch this one's steps were fed from failed, and their loops with it: skip them
-            lp = self._loops
-            for f in batch[:launched[3]]:
-                if f.done():
-                    lp.wasted[id(f)] = (f, None)
+        prev_ok = prev is None or self._settle(prev, fed=bool(fed))  # (the batch this one's steps read)
         if launched is None:
             return
         handle, start, loops, ahead = launched
+        if not prev_ok:  # it failed, and the loops fed from it with it: this batch's steps of theirs are skipped
+            for f in batch[:ahead]:
+                if f.done():
+                    self._loops.wasted[id(f)] = (f, None)
         rest = batch[loops:]
         tokens = loops + sum(len(f.request.tokens) for f in rest if isinstance(f.request, ForwardRequest))
         # (counted before the steps change the requests)
