@@ -74,6 +74,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--bursts", type=int, default=3, help="measured bursts per entry (the median is reported)")
     ap.add_argument("--engine", choices=("inproc", "process"), default="inproc",
                     help="the stand-in on the host's scheduler thread, or in an engine process")
+    ap.add_argument("--no-warm-yield", action="store_true",
+                    help="HostConfig.warm_yield off: the warm pool refills and the reaper frees only when the host is idle")
+    ap.add_argument("--compare-feed", action="store_true",
+                    help="also `app_no_feed`: text_completion with a stand-in that takes no Feed (the baseline of fed batches)")
     ap.add_argument("--back-to-back", action="store_true",
                     help="bursts as traffic arrives: a fresh host's first burst, then bursts one right after another")
     ap.add_argument("--backends", nargs="+", choices=tuple(BACKENDS), default=list(BACKENDS),
@@ -83,13 +87,16 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def make_host(engine: str, step_s: float, **config: Any) -> Host:
+def make_host(engine: str, step_s: float, feed: bool = True, **config: Any) -> Host:
     """The host (HostConfig `config`) in front of the stand-in sleeping `step_s` per batch, in-process
-    or in an engine process."""
+    or in an engine process. `feed` False: the stand-in takes no `Feed`, so the scheduler waits for
+    each batch of loops before it launches the next (the host before fed batches)."""
     if engine == "process":
         spec = EngineSpec(standin=True, page_size=16, num_pages=16384, standin_delay_s=step_s)
         return Host(HostConfig(engine="process", **config), engines=start_engines(spec))
-    return Host(HostConfig(**config), backend=StandInBackend(page_size=16, num_pages=16384, delay_s=step_s))
+    backend = StandInBackend(page_size=16, num_pages=16384, delay_s=step_s)
+    backend.feeds = feed
+    return Host(HostConfig(**config), backend=backend)
 
 
 def expected_text(host: Host, tokens: int) -> str:
@@ -268,13 +275,15 @@ def main() -> None:
     for step_ms in opts.step_ms:
         key = f"{step_ms:g}"
         results[key] = {}
-        for workload in ("app", "step"):  # each on a host of its own (see the module doc)
-            host = make_host(opts.engine, step_ms / 1000)
+        workloads = ("app", "step") + (("app_no_feed",) if opts.compare_feed else ())
+        for workload in workloads:  # each on a host of its own (see the module doc)
+            host = make_host(opts.engine, step_ms / 1000, feed=workload != "app_no_feed",
+                             **({"warm_yield": False} if opts.no_warm_yield else {}))
             try:
-                program = compile_inferlet(host, "text_completion" if workload == "app"
-                                           else ROOT / "bench" / "inferlets" / "stepper")
-                want = expected_text(host, opts.tokens) if workload == "app" else expected_steps(host, opts.tokens)
-                args = workload_args(workload, opts.tokens)
+                app = workload != "step"
+                program = compile_inferlet(host, "text_completion" if app else ROOT / "bench" / "inferlets" / "stepper")
+                want = expected_text(host, opts.tokens) if app else expected_steps(host, opts.tokens)
+                args = workload_args("app" if app else "step", opts.tokens)
                 run_once(host, program, args, 1, want, step_ms / 1000, opts.tokens)
                 results[key][workload] = {str(n): measure(host, step_ms / 1000, program, args, n, want, opts.tokens,
                                                           opts.bursts) for n in opts.instances}
