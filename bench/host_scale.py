@@ -43,6 +43,7 @@ Writes JSON to --json and a markdown table next to it (.md).
 from __future__ import annotations
 
 import argparse
+import resource
 import json
 import time
 from pathlib import Path
@@ -122,6 +123,7 @@ def workload_args(name: str, tokens: int) -> list[str]:
 def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_s: float,
              tokens: int) -> dict[str, float]:
     before = host.scheduler.stats.as_dict()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     runs = [Run(host, program, args) for _ in range(n)]
     for r in runs:
@@ -129,12 +131,18 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
         if end.event != "completed" or end.message != want:
             raise RuntimeError(f"wrong result: {end.event}: {end.message[:200]!r} (expected {want[:80]!r})")
     wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
     after = host.scheduler.stats.as_dict()
     mean_batch = (after["forwards"] - before["forwards"]) / max(after["batches"] - before["batches"], 1)
     tok_s = n * tokens / wall
     ideal = n * tokens / ((tokens + 1) * step_s)
     return {"tok_s": round(tok_s, 1), "ideal_tok_s": round(ideal, 1), "efficiency": round(tok_s / ideal, 3),
-            "mean_batch": round(mean_batch, 1), "wall_s": round(wall, 3)}
+            "mean_batch": round(mean_batch, 1), "wall_s": round(wall, 3),
+            # the process's CPU and page faults during the burst, per instance (starts, runs, ends,
+            # and what the warm pool and the reaper did meanwhile)
+            "cpu_ms_per_instance": round(1000 * (ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime) / n, 2),
+            "sys_ms_per_instance": round(1000 * (ru1.ru_stime - ru0.ru_stime) / n, 2),
+            "faults_per_instance": round((ru1.ru_minflt - ru0.ru_minflt) / n, 1)}
 
 
 def measure(host: Host, step_s: float, program: str, args: list[str], n: int, want: str,

@@ -35,7 +35,7 @@ from host.state.topics import Topics
 from host.suspend import Suspender
 from host.wasm import priority
 from host.wasm.engine import WasmEngine
-from host.wasm.instance import InboxFull, Instance, InstanceEnv
+from host.wasm.instance import InboxFull, Instance, InstanceEnv, Starts
 from host.wasm.limits import InstanceLimits
 from host.wasm.pooling import PoolingConfig
 from host.wasm.warm import WarmPool
@@ -143,7 +143,9 @@ class Host:
         # frees wait for an idle host (the reaper still frees each store within a second).
         busy = lambda: bool(self._instances) or any(s.busy() for s in schedulers)  # noqa: E731
         background = config.warm_yield and priority.available()
-        self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling, busy, _REAP_PENDING, background)
+        self.starts = Starts()  # launched instances not at their first wait yet: background work waits for them
+        self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling, busy, _REAP_PENDING, background,
+                               ramping=self.starts.active)
         self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3",
                                      config.max_kv_store_bytes)
         self.topics = Topics()
@@ -155,7 +157,8 @@ class Host:
         self.linker = build_linker(self.wasm.engine, self.services)
         self._env = InstanceEnv(
             engine=self.wasm, linker=self.linker, gate=self.gate,
-            limits=limits, on_block=self._forget, on_end=self._instance_ended, warm_in_background=background)
+            limits=limits, on_block=self._forget, on_end=self._instance_ended, warm_in_background=background,
+            starts=self.starts)
         self._instances: dict[str, Instance] = {}  # running and queued
         self._queued: OrderedDict[str, tuple[Instance, float]] = OrderedDict()  # launch queue: (instance, deadline)
         self.launches_queued = 0  # launches that waited in the queue, ever
@@ -166,7 +169,7 @@ class Host:
         self._closed = False
         self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
-                             busy=busy, reaping=self._reaping, background=background,
+                             busy=busy, reaping=self._reaping, background=background, ramping=self.starts.active,
                              on_full=_collect_when_idle if config.tune_gc else None)
         self._gc_tuned = config.tune_gc
         if self._gc_tuned:
@@ -311,16 +314,26 @@ class Host:
     def warm_start(self, wasms: list[bytes], per_program: int | None = None, timeout_s: float = 60.0) -> list[str]:
         """Compile these programs and keep `per_program` instances of each warm (default: an equal share
         of `warm_auto`, at least `warm_instances`), as if each had had that many running at once,
-        their pool slots primed first (`WarmPool.prime`); wait until they are ready (or `timeout_s`). Returns their hashes. pie-serve readies the
-        standard inferlets so before it serves: a fresh host's first burst starts warm."""
+        their pool slots primed first (`WarmPool.prime`); wait until they are ready (or `timeout_s`).
+        Returns their hashes. pie-serve readies the standard inferlets so before it serves: a fresh
+        host's first burst starts warm.
+
+        Twice `per_program` slots of each are primed (as far as the pool holds them): the parked
+        instances' and those the pool refills into while the first ones run. Primed once, a burst
+        right after another still refilled into slots never used (each first reset ~25 ms of
+        faults), and bursts of 256 back to back found the pool empty (bench/host_scale.py
+        --back-to-back: 0.46 vs 0.69 at 256, same hour). Each primed slot stays resident (~14 MB
+        for a componentize-py guest)."""
         if per_program is not None and per_program < 0:
             raise ValueError(f"per_program must be >= 0, got {per_program}")
         programs = [self.compile(w) for w in wasms]
         n = per_program if per_program is not None else \
             max(self.config.warm_auto // max(len(programs), 1), self.config.warm_instances)
         deadline = time.monotonic() + timeout_s
+        pool = self.wasm.pooling
+        primed = min(2 * n, max(n, pool.slots // (2 * len(programs)))) if pool is not None else n
         for program in programs:
-            self.warm.prime(program, n, timeout_s)  # each slot's costly first reset now, not in a burst
+            self.warm.prime(program, primed, timeout_s)  # each slot's costly first reset now, not in a burst
             self.warm.seed(program, n)
         for program in programs:
             self.warm.wait_ready(program, n, max(deadline - time.monotonic(), 0.0))

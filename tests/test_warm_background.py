@@ -5,6 +5,7 @@ until its launch, and `Host.warm_start` readies a fresh host's pools."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,5 +117,59 @@ def test_a_background_reaper_frees_at_once_while_the_backend_is_busy() -> None:
         reaper.put(store)
         wait_for(lambda: store.closed, timeout=5, what="the store to be freed")
         assert reaper.freed_inline == 0  # by the reaper's thread, not the caller
+    finally:
+        reaper.close()
+
+
+# ---- issue 40: refills and frees wait while launched instances start ----
+
+def test_a_launched_instance_counts_as_starting_until_it_first_waits(host: Host, misbehave_wasm: bytes) -> None:
+    program = host.compile(misbehave_wasm)
+    assert not host.starts.active()
+    spinning = Run(host, program, ["loop"])  # computes without a host call: starting until it ends
+    wait_for(lambda: host.starts.active(), what="the launch to count as starting")
+    held = holding(host, program)  # waits for a client message once it holds its page
+    host.terminate(spinning.id)
+    spinning.finish(30)
+    wait_for(lambda: not host.starts.active(), what="the waiting and the ended instance to be done starting")
+    host.signal(held.id, "go")
+    assert held.finish(30).message == "released"
+
+
+@needs_nice  # (without background refills the pool waits for an idle host anyway)
+def test_a_refill_waits_for_starting_instances_but_not_for_ever(host: Host, misbehave_wasm: bytes) -> None:
+    program = host.compile(misbehave_wasm)
+    spinning = Run(host, program, ["loop"])
+    wait_for(lambda: host.starts.active(), what="the launch to count as starting")
+    time.sleep(0.1)  # past the warm pool's quiet time after a launch
+    host.warm.seed(program, 2)
+    assert host.warm.wait_ready(program, 1, 0.1) == 0  # waiting for the starting instance
+    # an instance that computes for long before its first call holds refills back only a while
+    assert host.warm.wait_ready(program, 2, 10) == 2
+    assert host.starts.active()
+    host.terminate(spinning.id)
+    spinning.finish(30)
+
+
+def test_a_background_reaper_waits_while_instances_start_at_most_max_delay() -> None:
+    class Store:
+        closed_at: float | None = None
+
+        def close(self) -> None:
+            self.closed_at = time.monotonic()
+
+    ramping = {"on": True}
+    reaper = StoreReaper(lambda: True, max_delay_s=0.3, background=True, ramping=lambda: ramping["on"])
+    try:
+        a, b = Store(), Store()
+        t0 = time.monotonic()
+        reaper.put(a)
+        wait_for(lambda: a.closed_at is not None, timeout=5, what="the store to be freed past max_delay_s")
+        assert a.closed_at - t0 >= 0.25  # type: ignore[operator]  # it waited for the starts
+        ramping["on"] = False
+        t1 = time.monotonic()
+        reaper.put(b)
+        wait_for(lambda: b.closed_at is not None, timeout=5, what="the store to be freed")
+        assert b.closed_at - t1 < 0.25  # type: ignore[operator]  # nothing starting: at once
     finally:
         reaper.close()

@@ -42,10 +42,12 @@ class WasmEngine:
     None keeps the on-demand allocator (no cap on instances, but slower instantiation).
     `busy`: whether the backend has work; with it, finished instances' stores are freed by a
     `StoreReaper` while it has none (up to `reap_pending` wait), else where they end; with
-    `background`, by a reaper at the lowest CPU priority, at once (host/wasm/reaper.py)."""
+    `background`, by a reaper at the lowest CPU priority, at once unless `ramping()` (launched
+    instances are starting, host/wasm/reaper.py)."""
 
     def __init__(self, cache_dir: Path, tick_ms: float = 10.0, pooling: PoolingConfig | None = None,
-                 busy: Callable[[], bool] | None = None, reap_pending: int = 256, background: bool = False) -> None:
+                 busy: Callable[[], bool] | None = None, reap_pending: int = 256, background: bool = False,
+                 ramping: Callable[[], bool] | None = None) -> None:
         cfg = Config()
         cfg.epoch_interruption = True
         cfg.wasm_component_model = True
@@ -62,7 +64,8 @@ class WasmEngine:
         self.on_tick: list[Callable[[], None]] = []  # also called each tick (cheap checks only)
         self._ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
         self._ticker.start()
-        self.reaper = StoreReaper(busy, reap_pending, background=background) if busy is not None else None
+        self.reaper = StoreReaper(busy, reap_pending, background=background, ramping=ramping) \
+            if busy is not None else None
 
     def free_store(self, store: Store) -> None:
         """Free a finished instance's store (through the reaper when there is one)."""

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from host.batching.gate import RunGate
     from host.wasm.engine import WasmEngine
 
-__all__ = ["Instance", "InstanceEnv", "Terminated", "current"]
+__all__ = ["Instance", "InstanceEnv", "Starts", "Terminated", "current"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,32 @@ def current() -> Instance:
     return inst
 
 
+class Starts:
+    """How many launched instances are starting: between their launch and their first wait (the
+    first forward of most inferlets) or their end.
+
+    Why: a burst's instances are its critical path until each has queued its first forward (the
+    backend's batches fill no faster), and the work that can wait, the warm pool's refills and the
+    reaper's frees (host/wasm/warm.py, reaper.py), took the cores and the GIL from them: a burst of
+    256 back to back reached its full batch after ~220 ms with them running, ~100 ms without
+    (bench/host_scale.py). That work waits while `active()` (for at most a bound of its own)."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def begin(self) -> None:
+        with self._lock:
+            self._n += 1
+
+    def done(self) -> None:
+        with self._lock:
+            self._n -= 1
+
+    def active(self) -> bool:
+        return self._n > 0
+
+
 @dataclass(frozen=True)
 class InstanceEnv:
     """What an instance needs from its host, and nothing more."""
@@ -63,6 +89,7 @@ class InstanceEnv:
     on_end: Callable[[Instance], None]  # the instance thread ends: release what it held
     # a warm instance starts at the lowest CPU priority until launched (host/wasm/priority.py)
     warm_in_background: bool = False
+    starts: Starts | None = None  # counts launched instances until their first wait
 
 
 class Terminated(Exception):
@@ -140,6 +167,7 @@ class Instance:
         self._awaiting_launch = False  # a warm instance's thread waits in await_launch (guarded by cond)
         self._resumed = False  # the gate has handed a launched warm instance its turn (guarded by cond)
         self._base_nice: int | None = None  # while a warm instance's thread runs in the background (guarded by cond)
+        self._starting = False  # counted in env.starts: launched, not waited yet (guarded by cond)
 
     def launch(self, args: list[str], on_event: Callable[[InstanceEvent], None], tenant: str) -> bool:
         """Hand a warm instance its launch; False if it can no longer be used (it ended or was stopped)."""
@@ -152,6 +180,7 @@ class Instance:
             self.started_at = time.time()
             self._t0 = time.perf_counter()
             self.parked = False
+            self._begin_start()
             if self._base_nice is not None:  # from now on it serves a client
                 try:
                     priority.restore(self._thread.native_id or 0, self._base_nice)
@@ -193,7 +222,25 @@ class Instance:
 
     # ---- lifecycle ----
     def start(self) -> None:
+        if not self.parked:  # a cold launch starts on the critical path
+            with self.cond:
+                self._begin_start()
         self._thread.start()
+
+    def _begin_start(self) -> None:
+        """Count this instance as starting (cond held)."""
+        if self.env.starts is not None and not self._starting:
+            self._starting = True
+            self.env.starts.begin()
+
+    def _end_start(self) -> None:
+        """It waits for the first time, or ends: no longer starting."""
+        with self.cond:
+            if not self._starting:
+                return
+            self._starting = False
+        assert self.env.starts is not None
+        self.env.starts.done()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the instance thread to end; True if it has."""
@@ -302,6 +349,8 @@ class Instance:
             self.check_alive()
             return False
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+        if self._starting:
+            self._end_start()
         self.env.on_block(self.id)  # the scheduler need not wait for us
         self.env.gate.leave()  # outside self.cond: the gate wakes other instances through theirs
         try:
@@ -423,6 +472,7 @@ class Instance:
             log.exception("instance %s failed in the host", self.id)
             event, message = "exception", f"host error: {type(e).__name__}: {e}"
         finally:
+            self._end_start()
             env.gate.leave()
             _current.instance = None
             unwatch_epochs(epoch_key)

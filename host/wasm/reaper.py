@@ -20,9 +20,10 @@ frees then keep pace with ends, slots are reused while their pages are resident,
 reaper's thread only defers what a burst leaves.
 
 In the background (`background=True`, where host/wasm/priority.py can lower a thread): the reaper's
-thread runs at the lowest CPU priority and frees each store at once, busy backend or not: it takes
-only the CPU the instances leave, and a host that serves bursts back to back, never idle, still
-has its slots reset before the next burst takes them.
+thread runs at the lowest CPU priority and frees each store at once, busy backend or not, except
+while launched instances are starting (`ramping`, host/wasm/instance.py's `Starts`; each store
+waits at most `max_delay_s`): it takes only the CPU the instances leave, and a host that serves
+bursts back to back, never idle, still has its slots reset before the next burst takes them.
 
 Invariants: an instance's store is handed over after its terminal event and after everything the
 instance held in the host (pages, forwards, subscriptions) was released; nothing uses a store after
@@ -44,13 +45,16 @@ __all__ = ["StoreReaper"]
 
 log = logging.getLogger(__name__)
 
+_RAMP_POLL_S = 0.002  # how often a background reaper looks whether launched instances still start
+
 
 class StoreReaper:
     """Frees stores (objects with `close()`) on a thread of its own, preferably while `busy()` is False."""
 
     def __init__(self, busy: Callable[[], bool], max_pending: int = 256, max_delay_s: float = 0.25,
-                 poll_s: float = 0.02, background: bool = False) -> None:
+                 poll_s: float = 0.02, background: bool = False, ramping: Callable[[], bool] | None = None) -> None:
         self._busy = busy
+        self._ramping = ramping or (lambda: False)
         self.background = background
         self.max_pending = max_pending
         self.max_delay_s = max_delay_s
@@ -97,7 +101,11 @@ class StoreReaper:
         again: while the backend is busy, until that store has waited `max_delay_s`, looking at the
         backend every `poll_s` (called with the lock held)."""
         age = time.monotonic() - self._queue[0][0]
-        if self.background or len(self._queue) >= self.max_pending or age >= self.max_delay_s or not self._busy():
+        if len(self._queue) >= self.max_pending or age >= self.max_delay_s:
+            return 0.0
+        if self.background:  # busy or not, but not while launched instances start
+            return min(_RAMP_POLL_S, self.max_delay_s - age) if self._ramping() else 0.0
+        if not self._busy():
             return 0.0
         return min(self.poll_s, self.max_delay_s - age)
 

@@ -53,6 +53,8 @@ _START_TIMEOUT_S = 10.0  # a warm instance not at its first call by then is give
 # Refilling waits until launches and ends have paused this long (and, unless it runs in the
 # background, until the backend has no work): while a burst starts, its own starts come first.
 QUIET_S = 0.05
+_RAMP_POLL_S = 0.002  # how often a waiting refill looks whether launched instances still start
+_RAMP_MAX_WAIT_S = 0.25  # instances that start for longer (a guest computing before its first call) wait no more
 
 
 class WarmPool:
@@ -65,7 +67,7 @@ class WarmPool:
     def __init__(self, make: Callable[[str], Instance], per_program: int, max_programs: int = 4,
                  auto: int = 0, busy: Callable[[], bool] | None = None,
                  on_full: Callable[[], None] | None = None, reaping: Callable[[], bool] | None = None,
-                 background: bool = False) -> None:
+                 background: bool = False, ramping: Callable[[], bool] | None = None) -> None:
         if per_program < 0 or max_programs < 1 or auto < 0:
             raise ValueError(f"warm pool sizes must be >= 0 / >= 1 / >= 0, got {per_program}, {max_programs}, {auto}")
         self._make = make
@@ -74,6 +76,7 @@ class WarmPool:
         self.auto = auto
         self._busy = busy or (lambda: False)
         self._reaping = reaping or (lambda: False)
+        self._ramping = ramping or (lambda: False)
         self.background = background
         self._on_full = on_full  # called on the warmer thread when a refill has just completed
         self._ready: OrderedDict[str, deque[Instance]] = OrderedDict()  # least recently launched first
@@ -229,6 +232,7 @@ class WarmPool:
         # (This thread keeps its priority: it mostly waits, and the instance threads it starts
         # inherit it; each warm instance lowers its own, and is raised back to it at its launch.)
         owed = False  # the pool has refilled since `on_full` was last called
+        ramp_since: float | None = None  # since when the next refill waits for starting instances
         while True:
             with self._cond:
                 if self._closed:
@@ -255,7 +259,14 @@ class WarmPool:
             if quiet > 0 or self._reaping() or (not self.background and self._busy()):
                 time.sleep(max(quiet, QUIET_S))
                 continue
+            if self._ramping():  # launched instances first, until each has queued its first forward
+                now = time.monotonic()
+                ramp_since = now if ramp_since is None else ramp_since
+                if now - ramp_since < _RAMP_MAX_WAIT_S:
+                    time.sleep(_RAMP_POLL_S)
+                    continue
             self._warm_one(program)
+            ramp_since = None
             owed = True
 
     def _warm_one(self, program: str) -> None:
