@@ -43,8 +43,8 @@ Writes JSON to --json and a markdown table next to it (.md).
 from __future__ import annotations
 
 import argparse
-import resource
 import json
+import resource
 import time
 from pathlib import Path
 from typing import Any

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 import threading
 import time
@@ -145,7 +146,7 @@ class Host:
         background = config.warm_yield and priority.available()
         self.starts = Starts()  # launched instances not at their first wait yet: background work waits for them
         self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling, busy, _REAP_PENDING, background,
-                               ramping=self.starts.active)
+                               ramping=self.starts.active, reapers=_background_threads())
         self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3",
                                      config.max_kv_store_bytes)
         self.topics = Topics()
@@ -170,6 +171,7 @@ class Host:
         self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
                              busy=busy, reaping=self._reaping, background=background, ramping=self.starts.active,
+                             warmers=_background_threads(),
                              on_full=_collect_when_idle if config.tune_gc else None)
         self._gc_tuned = config.tune_gc
         if self._gc_tuned:
@@ -482,6 +484,18 @@ _YOUNG_GC_THRESHOLD = 10_000  # net allocations between two young collections (P
 _tuning_lock = threading.Lock()  # the process-wide settings hosts change (GC, GIL switch interval)
 _gc_hosts = 0  # hosts alive with tune_gc; the first tunes the collector, the last one out restores it
 _gc_before = (700, 10, 10)
+
+
+def _background_threads() -> int:
+    """Threads for the warm pool's starts and for the reaper's frees each: one per four cores this
+    process may use, at least one, at most four. Both run wasmtime without the GIL (instantiation,
+    a slot's reset), so on a GPU host's cores a burst's refills and frees proceed in parallel; on a
+    small machine one thread each leaves the cores to the running instances."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores // 4))
 
 
 def _tune_gc() -> None:

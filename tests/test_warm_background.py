@@ -173,3 +173,36 @@ def test_a_background_reaper_waits_while_instances_start_at_most_max_delay() -> 
         assert b.closed_at - t1 < 0.25  # type: ignore[operator]  # nothing starting: at once
     finally:
         reaper.close()
+
+
+@pytest.mark.build
+def test_text_completion_bursts_back_to_back_with_parallel_warmers_and_reapers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host with the cores for two warmer and two reaper threads (one per four cores): the pool
+    refills to its target and no further, and every instance of three bursts back to back, warm or
+    cold, answers exactly."""
+    import host.host as host_module
+
+    monkeypatch.setattr(host_module, "_background_threads", lambda: 2)
+    fb = FakeBackend(page_size=16, num_pages=512, delay_s=0.002)
+    h = Host(HostConfig(data_dir=tmp_path, max_instances=32, warm_auto=16), backend=fb)
+    try:
+        assert len(h.wasm.reaper._threads) == 2  # type: ignore[union-attr]
+        [prog] = h.warm_start([wasm_bytes("text_completion")], per_program=8)
+        assert h.warm.ready_count(prog) == 8 and h.warm.warmers == 2
+        tok = fb.tokenizer
+        for burst in range(3):
+            runs, wants = [], []
+            for i in range(12):
+                p = f"{burst}-{i:02d} tell me about lighthouses"
+                ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], True))
+                wants.append(tok.decode([(ids[-1] + 1 + j) % 256 for j in range(16)]))
+                runs.append(Run(h, prog, ["--prompt", p, "--max-tokens", "16"]))
+            assert [(r.finish(120).event, r.end.message) for r in runs] == [("completed", w) for w in wants]
+            assert h.warm.ready_count(prog) <= 12  # the demand's target (12 ran at once), never more
+        wait_for(lambda: h.warm.ready_count(prog) == 12, timeout=30, what="the pool to refill to 12")
+        time.sleep(0.2)
+        assert h.warm.ready_count(prog) == 12
+        assert [t.name for t in h.warm._threads if t.is_alive()] == ["pie-warm-0", "pie-warm-1"]
+    finally:
+        h.shutdown()

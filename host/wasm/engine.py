@@ -43,11 +43,11 @@ class WasmEngine:
     `busy`: whether the backend has work; with it, finished instances' stores are freed by a
     `StoreReaper` while it has none (up to `reap_pending` wait), else where they end; with
     `background`, by a reaper at the lowest CPU priority, at once unless `ramping()` (launched
-    instances are starting, host/wasm/reaper.py)."""
+    instances are starting, host/wasm/reaper.py), on `reapers` threads."""
 
     def __init__(self, cache_dir: Path, tick_ms: float = 10.0, pooling: PoolingConfig | None = None,
                  busy: Callable[[], bool] | None = None, reap_pending: int = 256, background: bool = False,
-                 ramping: Callable[[], bool] | None = None) -> None:
+                 ramping: Callable[[], bool] | None = None, reapers: int = 1) -> None:
         cfg = Config()
         cfg.epoch_interruption = True
         cfg.wasm_component_model = True
@@ -64,7 +64,7 @@ class WasmEngine:
         self.on_tick: list[Callable[[], None]] = []  # also called each tick (cheap checks only)
         self._ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
         self._ticker.start()
-        self.reaper = StoreReaper(busy, reap_pending, background=background, ramping=ramping) \
+        self.reaper = StoreReaper(busy, reap_pending, background=background, ramping=ramping, threads=reapers) \
             if busy is not None else None
 
     def free_store(self, store: Store) -> None:

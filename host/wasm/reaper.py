@@ -52,7 +52,8 @@ class StoreReaper:
     """Frees stores (objects with `close()`) on a thread of its own, preferably while `busy()` is False."""
 
     def __init__(self, busy: Callable[[], bool], max_pending: int = 256, max_delay_s: float = 0.25,
-                 poll_s: float = 0.02, background: bool = False, ramping: Callable[[], bool] | None = None) -> None:
+                 poll_s: float = 0.02, background: bool = False, ramping: Callable[[], bool] | None = None,
+                 threads: int = 1) -> None:
         self._busy = busy
         self._ramping = ramping or (lambda: False)
         self.background = background
@@ -64,8 +65,11 @@ class StoreReaper:
         self._closed = False
         self.free_when_behind = True  # False: queue every store, however far behind (the rule before)
         self.freed_inline = 0  # stores put while the reaper was behind, freed by their caller
-        self._thread = threading.Thread(target=self._run, name="pie-reaper", daemon=True)
-        self._thread.start()
+        # several threads free in parallel on a host with the cores (a reset runs without the GIL)
+        self._threads = [threading.Thread(target=self._run, name="pie-reaper" if i == 0 else f"pie-reaper-{i}",
+                                          daemon=True) for i in range(max(threads, 1))]
+        for t in self._threads:
+            t.start()
 
     def put(self, store: Any) -> None:
         """Free `store` soon; at once, on the calling thread, if the reaper is closed or behind."""
@@ -73,8 +77,8 @@ class StoreReaper:
         with self._cond:
             if not self._closed and not (self.free_when_behind and self._behind(now)):
                 self._queue.append((now, store))
-                if len(self._queue) == 1:
-                    self._cond.notify()  # the thread waits for a first store; it looks at later ones itself
+                if len(self._queue) <= len(self._threads):
+                    self._cond.notify()  # a thread waits for it; past that many, they look at later ones themselves
                 return
             self.freed_inline += 1
         _free(store)  # outside the lock: the reaper's thread and other ending threads go on
@@ -90,9 +94,10 @@ class StoreReaper:
         """Stop the thread and free every store still queued."""
         with self._cond:
             self._closed = True
-            self._cond.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(5)
+            self._cond.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(5)
         while self._queue:
             _free(self._queue.popleft()[1])
 

@@ -29,8 +29,8 @@ Invariants: a warm instance has received nothing from the host, so handing one o
 indistinguishable, to its guest, from a cold start. A program whose warm instance ends before its
 first host call (it traps, returns without a call, or runs past `Instance.WARM_DEADLINE_S`) is
 never warmed again: its launches start cold and meet the same fate in front of their client. At
-most one warm instance is being started at a time, so warming never takes more than one core
-(`prime`, at a host's start, runs its n at once).
+most `warmers` warm instances are being started at a time (the host: one per four cores, at least
+one), so warming takes no more cores than that (`prime`, at a host's start, runs its n at once).
 `seed` gives a program a target as if it had run that many at once (a fresh host's standard
 inferlets, `Host.warm_start`).
 """
@@ -62,12 +62,17 @@ class WarmPool:
 
     `make(program)` returns a new, not yet started, warm `Instance`; `auto` caps the instances
     kept for demand (0 = only `per_program`). `busy`: the host has work; `reaping`: finished
-    stores wait to be freed; `background`: refill while the host is busy, at the lowest priority."""
+    stores wait to be freed; `background`: refill while the host is busy, at the lowest priority;
+    `ramping`: launched instances are starting (refills wait for them, up to `_RAMP_MAX_WAIT_S`);
+    `warmers`: instances started at once (each on its own core: instantiation runs without the GIL)."""
 
     def __init__(self, make: Callable[[str], Instance], per_program: int, max_programs: int = 4,
                  auto: int = 0, busy: Callable[[], bool] | None = None,
                  on_full: Callable[[], None] | None = None, reaping: Callable[[], bool] | None = None,
-                 background: bool = False, ramping: Callable[[], bool] | None = None) -> None:
+                 background: bool = False, ramping: Callable[[], bool] | None = None,
+                 warmers: int = 1) -> None:
+        if warmers < 1:
+            raise ValueError(f"the warm pool needs at least one warmer thread, got {warmers}")
         if per_program < 0 or max_programs < 1 or auto < 0:
             raise ValueError(f"warm pool sizes must be >= 0 / >= 1 / >= 0, got {per_program}, {max_programs}, {auto}")
         self._make = make
@@ -86,7 +91,10 @@ class WarmPool:
         self._cold: set[str] = set()  # programs that cannot be warmed
         self._cond = threading.Condition()
         self._closed = False
-        self._thread: threading.Thread | None = None
+        self.warmers = warmers
+        self._threads: list[threading.Thread] = []
+        self._starting: dict[str, int] = {}  # warm instances being started, by program
+        self._owed = False  # the pool has refilled since `on_full` was last called
         self._last_activity = 0.0  # the last launch or end of a launched instance
 
     def take(self, program: str) -> Instance | None:
@@ -204,11 +212,13 @@ class WarmPool:
             inst.terminate("host shutting down")
         return parked
 
-    # ---- the warmer thread ----
+    # ---- the warmer threads ----
     def _start_warmer(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="pie-warm", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._run, name=f"pie-warm-{i}", daemon=True)
+                             for i in range(self.warmers)]
+            for t in self._threads:
+                t.start()
 
     def _evict_old_programs(self) -> None:
         """Keep the most recent `max_programs` programs warm (called with the lock held)."""
@@ -220,18 +230,18 @@ class WarmPool:
                 inst.terminate("warm instance no longer needed")
 
     def _next_program(self) -> str | None:
-        parked = sum(len(q) for q in self._ready.values())
+        parked = sum(len(q) for q in self._ready.values()) + sum(self._starting.values())
         for program, ready in reversed(self._ready.items()):  # most recently launched first
-            if program in self._cold or len(ready) >= self._target.get(program, 0):
+            have = len(ready) + self._starting.get(program, 0)
+            if program in self._cold or have >= self._target.get(program, 0):
                 continue
-            if program in self._pinned or len(ready) < self.per_program or parked < self.auto:
+            if program in self._pinned or have < self.per_program or parked < self.auto:
                 return program
         return None
 
     def _run(self) -> None:
-        # (This thread keeps its priority: it mostly waits, and the instance threads it starts
+        # (These threads keep their priority: they mostly wait, and the instance threads they start
         # inherit it; each warm instance lowers its own, and is raised back to it at its launch.)
-        owed = False  # the pool has refilled since `on_full` was last called
         ramp_since: float | None = None  # since when the next refill waits for starting instances
         while True:
             with self._cond:
@@ -239,17 +249,18 @@ class WarmPool:
                     return
                 program = self._next_program()
                 if program is None:
-                    if not owed or self._on_full is None:
-                        owed = False
-                        self._cond.wait_for(lambda: self._closed or self._next_program() is not None)
+                    if not self._owed or self._on_full is None or self._starting:
+                        self._owed = self._owed and bool(self._starting)
+                        self._cond.wait_for(lambda: self._closed or self._next_program() is not None
+                                            or (self._owed and not self._starting))
                         continue
                     # the hook's collection stops every thread: only once the host has been idle a while
                     if self._busy() or time.monotonic() - self._last_activity < QUIET_S:
                         self._cond.wait(QUIET_S)
                         continue
+                    self._owed = False  # (one thread calls it)
                 quiet = self._last_activity + QUIET_S - time.monotonic()
             if program is None:  # full, and the host idle: outside the lock, a `take` never waits for it
-                owed = False
                 try:
                     assert self._on_full is not None
                     self._on_full()
@@ -265,9 +276,22 @@ class WarmPool:
                 if now - ramp_since < _RAMP_MAX_WAIT_S:
                     time.sleep(_RAMP_POLL_S)
                     continue
-            self._warm_one(program)
+            with self._cond:
+                if self._next_program() != program:  # another warmer took it meanwhile
+                    continue
+                self._starting[program] = self._starting.get(program, 0) + 1
+            try:
+                self._warm_one(program)
+            finally:
+                with self._cond:
+                    left = self._starting[program] - 1
+                    if left:
+                        self._starting[program] = left
+                    else:
+                        del self._starting[program]
+                    self._owed = True
+                    self._cond.notify_all()
             ramp_since = None
-            owed = True
 
     def _warm_one(self, program: str) -> None:
         try:
