@@ -36,31 +36,44 @@ launches found. Backends: `forward`, one that only has
 comparison: `default` (the host as it runs by default), `idle_only` (the warm pool and the reaper
 work only while the host is idle, and a fresh host warms nothing: the rule before
 `HostConfig.warm_yield`), `warm_start_idle_only` (the fresh host's pool readied, refills only
-while idle).
+while idle), `no_start_wait` (refills and frees do not wait while launched instances start:
+host/wasm/instance.py's `Starts`) and `prime_once` (`Host.warm_start` primes one slot per parked
+instance instead of two).
+Every burst also reports the process's CPU, kernel CPU and page faults per instance
+(`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`).
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from common import ROOT, Run, compile_inferlet, settle
 
+import host.host as host_module
 from gpu_backend.engine.client import EngineSpec, start_engines
 from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
 from host.cli.build import resolve_inferlet
+from host.wasm.instance import Starts
 
 PROMPT = "Write a story about a lighthouse."
 BACKENDS = {"forward": {"run_ahead": False}, "overlap": {"run_ahead": True}}
 # Host settings for --back-to-back; `warm_start`: standard inferlets whose pools a fresh host readies.
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {"warm_start": ("text_completion",)},
+    # the host before issue 40's second round, one change at a time (module settings patched
+    # for the variant's host only): refills and frees go on while launched instances start ...
+    "no_start_wait": {"warm_start": ("text_completion",), "patch": {"starts_wait": False}},
+    # ... and warm_start primes one slot per parked instance, not two
+    "prime_once": {"warm_start": ("text_completion",), "patch": {"prime_factor": 1}},
     "idle_only": {"warm_start": (), "config": {"warm_yield": False}},
     "warm_start_idle_only": {"warm_start": ("text_completion",), "config": {"warm_yield": False}},
 }
@@ -211,11 +224,29 @@ def back_to_back(opts: argparse.Namespace) -> dict[str, Any]:
                 continue
             for n in opts.instances:
                 for variant in opts.variants:
-                    row = traffic(opts, step_s, n, {**backend_config, **VARIANTS[variant].get("config", {})},
-                                  VARIANTS[variant]["warm_start"])
+                    with patched(**VARIANTS[variant].get("patch", {})):
+                        row = traffic(opts, step_s, n, {**backend_config, **VARIANTS[variant].get("config", {})},
+                                      VARIANTS[variant]["warm_start"])
                     out.setdefault(f"{step_ms:g}", {}).setdefault(backend, {}).setdefault(str(n), {})[variant] = row
                     print(f"{step_ms:g} ms {backend} {n} {variant}: {json.dumps(row)}", flush=True)
     return out
+
+
+@contextlib.contextmanager
+def patched(starts_wait: bool = True, prime_factor: int | None = None) -> Iterator[None]:
+    """Module settings a variant changes for its host: `starts_wait` False = launched instances'
+    starts do not hold refills and frees back (`Starts.active` always False); `prime_factor`:
+    slots `Host.warm_start` primes per parked instance."""
+    saved_active, saved_factor = Starts.active, host_module._PRIME_FACTOR
+    if not starts_wait:
+        Starts.active = lambda self: False  # type: ignore[method-assign]
+    if prime_factor is not None:
+        host_module._PRIME_FACTOR = prime_factor
+    try:
+        yield
+    finally:
+        Starts.active = saved_active  # type: ignore[method-assign]
+        host_module._PRIME_FACTOR = saved_factor
 
 
 def traffic(opts: argparse.Namespace, step_s: float, n: int, config: dict[str, Any],

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 _ENDED_KEPT = 1024  # ended instances remembered for wait()
 _WARM_PROGRAMS = 4  # programs kept warm at once (the most recently launched)
-_REAP_PENDING = 256  # finished instances whose stores may wait for an idle backend (host/wasm/reaper.py)
+_PRIME_FACTOR = 2  # Host.warm_start primes this many slots per parked instance
+_REAP_PENDING = 512  # finished instances whose stores may wait for an idle backend (host/wasm/reaper.py)
 
 
 class HostBusy(RuntimeError):
@@ -333,7 +334,7 @@ class Host:
             max(self.config.warm_auto // max(len(programs), 1), self.config.warm_instances)
         deadline = time.monotonic() + timeout_s
         pool = self.wasm.pooling
-        primed = min(2 * n, max(n, pool.slots // (2 * len(programs)))) if pool is not None else n
+        primed = min(_PRIME_FACTOR * n, max(n, pool.slots // (2 * len(programs)))) if pool is not None else n
         for program in programs:
             self.warm.prime(program, primed, timeout_s)  # each slot's costly first reset now, not in a burst
             self.warm.seed(program, n)

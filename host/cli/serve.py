@@ -55,9 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                          "with the OpenAI handler's, sharing --warm-auto: a fresh host's first burst then skips "
                          "the instances' start-up (default text_completion; 'none' warms nothing)")
     ap.add_argument("--warm-start-instances", type=int, default=16, metavar="N",
-                    help="instances of each --warm-start inferlet started before serving (default 16; each holds "
-                         "~14 MB resident, its pool slot primed: 256 of one took ~7 s and 3.5 GB here); bursts "
-                         "beyond it start cold until --warm-auto has learned their size")
+                    help="instances of each --warm-start inferlet started before serving (default 16); twice as "
+                         "many pool slots are primed, each ~14 MB resident (256 of one: 512 slots, ~7 GB, ~15 s "
+                         "here); bursts beyond it start cold until --warm-auto has learned their size")
     ap.add_argument("--served-model-name", default=None, metavar="NAME",
                     help="the model name the OpenAI routes answer to and /v1/models lists (default: the model's own)")
     add_host_options(ap)
