@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                          "the instances' start-up (default text_completion; 'none' warms nothing)")
     ap.add_argument("--warm-start-instances", type=int, default=16, metavar="N",
                     help="instances of each --warm-start inferlet started before serving (default 16); twice as "
-                         "many pool slots are primed, each ~14 MB resident (256 of one: 512 slots, ~7 GB, ~15 s "
+                         "many pool slots are primed, each ~14 MB resident (256 of one: 512 slots, ~7 GB, ~9 s "
                          "here); bursts beyond it start cold until --warm-auto has learned their size")
     ap.add_argument("--served-model-name", default=None, metavar="NAME",
                     help="the model name the OpenAI routes answer to and /v1/models lists (default: the model's own)")
