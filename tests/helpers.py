@@ -71,3 +71,33 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.005)
+
+
+def hf_default_tokenizer():  # type: ignore[no-untyped-def]
+    """transformers' tokenizer for the default model, as `AutoTokenizer.from_pretrained(gguf_file=...)`
+    makes it (the independent reference for ours), converted from the GGUF once and kept on disk.
+
+    Why: the conversion reads the GGUF's vocabulary in Python, ~5 s each time; test modules that
+    each made it cost make test-fast ~15 s of its minute. The saved tokenizer.json is the
+    conversion's own output, reloaded by transformers."""
+    import fcntl
+    import hashlib
+
+    import transformers
+
+    from gpu_backend.loading.loader import default_model_path
+    from host.config import default_cache_dir
+
+    path = default_model_path()
+    st = path.stat()
+    key = hashlib.sha256(f"{path.name}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}".encode()).hexdigest()
+    cache = default_cache_dir() / "test-hf-tokenizer" / key[:24]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.parent / f"{key[:24]}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # pytest-xdist workers: one converts, the others wait
+        if not (cache / "tokenizer.json").is_file():
+            tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            tmp = cache.with_name(cache.name + ".tmp")
+            tok.save_pretrained(tmp)
+            tmp.replace(cache)
+    return transformers.AutoTokenizer.from_pretrained(cache)

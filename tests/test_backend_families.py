@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from backend_checks import Pages, req
+from helpers import hf_default_tokenizer
 from parity import run_parity
 
 from gpu_backend.attention.flex import FlexAttention
 from gpu_backend.build import backend_from_weights, make_attention
 from gpu_backend.loading.hf_dir import MULTIMODAL, SUPPORTED_MODEL_TYPES
-from gpu_backend.loading.loader import default_model_path, load_model_files
+from gpu_backend.loading.loader import load_model_files
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,8 +60,7 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def hf_tokenizer():
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return hf_default_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import hf_default_tokenizer
 from parity import run_parity
 
 from gpu_backend import load_backend
-from gpu_backend.loading.loader import default_model_path
 
 transformers = pytest.importorskip("transformers")
 
 
 def make_dir(tmp_path, kind: str):
-    path = default_model_path()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf_tok = hf_default_tokenizer()
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2)

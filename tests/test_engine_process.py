@@ -77,6 +77,7 @@ def test_a_bad_request_fails_alone_with_its_index(engine: ProcessBackend) -> Non
     assert engine.forward([good]) == [[OutputResult(token=8)]]  # the engine carries on
 
 
+@pytest.mark.slow  # (~7 s: two engine processes start; make test runs it)
 def test_a_killed_engine_is_noticed_at_once_and_restarted() -> None:
     b = ProcessBackend(EngineSpec(standin=True, page_size=4, num_pages=16, standin_delay_s=3.0))
     try:

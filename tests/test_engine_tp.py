@@ -102,6 +102,7 @@ def test_split_and_shard_shapes() -> None:
         check_shardable(TINY, 4)
 
 
+@pytest.mark.slow  # (two gloo processes; make test runs it)
 def test_two_gloo_ranks_match_one_rank_on_a_tiny_model() -> None:
     import torch.multiprocessing as mp
 

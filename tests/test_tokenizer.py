@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from gpu_backend.loading.loader import default_model_path
+from helpers import hf_default_tokenizer
 
 CORPUS = [
     "Hello world!",
@@ -32,9 +31,8 @@ DIGIT_WHITESPACE = ["a   1 22  333\n\n 4", "x =    42", "items:\n    1. one\n   
 
 @pytest.fixture(scope="module")
 def hf_tok():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    pytest.importorskip("transformers")
+    return hf_default_tokenizer()
 
 
 @pytest.fixture(scope="module")

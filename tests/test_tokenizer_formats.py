@@ -11,9 +11,9 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+from helpers import hf_default_tokenizer
 
 from gpu_backend.loading.hf_tokenizer import hf_tokenizer
-from gpu_backend.loading.loader import default_model_path
 from gpu_backend.loading.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -105,8 +105,7 @@ def test_sentencepiece_byte_fallback_and_specials(sentencepiece):
 @pytest.fixture(scope="module")
 def nfc_dir(tmp_path_factory):
     """SmolLM2's byte-level tokenizer.json with an NFC normalizer (as Qwen2's has)."""
-    path = default_model_path()
-    hf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = hf_default_tokenizer()
     out = tmp_path_factory.mktemp("nfc")
     hf.save_pretrained(out)
     tj = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
