@@ -37,8 +37,8 @@ comparison: `default` (the host as it runs by default), `idle_only` (the warm po
 work only while the host is idle, and a fresh host warms nothing: the rule before
 `HostConfig.warm_yield`), `warm_start_idle_only` (the fresh host's pool readied, refills only
 while idle), `no_start_wait` (refills and frees do not wait while launched instances start:
-host/wasm/instance.py's `Starts`) and `prime_once` (`Host.warm_start` primes one slot per parked
-instance instead of two).
+host/wasm/instance.py's `Starts`), `prime_once` (`Host.warm_start` primes one slot per parked
+instance instead of two) and `on_demand` (`HostConfig.instance_pool=False`: wasmtime's on-demand allocator).
 Every burst also reports the process's CPU, kernel CPU and page faults per instance
 (`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`).
 Writes JSON to --json and a markdown table next to it (.md).
@@ -74,6 +74,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no_start_wait": {"warm_start": ("text_completion",), "patch": {"starts_wait": False}},
     # ... and warm_start primes one slot per parked instance, not two
     "prime_once": {"warm_start": ("text_completion",), "patch": {"prime_factor": 1}},
+    # no pooling allocator: memory mapped at each instantiation and unmapped at the end
+    "on_demand": {"warm_start": ("text_completion",), "config": {"instance_pool": False}},
     "idle_only": {"warm_start": (), "config": {"warm_yield": False}},
     "warm_start_idle_only": {"warm_start": ("text_completion",), "config": {"warm_yield": False}},
 }

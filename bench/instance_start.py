@@ -24,8 +24,9 @@ Also: `components_mb`, the size of each standard inferlet's component; `runtime_
 componentize-py component with no SDK and no inferlet (the interpreter and its standard library
 alone: what a shared guest runtime would take out of each inferlet), and its memory image next to
 text_completion's (`image_mb`: the initial linear memory every instance starts from and every free
-resets); `rss_mb_per_parked` (256 parked text_completion instances, in slots used before) and
-`rss_mb_per_live` (bench/host_scale.py's 256 live `step` instances).
+resets); `rss_mb_per_primed_slot` (a pool slot used and reset once: what it keeps resident),
+`rss_mb_per_parked` (a parked text_completion instance, beyond its primed slot) and
+`rss_mb_per_live` (bench/host_scale.py's 256 live `step` instances, the warm pool off).
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
@@ -144,23 +145,28 @@ def measure_variant(name: str, n: int, rounds: int) -> dict[str, float]:
     return out
 
 
-def rss_per_parked(n: int = 256) -> float:
-    """Resident memory per parked text_completion instance in slots that were used before."""
+def rss_per_parked(n: int = 256) -> tuple[float, float]:
+    """Resident memory per primed slot (a slot used and reset once, as on a host that has served or
+    been warm-started) and per parked text_completion instance in such a slot, in MB."""
     host = make_host("inproc", 0.01, warm_auto=0, warm_instances=0)
     try:
         program = compile_inferlet(host, "text_completion")
-        host.warm.prime(program, n)  # every slot used and reset once, as on a host that has served
         time.sleep(0.5)
         before = rss_mb()
+        host.warm.prime(program, n)
+        time.sleep(0.5)
+        primed = rss_mb()
         host.prewarm(program, n)
-        after = rss_mb()
-        return round((after - before) / n, 2)
+        parked = rss_mb()
+        return round((primed - before) / n, 2), round((parked - primed) / n, 2)
     finally:
         host.shutdown()
 
 
 def rss_per_live() -> float:
-    host = make_host("inproc", 0.01)
+    """Resident memory per live `step` instance (host_scale's measure), the warm pool off: its refills
+    would be counted too (as bench/host_scale.py measures it: no step delay)."""
+    host = make_host("inproc", 0.0, warm_auto=0, warm_instances=0)
     try:
         return rss_per_instance(host, compile_inferlet(host, Path(__file__).parent / "inferlets" / "stepper"))
     finally:
@@ -228,7 +234,7 @@ def main() -> None:
             if bare is not None:
                 results["runtime_mb"] = round(bare.stat().st_size / 1e6, 2)
                 results["image_mb"]["runtime"] = _data_section_bytes(bare.read_bytes())
-    results["rss_mb_per_parked"] = rss_per_parked()
+    results["rss_mb_per_primed_slot"], results["rss_mb_per_parked"] = rss_per_parked()
     results["rss_mb_per_live"] = rss_per_live()
     print(json.dumps({k: v for k, v in results.items() if k != "variants"}), flush=True)
     opts.json.write_text(json.dumps(results, indent=1) + "\n")
@@ -246,8 +252,8 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| {k} | " + " | ".join(str(v.get(k)) for v in variants.values()) + " |")
     lines += ["", f"components (MB): {results['components_mb']}",
               f"bare runtime component (MB): {results.get('runtime_mb')}; memory images (MB): {results['image_mb']}",
-              f"resident per parked instance: {results['rss_mb_per_parked']} MB; per live instance: "
-              f"{results['rss_mb_per_live']} MB"]
+              f"resident per primed slot: {results['rss_mb_per_primed_slot']} MB; per parked instance beyond "
+              f"its slot: {results['rss_mb_per_parked']} MB; per live instance: {results['rss_mb_per_live']} MB"]
     return "\n".join(lines) + "\n"
 
 
