@@ -325,8 +325,8 @@ class Host:
         instances' and those the pool refills into while the first ones run. Primed once, a burst
         right after another still refilled into slots never used (each first reset ~25 ms of
         faults), and bursts of 256 back to back found the pool empty (bench/host_scale.py
-        --back-to-back: 0.46 vs 0.69 at 256, same hour). Each primed slot stays resident (~14 MB
-        for a componentize-py guest)."""
+        --back-to-back, 10 ms, same run: 0.625 / 0.683 vs 0.399 / 0.526 primed once, forward /
+        overlapping backend). Each primed slot stays resident (~7-14 MB for a componentize-py guest)."""
         if per_program is not None and per_program < 0:
             raise ValueError(f"per_program must be >= 0, got {per_program}")
         programs = [self.compile(w) for w in wasms]

@@ -57,9 +57,10 @@ class Starts:
 
     Why: a burst's instances are its critical path until each has queued its first forward (the
     backend's batches fill no faster), and the work that can wait, the warm pool's refills and the
-    reaper's frees (host/wasm/warm.py, reaper.py), took the cores and the GIL from them: a burst of
-    256 back to back reached its full batch after ~220 ms with them running, ~100 ms without
-    (bench/host_scale.py). That work waits while `active()` (for at most a bound of its own)."""
+    reaper's frees (host/wasm/warm.py, reaper.py), should not take the cores and the GIL from them.
+    That work waits while `active()` (for at most a bound of its own). Measured (bench/README.md,
+    "Issue 40, second round"): 33-76 of the last burst's frees ran inside each ramp of 256 before,
+    1-9 after; burst efficiency on 2 vCPUs moved within the noise."""
 
     def __init__(self) -> None:
         self._n = 0

@@ -109,7 +109,8 @@ class StoreReaper:
     def _wait_s(self) -> float:
         """0 if the oldest queued store is due to be freed now, else how long to wait before looking
         again: while the backend is busy, until that store has waited `max_delay_s`, looking at the
-        backend every `poll_s` (called with the lock held)."""
+        backend every `poll_s`; in the background, while instances start, up to `_RAMP_MAX_WAIT_S`
+        from the pause's start (called with the lock held)."""
         if len(self._queue) >= self.max_pending:
             return 0.0
         now = time.monotonic()
