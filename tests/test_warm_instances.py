@@ -226,3 +226,75 @@ def test_shutdown_gives_the_pool_address_space_back(tmp_path) -> None:
         h.shutdown()
         sizes.append(_vm_size_kib())
     assert sizes[-1] - sizes[0] < 64 * 2**20  # KiB: well under one pool's reservation
+
+
+# ---- issue 40: the model's constants are answered while an instance warms ----
+
+def test_a_before_launch_import_answers_a_parked_instance_and_another_import_parks_it() -> None:
+    from types import SimpleNamespace
+
+    from host.api.guest import guest_import
+    from host.wasm import instance as instance_module
+
+    seen: list[object] = []
+    parked = SimpleNamespace(parked=True, stepper=None, await_launch=lambda: seen.append("parked"))
+
+    @guest_import("model.constant", before_launch=True)
+    def constant(inst: object) -> int:
+        seen.append(inst)
+        return 7
+
+    @guest_import("runtime.launch-specific")
+    def specific(inst: object) -> int:
+        seen.append(inst)
+        return 8
+
+    instance_module._current.instance = parked
+    try:
+        assert constant(None) == 7 and seen == [parked]  # answered, not parked
+        assert specific(None) == 8 and seen == [parked, "parked", parked]  # parked first, then answered
+    finally:
+        instance_module._current.instance = None
+
+
+@pytest.mark.build
+def test_a_warm_text_completion_asked_for_the_model_constants_before_it_parked(tmp_path: Path) -> None:
+    """The SDK asks for the stop tokens and the chat template before its arguments; the host answers
+    them while the instance warms, so it parks at `runtime.arguments` and its launch is exact."""
+    import host.api.model as model_api
+    from host.wasm import instance as instance_module
+
+    fb = FakeBackend(page_size=16, num_pages=256)
+    calls: list[tuple[str, bool]] = []
+    real_imports = model_api.imports
+
+    def counting_imports(*args: object, **kwargs: object) -> object:
+        table = real_imports(*args, **kwargs)
+        for name in ("stop-tokens", "chat-template"):
+            fn = table[name]
+
+            def wrapped(store: object, *a: object, _fn: object = fn, _name: str = name) -> object:
+                inst = getattr(instance_module._current, "instance", None)
+                calls.append((_name, bool(inst is not None and inst.parked)))
+                return _fn(store, *a)  # type: ignore[operator]
+
+            table[name] = wrapped
+        return table
+
+    model_api.imports = counting_imports  # type: ignore[assignment]
+    try:
+        h = Host(HostConfig(data_dir=tmp_path, warm_auto=0), backend=fb)
+    finally:
+        model_api.imports = real_imports  # type: ignore[assignment]
+    try:
+        prog = h.compile(wasm_bytes("text_completion"))
+        assert h.prewarm(prog, 1) == 1
+        assert sorted(calls) == [("chat-template", True), ("stop-tokens", True)]  # asked while parked-to-be
+        tok = fb.tokenizer
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi there"}], True))
+        run = Run(h, prog, ["--prompt", "hi there", "--max-tokens", "8"])
+        want = tok.decode([(ids[-1] + 1 + j) % 256 for j in range(8)])
+        assert (run.finish(60).event, run.end.message) == ("completed", want)  # type: ignore[union-attr]
+        assert len(calls) == 2  # the launched instance did not ask again
+    finally:
+        h.shutdown()

@@ -31,9 +31,14 @@ class GuestError(Exception):
     """Guest misuse of an import: traps the instance with this message."""
 
 
-def guest_import(name: str, store: bool = False, keeps_lookahead: bool = False) -> Callable[[Callable[..., Any]], Import]:
+def guest_import(name: str, store: bool = False, keeps_lookahead: bool = False,
+                 before_launch: bool = False) -> Callable[[Callable[..., Any]], Import]:
     """Wrap `fn(instance, *args)` as the import `name` (e.g. "kv.allocate"); with `store`,
     `fn(instance, store_context, *args)` (resource handles are resolved through the store).
+
+    `before_launch`: the answer is the same for every launch, tenant and replica (a constant of
+    the model), so a warm instance gets it while it warms, without parking (host/wasm/warm.py):
+    the SDK asks for such constants before `runtime.arguments`, and they are off a launch's path.
 
     A `forward` or `kv` import drops a stepping guest's predicted next decode-step first (its view
     of its pages may change: host/api/lookahead.py) unless it is declared `keeps_lookahead`."""
@@ -43,7 +48,7 @@ def guest_import(name: str, store: bool = False, keeps_lookahead: bool = False) 
     def deco(fn: Callable[..., Any]) -> Import:
         @functools.wraps(fn)
         def wrapper(_store: Any, *args: Any) -> Any:
-            inst = current()
+            inst = current(park=not before_launch)
             try:
                 if drops and inst.stepper is not None:  # its view of its pages may change: no lookahead
                     inst.stepper.drop()

@@ -14,7 +14,7 @@ from host.wasm.instance import Instance
 
 def imports(replicas: Sequence[Replica], names: ExportNames, page_size: int) -> dict[str, Import]:
     """The `kv` imports: each reaches its instance's replica (`inst.pages.replica`)."""
-    @guest_import("kv.page-size", keeps_lookahead=True)
+    @guest_import("kv.page-size", keeps_lookahead=True, before_launch=True)
     def kv_page_size(inst: Instance) -> int:
         return page_size
 

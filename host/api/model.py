@@ -13,7 +13,7 @@ from host.wasm.instance import Instance
 
 
 def imports(info: BackendInfo, tok: Tokenizer) -> dict[str, Import]:
-    @guest_import("model.available-models")
+    @guest_import("model.available-models", before_launch=True)
     def available_models(inst: Instance) -> list[str]:
         return [info.name]
 
@@ -23,19 +23,19 @@ def imports(info: BackendInfo, tok: Tokenizer) -> dict[str, Import]:
             return f"unknown model {name!r}; available: {info.name}"
         return None
 
-    @guest_import("model.model-name")
+    @guest_import("model.model-name", before_launch=True)
     def model_name(inst: Instance) -> str:
         return info.name
 
-    @guest_import("model.vocab-size")
+    @guest_import("model.vocab-size", before_launch=True)
     def vocab_size(inst: Instance) -> int:
         return info.vocab_size
 
-    @guest_import("model.stop-tokens")
+    @guest_import("model.stop-tokens", before_launch=True)
     def stop_tokens(inst: Instance) -> list[int]:
         return list(info.stop_tokens)
 
-    @guest_import("model.chat-template")
+    @guest_import("model.chat-template", before_launch=True)
     def chat_template(inst: Instance) -> str:
         return info.chat_template
 

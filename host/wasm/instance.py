@@ -40,13 +40,15 @@ _OUTPUT_TAIL = 4096
 _current = threading.local()
 
 
-def current() -> Instance:
+def current(park: bool = True) -> Instance:
     """The instance whose thread is calling (for the WIT imports). A warm instance that has not
-    been launched yet waits here, at its first host call, until it is (see `Instance.warm`)."""
+    been launched yet waits here, at its first host call, until it is (see `Instance.warm`);
+    `park` False: an import whose answer is the same for every launch (the model's constants) is
+    answered before the launch, and the instance parks at its first call of another import."""
     inst: Instance | None = getattr(_current, "instance", None)
     if inst is None:
         raise wasmtime.WasmtimeError("host import called outside an inferlet thread")
-    if inst.parked:
+    if park and inst.parked:
         inst.await_launch()
     return inst
 
@@ -116,9 +118,10 @@ class Instance:
 
     A *warm* instance (`warm=True`, made ahead of demand by host/wasm/warm.py) is started before
     anyone launches it: its store is made, its component instantiated and its guest run up to its
-    first host call, where it waits (`parked`) until `launch` gives it its arguments, listener and
-    tenant. Until that first call the guest has received nothing from the host, so it cannot tell
-    a warm start from a cold one; its wall-clock budget starts at `launch`. With
+    first host call (other than the model's constants, `current(park=False)`), where it waits
+    (`parked`) until `launch` gives it its arguments, listener and tenant. Until then the guest has
+    received nothing from the host that differs between launches, so it cannot tell a warm start
+    from a cold one; its wall-clock budget starts at `launch`. With
     `InstanceEnv.warm_in_background`, its thread runs at the lowest CPU priority until `launch`
     raises it back (host/wasm/priority.py). A warm instance must
     reach its first call within `WARM_DEADLINE_S` of running guest code, or it is stopped.

@@ -25,8 +25,9 @@ running, no launched instance alive; a host serving bursts back to back then nev
 The `on_full` hook (the host's full collection, which stops every thread) waits for an idle host
 either way.
 
-Invariants: a warm instance has received nothing from the host, so handing one out is
-indistinguishable, to its guest, from a cold start. A program whose warm instance ends before its
+Invariants: a warm instance has received nothing from the host but the model's constants (imports
+declared `before_launch`, host/api/guest.py: the same answer for every launch, tenant and
+replica), so handing one out is indistinguishable, to its guest, from a cold start. A program whose warm instance ends before its
 first host call (it traps, returns without a call, or runs past `Instance.WARM_DEADLINE_S`) is
 never warmed again: its launches start cold and meet the same fate in front of their client. At
 most `warmers` warm instances are being started at a time (the host: one per four cores, at least
