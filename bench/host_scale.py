@@ -40,7 +40,8 @@ while idle), `no_start_wait` (refills and frees do not wait while launched insta
 host/wasm/instance.py's `Starts`), `prime_once` (`Host.warm_start` primes one slot per parked
 instance instead of two) and `on_demand` (`HostConfig.instance_pool=False`: wasmtime's on-demand allocator).
 Every burst also reports the process's CPU, kernel CPU and page faults per instance
-(`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`).
+(`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`), and back to back its ramp
+(`ramp_ms`: from the first launch to the first backend call with 90% of the N in it).
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
@@ -55,7 +56,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, Run, compile_inferlet, settle
+from common import ROOT, BatchLog, Run, compile_inferlet, settle
 
 import host.host as host_module
 from gpu_backend.engine.client import EngineSpec, start_engines
@@ -103,15 +104,19 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def make_host(engine: str, step_s: float, feed: bool = True, **config: Any) -> Host:
+def make_host(engine: str, step_s: float, feed: bool = True, log: list[BatchLog] | None = None,
+              **config: Any) -> Host:
     """The host (HostConfig `config`) in front of the stand-in sleeping `step_s` per batch, in-process
     or in an engine process. `feed` False: the stand-in takes no `Feed`, so the scheduler waits for
-    each batch of loops before it launches the next (the host before fed batches)."""
+    each batch of loops before it launches the next (the host before fed batches). `log`: a
+    `BatchLog` of the in-process stand-in's calls is appended to it."""
     if engine == "process":
         spec = EngineSpec(standin=True, page_size=16, num_pages=16384, standin_delay_s=step_s)
         return Host(HostConfig(engine="process", **config), engines=start_engines(spec))
     backend = StandInBackend(page_size=16, num_pages=16384, delay_s=step_s)
     backend.feeds = feed
+    if log is not None:
+        log.append(BatchLog(backend))
     return Host(HostConfig(**config), backend=backend)
 
 
@@ -136,8 +141,11 @@ def workload_args(name: str, tokens: int) -> list[str]:
 
 
 def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_s: float,
-             tokens: int) -> dict[str, float]:
+             tokens: int, log: BatchLog | None = None) -> dict[str, float]:
+    """One burst of n; with `log` (the stand-in's calls), also `ramp_ms`: from the first launch to
+    the first backend call with 90% of the n in it (the instances' starts, bench/README.md)."""
     before = host.scheduler.stats.as_dict()
+    logged = len(log.calls) if log is not None else 0
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     runs = [Run(host, program, args) for _ in range(n)]
@@ -151,7 +159,11 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
     mean_batch = (after["forwards"] - before["forwards"]) / max(after["batches"] - before["batches"], 1)
     tok_s = n * tokens / wall
     ideal = n * tokens / ((tokens + 1) * step_s)
-    return {"tok_s": round(tok_s, 1), "ideal_tok_s": round(ideal, 1), "efficiency": round(tok_s / ideal, 3),
+    ramp: dict[str, float] = {}
+    if log is not None:
+        full = [start for start, _end, size in log.calls[logged:] if size >= 0.9 * n]
+        ramp["ramp_ms"] = round(1000 * (full[0] - t0), 1) if full else float("nan")
+    return {**ramp, "tok_s": round(tok_s, 1), "ideal_tok_s": round(ideal, 1), "efficiency": round(tok_s / ideal, 3),
             "mean_batch": round(mean_batch, 1), "wall_s": round(wall, 3),
             # the process's CPU and page faults during the burst, per instance (starts, runs, ends,
             # and what the warm pool and the reaper did meanwhile)
@@ -254,7 +266,8 @@ def patched(starts_wait: bool = True, prime_factor: int | None = None) -> Iterat
 def traffic(opts: argparse.Namespace, step_s: float, n: int, config: dict[str, Any],
             warm_start: tuple[str, ...]) -> dict[str, Any]:
     """A fresh host's first burst of n, then `opts.bursts` bursts each right after the last."""
-    host = make_host(opts.engine, step_s, **config)
+    log: list[BatchLog] = []
+    host = make_host(opts.engine, step_s, log=log, **config)
     try:
         if warm_start:  # as pie-serve does before it listens
             host.warm_start([resolve_inferlet(name, quiet=True).read_bytes() for name in warm_start])
@@ -264,7 +277,8 @@ def traffic(opts: argparse.Namespace, step_s: float, n: int, config: dict[str, A
         runs = []
         for _ in range(1 + opts.bursts):
             ready = host.warm.ready_count(program)  # parked instances this burst's launches find
-            runs.append({**run_once(host, program, args, n, want, step_s, opts.tokens), "warm_ready": ready})
+            runs.append({**run_once(host, program, args, n, want, step_s, opts.tokens, log[0] if log else None),
+                         "warm_ready": ready})
     finally:
         host.shutdown()
     fresh, runs = runs[0], runs[1:]

@@ -145,9 +145,10 @@ class Host:
         # frees wait for an idle host (the reaper still frees each store within a second).
         busy = lambda: bool(self._instances) or any(s.busy() for s in schedulers)  # noqa: E731
         background = config.warm_yield and priority.available()
+        threads = _background_threads()  # warmers, and reaper threads
         self.starts = Starts()  # launched instances not at their first wait yet: background work waits for them
         self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling, busy, _REAP_PENDING, background,
-                               ramping=self.starts.active, reapers=_background_threads())
+                               ramping=self.starts.active, reapers=threads)
         self.kvstore = KeyValueStore((config.data_dir or config.cache_dir) / "kvstore.sqlite3",
                                      config.max_kv_store_bytes)
         self.topics = Topics()
@@ -172,7 +173,7 @@ class Host:
         self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
                              busy=busy, reaping=self._reaping, background=background, ramping=self.starts.active,
-                             warmers=_background_threads(),
+                             warmers=threads,
                              on_full=_collect_when_idle if config.tune_gc else None)
         self._gc_tuned = config.tune_gc
         if self._gc_tuned:
@@ -334,7 +335,7 @@ class Host:
             max(self.config.warm_auto // max(len(programs), 1), self.config.warm_instances)
         deadline = time.monotonic() + timeout_s
         pool = self.wasm.pooling
-        primed = min(_PRIME_FACTOR * n, max(n, pool.slots // (2 * len(programs)))) if pool is not None else n
+        primed = min(_PRIME_FACTOR * n, max(n, pool.slots // (2 * max(len(programs), 1)))) if pool else n
         for program in programs:
             self.warm.prime(program, primed, timeout_s)  # each slot's costly first reset now, not in a burst
             self.warm.seed(program, n)

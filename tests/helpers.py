@@ -101,3 +101,21 @@ def hf_default_tokenizer():  # type: ignore[no-untyped-def]
             tok.save_pretrained(tmp)
             tmp.replace(cache)
     return transformers.AutoTokenizer.from_pretrained(cache)
+
+
+def text_completion_burst(host: Host, program: str, prompts: list[str], max_tokens: int) \
+        -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """`text_completion` launched for every prompt at once in front of a `FakeBackend` (each token the
+    last one + 1, mod 256); returns each instance's (end event, message) and the expected ones,
+    computed from the fake's tokenizer and chat template."""
+    tok = host.backend.tokenizer
+    runs, wants = [], []
+    for p in prompts:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], True))
+        wants.append(("completed", tok.decode([(ids[-1] + 1 + j) % 256 for j in range(max_tokens)])))
+        runs.append(Run(host, program, ["--prompt", p, "--max-tokens", str(max_tokens)]))
+    got = []
+    for r in runs:
+        ev = r.finish(120)
+        got.append((ev.event, ev.message))
+    return got, wants

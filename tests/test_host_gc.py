@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from fakes import FakeBackend
-from helpers import Run, wait_for, wasm_bytes
+from helpers import text_completion_burst, wait_for, wasm_bytes
 
 from host import Host, HostConfig
 
@@ -148,13 +148,7 @@ def test_text_completion_bursts_give_the_same_text_at_any_switch_interval(tmp_pa
     h = Host(HostConfig(data_dir=tmp_path, switch_interval_ms=ms), backend=fb)
     try:
         prog = h.compile(wasm_bytes("text_completion"))
-        tok = fb.tokenizer
-        runs, wants = [], []
-        for i in range(24):
-            p = f"{i:03d} tell me about lighthouses"
-            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], True))
-            wants.append(tok.decode([(ids[-1] + 1 + j) % 256 for j in range(32)]))
-            runs.append(Run(h, prog, ["--prompt", p, "--max-tokens", "32"]))
-        assert [(r.finish(120).event, r.end.message) for r in runs] == [("completed", w) for w in wants]
+        got, wants = text_completion_burst(h, prog, [f"{i:03d} tell me about lighthouses" for i in range(24)], 32)
+        assert got == wants
     finally:
         h.shutdown()

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from fakes import FakeBackend
-from helpers import Run, wait_for, wasm_bytes
+from helpers import Run, text_completion_burst, wait_for, wasm_bytes
 
 from host import Host, HostConfig
 
@@ -262,15 +262,9 @@ def test_text_completion_bursts_on_a_pool_for_two_all_complete(tmp_path) -> None
     h = Host(HostConfig(data_dir=tmp_path, warm_auto=0), backend=fb)
     try:
         prog = h.compile(wasm_bytes("text_completion"))
-        tok = fb.tokenizer
         for _round in range(4):
-            runs, wants = [], []
-            for i in range(16):
-                p = f"{i:04d} {prompt}"
-                ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], True))
-                wants.append(tok.decode([(ids[-1] + 1 + j) % 256 for j in range(96)]))
-                runs.append(Run(h, prog, ["--prompt", p, "--max-tokens", "96"]))
-            assert [(r.finish(120).event, r.end.message) for r in runs] == [("completed", w) for w in wants]
+            got, wants = text_completion_burst(h, prog, [f"{i:04d} {prompt}" for i in range(16)], 96)
+            assert got == wants
         assert h.stats()["memory"]["suspensions"] > 0
         wait_for(lambda: h.free_pages() == 20, 10)
     finally:

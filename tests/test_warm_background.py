@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from fakes import FakeBackend
-from helpers import Run, wait_for, wasm_bytes
+from helpers import Run, text_completion_burst, wait_for, wasm_bytes
 
 from host import Host, HostConfig
 from host.wasm import priority
@@ -190,15 +190,10 @@ def test_text_completion_bursts_back_to_back_with_parallel_warmers_and_reapers(
         assert len(h.wasm.reaper._threads) == 2  # type: ignore[union-attr]
         [prog] = h.warm_start([wasm_bytes("text_completion")], per_program=8)
         assert h.warm.ready_count(prog) == 8 and h.warm.warmers == 2
-        tok = fb.tokenizer
         for burst in range(3):
-            runs, wants = [], []
-            for i in range(12):
-                p = f"{burst}-{i:02d} tell me about lighthouses"
-                ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], True))
-                wants.append(tok.decode([(ids[-1] + 1 + j) % 256 for j in range(16)]))
-                runs.append(Run(h, prog, ["--prompt", p, "--max-tokens", "16"]))
-            assert [(r.finish(120).event, r.end.message) for r in runs] == [("completed", w) for w in wants]
+            got, wants = text_completion_burst(h, prog, [f"{burst}-{i:02d} tell me about lighthouses"
+                                                         for i in range(12)], 16)
+            assert got == wants
             assert h.warm.ready_count(prog) <= 12  # the demand's target (12 ran at once), never more
         wait_for(lambda: h.warm.ready_count(prog) == 12, timeout=30, what="the pool to refill to 12")
         time.sleep(0.2)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from host.batching.gate import RunGate
     from host.wasm.engine import WasmEngine
 
-__all__ = ["Instance", "InstanceEnv", "Starts", "Terminated", "current"]
+__all__ = ["START_MAX_WAIT_S", "START_POLL_S", "Instance", "InstanceEnv", "Starts", "Terminated", "current"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,10 @@ def current(park: bool = True) -> Instance:
     if park and inst.parked:
         inst.await_launch()
     return inst
+
+
+START_POLL_S = 0.002  # how often work that waits for `Starts` looks again
+START_MAX_WAIT_S = 0.25  # and the longest it waits (a guest computing before its first call, sustained load)
 
 
 class Starts:

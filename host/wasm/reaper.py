@@ -22,7 +22,7 @@ reaper's thread only defers what a burst leaves.
 In the background (`background=True`, where host/wasm/priority.py can lower a thread): the reaper's
 thread runs at the lowest CPU priority and frees each store at once, busy backend or not, except
 while launched instances are starting (`ramping`, host/wasm/instance.py's `Starts`; a pause lasts
-at most `_RAMP_MAX_WAIT_S`, and `max_pending` stores are freed at once still): it takes only the
+at most `START_MAX_WAIT_S`, and `max_pending` stores are freed at once still): it takes only the
 CPU the instances leave, and a host that serves bursts back to back, never idle, still has its
 slots reset before the next burst takes them. Measured before that pause (bench/host_scale.py
 --back-to-back, 256 at 10 ms): the last burst's 256 frees, ~220 ms of CPU, overlapped the next
@@ -43,13 +43,12 @@ from collections.abc import Callable
 from typing import Any
 
 from host.wasm import priority
+from host.wasm.instance import START_MAX_WAIT_S, START_POLL_S
 
 __all__ = ["StoreReaper"]
 
 log = logging.getLogger(__name__)
 
-_RAMP_POLL_S = 0.002  # how often a background reaper looks whether launched instances still start
-_RAMP_MAX_WAIT_S = 0.25  # and how long it waits for them at most (under sustained load they always start)
 
 
 class StoreReaper:
@@ -109,7 +108,7 @@ class StoreReaper:
     def _wait_s(self) -> float:
         """0 if the oldest queued store is due to be freed now, else how long to wait before looking
         again: while the backend is busy, until that store has waited `max_delay_s`, looking at the
-        backend every `poll_s`; in the background, while instances start, up to `_RAMP_MAX_WAIT_S`
+        backend every `poll_s`; in the background, while instances start, up to `START_MAX_WAIT_S`
         from the pause's start (called with the lock held)."""
         if len(self._queue) >= self.max_pending:
             return 0.0
@@ -119,7 +118,7 @@ class StoreReaper:
                 self._ramp_since = None
                 return 0.0
             since = self._ramp_since = self._ramp_since or now
-            return max(min(_RAMP_POLL_S, since + _RAMP_MAX_WAIT_S - now), 0.0)
+            return max(min(START_POLL_S, since + START_MAX_WAIT_S - now), 0.0)
         age = now - self._queue[0][0]
         if age >= self.max_delay_s or not self._busy():
             return 0.0

@@ -44,7 +44,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from host.wasm.instance import Instance
+from host.wasm.instance import START_MAX_WAIT_S, START_POLL_S, Instance
 
 __all__ = ["WarmPool"]
 
@@ -54,8 +54,6 @@ _START_TIMEOUT_S = 10.0  # a warm instance not at its first call by then is give
 # Refilling waits until launches and ends have paused this long (and, unless it runs in the
 # background, until the backend has no work): while a burst starts, its own starts come first.
 QUIET_S = 0.05
-_RAMP_POLL_S = 0.002  # how often a waiting refill looks whether launched instances still start
-_RAMP_MAX_WAIT_S = 0.25  # instances that start for longer (a guest computing before its first call) wait no more
 
 
 class WarmPool:
@@ -64,7 +62,7 @@ class WarmPool:
     `make(program)` returns a new, not yet started, warm `Instance`; `auto` caps the instances
     kept for demand (0 = only `per_program`). `busy`: the host has work; `reaping`: finished
     stores wait to be freed; `background`: refill while the host is busy, at the lowest priority;
-    `ramping`: launched instances are starting (refills wait for them, up to `_RAMP_MAX_WAIT_S`);
+    `ramping`: launched instances are starting (refills wait for them, up to `START_MAX_WAIT_S`);
     `warmers`: instances started at once (each on its own core: instantiation runs without the GIL)."""
 
     def __init__(self, make: Callable[[str], Instance], per_program: int, max_programs: int = 4,
@@ -274,8 +272,8 @@ class WarmPool:
             if self._ramping():  # launched instances first, until each has queued its first forward
                 now = time.monotonic()
                 ramp_since = now if ramp_since is None else ramp_since
-                if now - ramp_since < _RAMP_MAX_WAIT_S:
-                    time.sleep(_RAMP_POLL_S)
+                if now - ramp_since < START_MAX_WAIT_S:
+                    time.sleep(START_POLL_S)
                     continue
             with self._cond:
                 if self._next_program() != program:  # another warmer took it meanwhile
