@@ -88,6 +88,7 @@ class Plan:
     pytest_timeout_s: float = 600.0  # the run gives pytest at most this
     switch_ms: float | None = None  # the host section's HostConfig.switch_interval_ms (None: its default)
     run_slots: int | None = None  # the host section's HostConfig.run_slots (None: its default)
+    host_no_ahead: bool = True  # the host section also measures run_ahead off (the baseline of the feed)
 
     @classmethod
     def make(cls, dry: bool) -> Plan:
@@ -531,7 +532,7 @@ def sec_host(s: Suite) -> dict[str, Any]:
     log = BatchLog(be)  # before the host binds the backend's methods: every backend call is timed
     runs = [(True, "concurrency", plan.host_tokens), (True, "concurrency_long", plan.host_tokens_long),
             (False, "concurrency", plan.host_tokens)]
-    for ahead in (True, False):
+    for ahead in (True, False) if plan.host_no_ahead else (True,):
         with tempfile.TemporaryDirectory() as data:
             host = Host(HostConfig(data_dir=Path(data), run_ahead=ahead, prefix_cache="off", **switch), backend=be)
             out["switch_interval_ms"] = round(sys.getswitchinterval() * 1000, 3)
@@ -742,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
                          "host's; 0: Python's 5 ms)")
     ap.add_argument("--host-run-slots", type=int, default=None,
                     help="the host section's instance threads running at once (HostConfig.run_slots; default: the host's)")
+    ap.add_argument("--host-ahead-only", action="store_true",
+                    help="the host section measures the default host only, not also with run_ahead off")
     a = ap.parse_args(argv)
     if a.prepare:
         prepare(a.prepare)
@@ -763,7 +766,8 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: run on the GPU machine, or use --dry-run on CPU")
     suite = Suite(out=a.out, kit=kit, plan=replace(Plan.make(a.dry_run), pytest_timeout_s=a.pytest_timeout_s,
-                                                      switch_ms=a.host_switch_ms, run_slots=a.host_run_slots),
+                                                      switch_ms=a.host_switch_ms, run_slots=a.host_run_slots,
+                                                      host_no_ahead=not a.host_ahead_only),
                   budget_s=a.budget_s, device=device)
     if a.dry_run:
         suite.plan = replace(suite.plan, attentions=("sdpa",) if "PIE_KIT_NO_FLEX" in os.environ else ("sdpa", "flex"))
