@@ -89,6 +89,7 @@ class Plan:
     switch_ms: float | None = None  # the host section's HostConfig.switch_interval_ms (None: its default)
     run_slots: int | None = None  # the host section's HostConfig.run_slots (None: its default)
     host_no_ahead: bool = True  # the host section also measures run_ahead off (the baseline of the feed)
+    host_config: dict[str, Any] = field(default_factory=dict)  # more HostConfig fields for the host section
 
     @classmethod
     def make(cls, dry: bool) -> Plan:
@@ -525,6 +526,8 @@ def sec_host(s: Suite) -> dict[str, Any]:
     switch: dict[str, Any] = {} if plan.switch_ms is None else {"switch_interval_ms": plan.switch_ms}
     if plan.run_slots is not None:  # instance threads running at once (host/batching/gate.py)
         switch["run_slots"] = plan.run_slots
+    switch.update(plan.host_config)
+    out["host_config"] = dict(plan.host_config)
     prompt = "Write a short story about a robot learning to paint."
     seq = be.tokenizer.encode(be.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
     from common import BatchLog
@@ -729,6 +732,19 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _config_field(kv: str) -> tuple[str, Any]:
+    """`FIELD=VALUE` of --host-config: VALUE as JSON (true, 0.5, "x"), else the string itself."""
+    from host import HostConfig
+
+    name, sep, value = kv.partition("=")
+    if not sep or name not in HostConfig.__dataclass_fields__:
+        raise ValueError(f"--host-config {kv!r}: expected FIELD=VALUE with a HostConfig field")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="write gpu_suite.json and gpu_suite.md here")
@@ -743,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                          "host's; 0: Python's 5 ms)")
     ap.add_argument("--host-run-slots", type=int, default=None,
                     help="the host section's instance threads running at once (HostConfig.run_slots; default: the host's)")
+    ap.add_argument("--host-config", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a HostConfig field for the host section (repeatable), e.g. launch_priority=false")
     ap.add_argument("--host-ahead-only", action="store_true",
                     help="the host section measures the default host only, not also with run_ahead off")
     a = ap.parse_args(argv)
@@ -751,6 +769,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.out is None:
         ap.error("--out is required (or --prepare KIT)")
+    try:
+        host_config = dict(_config_field(kv) for kv in a.host_config)
+    except ValueError as e:
+        ap.error(str(e))
     names = [n for n in a.sections.split(",") if n]
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
@@ -767,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no CUDA device: run on the GPU machine, or use --dry-run on CPU")
     suite = Suite(out=a.out, kit=kit, plan=replace(Plan.make(a.dry_run), pytest_timeout_s=a.pytest_timeout_s,
                                                       switch_ms=a.host_switch_ms, run_slots=a.host_run_slots,
-                                                      host_no_ahead=not a.host_ahead_only),
+                                                      host_no_ahead=not a.host_ahead_only, host_config=host_config),
                   budget_s=a.budget_s, device=device)
     if a.dry_run:
         suite.plan = replace(suite.plan, attentions=("sdpa",) if "PIE_KIT_NO_FLEX" in os.environ else ("sdpa", "flex"))

@@ -78,6 +78,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # no pooling allocator: memory mapped at each instantiation and unmapped at the end
     "on_demand": {"warm_start": ("text_completion",), "config": {"instance_pool": False}},
     "idle_only": {"warm_start": (), "config": {"warm_yield": False}},
+    # instances' host calls do not wait while the scheduler launches a batch (host/batching/launch.py)
+    "no_launch_priority": {"warm_start": ("text_completion",), "config": {"launch_priority": False}},
     "warm_start_idle_only": {"warm_start": ("text_completion",), "config": {"warm_yield": False}},
 }
 
@@ -99,21 +101,28 @@ def parse_args() -> argparse.Namespace:
                     help="bursts as traffic arrives: a fresh host's first burst, then bursts one right after another")
     ap.add_argument("--backends", nargs="+", choices=tuple(BACKENDS), default=list(BACKENDS),
                     help="with --back-to-back: a backend with only `forward`, and one that overlaps")
+    ap.add_argument("--inferlets", type=Path, default=None, metavar="DIR",
+                    help="with --back-to-back: take NAME.wasm from DIR instead of building the standard inferlets "
+                         "(the GPU kit's folder has text_completion.wasm)")
+    ap.add_argument("--launch-ops", type=int, default=0,
+                    help="with --back-to-back: each stand-in launch gives the GIL up this many times (a torch "
+                         "launch on CUDA: once per kernel, ~600 for an eager prefill of a 1B Llama)")
     ap.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=["default"],
                     help="with --back-to-back: host settings to compare in the same run")
     return ap.parse_args()
 
 
 def make_host(engine: str, step_s: float, feed: bool = True, log: list[BatchLog] | None = None,
-              **config: Any) -> Host:
+              launch_ops: int = 0, **config: Any) -> Host:
     """The host (HostConfig `config`) in front of the stand-in sleeping `step_s` per batch, in-process
     or in an engine process. `feed` False: the stand-in takes no `Feed`, so the scheduler waits for
     each batch of loops before it launches the next (the host before fed batches). `log`: a
-    `BatchLog` of the in-process stand-in's calls is appended to it."""
+    `BatchLog` of the in-process stand-in's calls is appended to it. `launch_ops`: the stand-in's
+    launches give the GIL up that many times each, as the torch backend's CUDA launch does."""
     if engine == "process":
         spec = EngineSpec(standin=True, page_size=16, num_pages=16384, standin_delay_s=step_s)
         return Host(HostConfig(engine="process", **config), engines=start_engines(spec))
-    backend = StandInBackend(page_size=16, num_pages=16384, delay_s=step_s)
+    backend = StandInBackend(page_size=16, num_pages=16384, delay_s=step_s, launch_ops=launch_ops)
     backend.feeds = feed
     if log is not None:
         log.append(BatchLog(backend))
@@ -263,15 +272,23 @@ def patched(starts_wait: bool = True, prime_factor: int | None = None) -> Iterat
         host_module._PRIME_FACTOR = saved_factor
 
 
+def inferlet_wasm(opts: argparse.Namespace, name: str) -> bytes:
+    """A standard inferlet's component: built here (cached), or NAME.wasm from --inferlets (a machine
+    without the guest toolchain, such as the GPU kit's: bench/gpu_suite.py --prepare)."""
+    if opts.inferlets is not None:
+        return (opts.inferlets / f"{name}.wasm").read_bytes()
+    return resolve_inferlet(name, quiet=True).read_bytes()
+
+
 def traffic(opts: argparse.Namespace, step_s: float, n: int, config: dict[str, Any],
             warm_start: tuple[str, ...]) -> dict[str, Any]:
     """A fresh host's first burst of n, then `opts.bursts` bursts each right after the last."""
     log: list[BatchLog] = []
-    host = make_host(opts.engine, step_s, log=log, **config)
+    host = make_host(opts.engine, step_s, log=log, launch_ops=opts.launch_ops, **config)
     try:
         if warm_start:  # as pie-serve does before it listens
-            host.warm_start([resolve_inferlet(name, quiet=True).read_bytes() for name in warm_start])
-        program = compile_inferlet(host, "text_completion")
+            host.warm_start([inferlet_wasm(opts, name) for name in warm_start])
+        program = host.compile(inferlet_wasm(opts, "text_completion"))
         want = expected_text(host, opts.tokens)
         args = workload_args("app", opts.tokens)
         runs = []
@@ -320,7 +337,8 @@ def main() -> None:
     if opts.back_to_back:
         res = back_to_back(opts)
         opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps({"back_to_back": res, "tokens": opts.tokens, "engine": opts.engine},
+        opts.json.write_text(json.dumps({"back_to_back": res, "tokens": opts.tokens, "engine": opts.engine,
+                                         "launch_ops": opts.launch_ops},
                                         indent=2))
         md = traffic_table(res, opts.tokens)
         opts.json.with_suffix(".md").write_text(md)

@@ -237,7 +237,8 @@ def test_a_before_launch_import_answers_a_parked_instance_and_another_import_par
     from host.wasm import instance as instance_module
 
     seen: list[object] = []
-    parked = SimpleNamespace(parked=True, stepper=None, await_launch=lambda: seen.append("parked"))
+    parked = SimpleNamespace(parked=True, stepper=None, await_launch=lambda: seen.append("parked"),
+                             env=SimpleNamespace(priority=None))
 
     @guest_import("model.constant", before_launch=True)
     def constant(inst: object) -> int:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from gpu_backend.types import Feed, ForwardError, ForwardRequest, OutputResult, StartedForward, started
 from host.batching.future import CopyRequest, ForwardFuture, Job
 from host.batching.generation import Generation
+from host.batching.launch import LaunchPriority
 from host.batching.loops import Loops
 from host.batching.policy import AdaptivePolicy, BatchPolicy
 from host.batching.queue import JobQueue, job_pages
@@ -55,6 +56,9 @@ class _Running:
         self.start, self.tokens, self.waited = start, tokens, waited
 
 
+_NO_PRIORITY = LaunchPriority(enabled=False)
+
+
 class Scheduler:
     """Collects jobs from instance threads and runs them on its own thread.
 
@@ -63,8 +67,12 @@ class Scheduler:
     other than the one that loaded the model.
     """
 
-    def __init__(self, policy: BatchPolicy | None = None, max_batch_tokens: int = 10240) -> None:
+    def __init__(self, policy: BatchPolicy | None = None, max_batch_tokens: int = 10240,
+                 priority: LaunchPriority | None = None) -> None:
         self.policy = policy or AdaptivePolicy()
+        # instances' host calls wait while this scheduler launches a batch (host/batching/launch.py)
+        self.priority = priority
+        self._overlaps = False  # the backend's launch returns before the batch has run
         self.max_batch_tokens = max_batch_tokens
         self.stats = SchedulerStats()
         self._forward: ForwardFn | None = None
@@ -95,6 +103,7 @@ class Scheduler:
         self._forward, self._copy, self._page_size, self._pins = forward, copy, page_size, pins
         self._start = start if start is not None else (lambda reqs, f=forward: started(f(reqs)))
         self._feeds = feeds and start is not None
+        self._overlaps = start is not None
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the scheduler thread between batches; returns its result or raises its error."""
@@ -347,12 +356,14 @@ class Scheduler:
         None when nothing could be started."""
         assert self._start is not None
         fed = list(fed or ())
+        priority = self.priority if self._overlaps and self.priority is not None else _NO_PRIORITY
         while True:
             start = time.perf_counter()
             try:
-                if source is not None and fed:
-                    return self._start(reqs, Feed(source, range(len(fed)), fed)), start, loops, ahead
-                return self._start(reqs), start, loops, ahead
+                with priority:
+                    if source is not None and fed:
+                        return self._start(reqs, Feed(source, range(len(fed)), fed)), start, loops, ahead
+                    return self._start(reqs), start, loops, ahead
             except ForwardError as e:
                 i = e.request_index
                 if not 0 <= i < len(batch):
