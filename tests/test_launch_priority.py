@@ -73,32 +73,39 @@ def test_disabled_never_waits() -> None:
 
 
 class _Recording(FakeBackend):
-    """Records, at each launch, whether the host's launch priority was on."""
+    """Records, at each launch, whether it was fed (launched behind a running batch) and whether the
+    host's launch priority was on."""
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.priority: LaunchPriority | None = None
-        self.seen: list[bool] = []
+        self.seen: list[tuple[bool, bool]] = []
 
     def start_forward(self, reqs: Sequence[ForwardRequest], feed: Feed | None = None):  # type: ignore[no-untyped-def]
         if self.priority is not None:
-            self.seen.append(self.priority.launching())
+            self.seen.append((feed is not None, self.priority.launching()))
         return super().start_forward(reqs, feed)
 
 
 @pytest.mark.parametrize("run_ahead", [True, False])
 def test_the_scheduler_launches_under_the_priority_only_when_the_launch_overlaps(
         tmp_path: Path, run_ahead: bool) -> None:
-    """With run_ahead the backend's `start_forward` is the launch and runs under the priority; without,
-    `forward` runs the whole batch and instances must not wait for it."""
+    """With run_ahead the backend's `start_forward` is the launch, and a launch onto an idle device
+    runs under the priority; one behind a running batch (fed) does not: it may block until that batch
+    has run. Without run_ahead, `forward` runs the whole batch and instances must not wait for it."""
     fb = _Recording(page_size=16, num_pages=256)
     h = Host(HostConfig(data_dir=tmp_path, run_ahead=run_ahead), backend=fb)
     try:
         fb.priority = h.launch_priority
         prog = h.compile(wasm_bytes("text_completion"))
-        got, wants = text_completion_burst(h, prog, ["what is a lighthouse"], 4)
+        got, wants = text_completion_burst(h, prog, ["what is a lighthouse"], 8)
         assert got == wants
-        assert fb.seen and all(fb.seen) if run_ahead else not any(fb.seen)
+        idle = [on for fed, on in fb.seen if not fed]
+        behind = [on for fed, on in fb.seen if fed]
+        if run_ahead:
+            assert idle and all(idle) and behind and not any(behind)
+        else:
+            assert not behind and idle and not any(idle)
     finally:
         h.shutdown()
 

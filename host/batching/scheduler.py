@@ -301,7 +301,8 @@ class Scheduler:
         ahead = len(reqs)
         self._ahead_in_batch, self._loops_in_batch, self._fed_rows, self._running = [], 0, [], None
         reqs.extend(f.request for f in batch[ahead:] if isinstance(f.request, ForwardRequest))
-        launched = self._launch(batch, reqs, loops, ahead, prev.handle if prev is not None and fed else None, fed)
+        launched = self._launch(batch, reqs, loops, ahead, prev.handle if prev is not None and fed else None, fed,
+                                idle=prev is None)
         prev_ok = prev is None or self._settle(prev, fed=bool(fed))  # (the batch this one's steps read)
         if launched is None:
             return
@@ -348,15 +349,17 @@ class Scheduler:
         return True
 
     def _launch(self, batch: list[ForwardFuture], reqs: list[ForwardRequest], loops: int, ahead: int,
-                source: StartedForward | None = None,
-                fed: list[int] | None = None) -> tuple[StartedForward, float, int, int] | None:
+                source: StartedForward | None = None, fed: list[int] | None = None,
+                idle: bool = False) -> tuple[StartedForward, float, int, int] | None:
         """Start the batch; a request the backend rejects fails alone and the rest is started without
         it (`batch` shrinks). `source`: the batch running, whose rows `fed` the first loops' tokens
         are read from. Returns the handle, the launch time and the loops / ahead counts left, or
         None when nothing could be started."""
         assert self._start is not None
         fed = list(fed or ())
-        priority = self.priority if self._overlaps and self.priority is not None else _NO_PRIORITY
+        # only onto an idle device: a launch behind a running batch can block on it (a pageable copy
+        # waits for the stream), and instances would wait for a whole step
+        priority = self.priority if idle and self._overlaps and self.priority is not None else _NO_PRIORITY
         while True:
             start = time.perf_counter()
             try:
