@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import resource
 import time
 from collections.abc import Iterator
@@ -78,8 +79,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # no pooling allocator: memory mapped at each instantiation and unmapped at the end
     "on_demand": {"warm_start": ("text_completion",), "config": {"instance_pool": False}},
     "idle_only": {"warm_start": (), "config": {"warm_yield": False}},
-    # instances' host calls do not wait while the scheduler launches a batch (host/batching/launch.py)
-    "no_launch_priority": {"warm_start": ("text_completion",), "config": {"launch_priority": False}},
     "warm_start_idle_only": {"warm_start": ("text_completion",), "config": {"warm_yield": False}},
 }
 
@@ -104,25 +103,21 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--inferlets", type=Path, default=None, metavar="DIR",
                     help="with --back-to-back: take NAME.wasm from DIR instead of building the standard inferlets "
                          "(the GPU kit's folder has text_completion.wasm)")
-    ap.add_argument("--launch-ops", type=int, default=0,
-                    help="with --back-to-back: each stand-in launch gives the GIL up this many times (a torch "
-                         "launch on CUDA: once per kernel, ~600 for an eager prefill of a 1B Llama)")
     ap.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=["default"],
                     help="with --back-to-back: host settings to compare in the same run")
     return ap.parse_args()
 
 
 def make_host(engine: str, step_s: float, feed: bool = True, log: list[BatchLog] | None = None,
-              launch_ops: int = 0, **config: Any) -> Host:
+              **config: Any) -> Host:
     """The host (HostConfig `config`) in front of the stand-in sleeping `step_s` per batch, in-process
     or in an engine process. `feed` False: the stand-in takes no `Feed`, so the scheduler waits for
     each batch of loops before it launches the next (the host before fed batches). `log`: a
-    `BatchLog` of the in-process stand-in's calls is appended to it. `launch_ops`: the stand-in's
-    launches give the GIL up that many times each, as the torch backend's CUDA launch does."""
+    `BatchLog` of the in-process stand-in's calls is appended to it."""
     if engine == "process":
         spec = EngineSpec(standin=True, page_size=16, num_pages=16384, standin_delay_s=step_s)
         return Host(HostConfig(engine="process", **config), engines=start_engines(spec))
-    backend = StandInBackend(page_size=16, num_pages=16384, delay_s=step_s, launch_ops=launch_ops)
+    backend = StandInBackend(page_size=16, num_pages=16384, delay_s=step_s)
     backend.feeds = feed
     if log is not None:
         log.append(BatchLog(backend))
@@ -284,7 +279,7 @@ def traffic(opts: argparse.Namespace, step_s: float, n: int, config: dict[str, A
             warm_start: tuple[str, ...]) -> dict[str, Any]:
     """A fresh host's first burst of n, then `opts.bursts` bursts each right after the last."""
     log: list[BatchLog] = []
-    host = make_host(opts.engine, step_s, log=log, launch_ops=opts.launch_ops, **config)
+    host = make_host(opts.engine, step_s, log=log, **config)
     try:
         if warm_start:  # as pie-serve does before it listens
             host.warm_start([inferlet_wasm(opts, name) for name in warm_start])
@@ -338,7 +333,7 @@ def main() -> None:
         res = back_to_back(opts)
         opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps({"back_to_back": res, "tokens": opts.tokens, "engine": opts.engine,
-                                         "launch_ops": opts.launch_ops},
+                                         "cores": os.cpu_count()},
                                         indent=2))
         md = traffic_table(res, opts.tokens)
         opts.json.with_suffix(".md").write_text(md)

@@ -17,7 +17,6 @@ no such slack.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import sys
 import threading
 import time
@@ -97,22 +96,15 @@ class StandInStep:
         return self.outputs
 
 
-_GIL_FREE_BYTES = bytes(4096)  # hashlib hashes inputs over 2 KiB without the GIL
-
-
 class StandInBackend:
     """Deterministic tokens, optional sleep per batch; records batch sizes and slot contents."""
 
     feeds = True  # start_forward takes a `Feed` (as the torch backend's)
 
-    def __init__(self, page_size: int = 4, num_pages: int = 64, delay_s: float = 0.0, launch_ops: int = 0) -> None:
+    def __init__(self, page_size: int = 4, num_pages: int = 64, delay_s: float = 0.0) -> None:
         self.info = StandInInfo(page_size=page_size, num_pages=num_pages)
         self.tokenizer = StandInTokenizer()
         self.delay_s = delay_s
-        # the launch of a batch holding a prefill gives the GIL up this many times, ~2.5 us apart, as the
-        # torch backend's eager CUDA launch does once per kernel (hundreds); a decode-only batch (a CUDA
-        # graph's replay) a handful of times: host/batching/launch.py
-        self.launch_ops = launch_ops
         self.batches: list[int] = []
         self._free_at = 0.0  # when the "device" is done with the batches started so far
         self._lock = threading.Lock()
@@ -130,10 +122,6 @@ class StandInBackend:
         drawn by `feed.source`'s row (a `StandInStep` of this backend)."""
         start = time.perf_counter()
         reqs = check_batch(reqs, self.info)  # the real validator: same errors as the model
-        if self.launch_ops:
-            ops = self.launch_ops if any(len(r.tokens) > 1 for r in reqs) else min(self.launch_ops, 8)
-            for _ in range(ops):
-                hashlib.sha256(_GIL_FREE_BYTES)  # gives the GIL up and takes it back, as a call into torch does
         ps = self.info.page_size
         fed: dict[int, int] = {}
         if feed is not None:

@@ -43,8 +43,6 @@ class HostConfig:
         (host/state/kvstore.py); a `store.set` past it traps its caller.
     run_gate: instance threads take turns running, `run_slots` at a time (see host/batching/gate.py);
         False lets them all contend for the GIL at once (for comparisons).
-    launch_priority: while a scheduler launches a batch on a backend that overlaps (`start_forward`),
-        instances' host calls wait for the launch to end (host/batching/launch.py).
     max_instances: instances running at once; a launch beyond it waits in the launch queue.
     launch_queue: launches that may wait for a free instance slot, in order; one more is refused
         (`HostBusy`); 0 = refuse at once. launch_queue_timeout_s: a launch that waited this long ends
@@ -114,7 +112,6 @@ class HostConfig:
     epoch_tick_ms: float = 10.0
     run_gate: bool = True
     run_slots: int = 2
-    launch_priority: bool = True
     max_instances: int = 1024
     launch_queue: int = 1024
     launch_queue_timeout_s: float = 300.0

@@ -24,7 +24,6 @@ from typing import Any
 from gpu_backend.types import Backend
 from host.api import ApiServices, build_linker
 from host.batching.gate import RunGate
-from host.batching.launch import LaunchPriority
 from host.batching.policy import make_policy
 from host.batching.scheduler import Scheduler
 from host.config import HostConfig
@@ -97,8 +96,7 @@ class Host:
         elif backend is None and config.engine_kind == "process":
             self.engines = _start_engines(config)
             backend = self.engines[0]
-        self.launch_priority = LaunchPriority(config.launch_priority)
-        schedulers = [Scheduler(policy(), max_batch_tokens=config.max_batch_tokens, priority=self.launch_priority)
+        schedulers = [Scheduler(policy(), max_batch_tokens=config.max_batch_tokens)
                       for _ in range(max(1, len(self.engines)))]
         if backend is None:  # loaded on the scheduler thread, where its forwards will run
             try:
@@ -163,7 +161,7 @@ class Host:
         self._env = InstanceEnv(
             engine=self.wasm, linker=self.linker, gate=self.gate,
             limits=limits, on_block=self._forget, on_end=self._instance_ended, warm_in_background=background,
-            starts=self.starts, priority=self.launch_priority)
+            starts=self.starts)
         self._instances: dict[str, Instance] = {}  # running and queued
         self._queued: OrderedDict[str, tuple[Instance, float]] = OrderedDict()  # launch queue: (instance, deadline)
         self.launches_queued = 0  # launches that waited in the queue, ever

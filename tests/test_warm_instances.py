@@ -237,8 +237,7 @@ def test_a_before_launch_import_answers_a_parked_instance_and_another_import_par
     from host.wasm import instance as instance_module
 
     seen: list[object] = []
-    parked = SimpleNamespace(parked=True, stepper=None, await_launch=lambda: seen.append("parked"),
-                             env=SimpleNamespace(priority=None))
+    parked = SimpleNamespace(parked=True, stepper=None, await_launch=lambda: seen.append("parked"))
 
     @guest_import("model.constant", before_launch=True)
     def constant(inst: object) -> int:

@@ -20,7 +20,6 @@ from typing import Any, Protocol
 from gpu_backend.types import Feed, ForwardError, ForwardRequest, OutputResult, StartedForward, started
 from host.batching.future import CopyRequest, ForwardFuture, Job
 from host.batching.generation import Generation
-from host.batching.launch import LaunchPriority
 from host.batching.loops import Loops
 from host.batching.policy import AdaptivePolicy, BatchPolicy
 from host.batching.queue import JobQueue, job_pages
@@ -56,9 +55,6 @@ class _Running:
         self.start, self.tokens, self.waited = start, tokens, waited
 
 
-_NO_PRIORITY = LaunchPriority(enabled=False)
-
-
 class Scheduler:
     """Collects jobs from instance threads and runs them on its own thread.
 
@@ -67,12 +63,8 @@ class Scheduler:
     other than the one that loaded the model.
     """
 
-    def __init__(self, policy: BatchPolicy | None = None, max_batch_tokens: int = 10240,
-                 priority: LaunchPriority | None = None) -> None:
+    def __init__(self, policy: BatchPolicy | None = None, max_batch_tokens: int = 10240) -> None:
         self.policy = policy or AdaptivePolicy()
-        # instances' host calls wait while this scheduler launches a batch (host/batching/launch.py)
-        self.priority = priority
-        self._overlaps = False  # the backend's launch returns before the batch has run
         self.max_batch_tokens = max_batch_tokens
         self.stats = SchedulerStats()
         self._forward: ForwardFn | None = None
@@ -103,7 +95,6 @@ class Scheduler:
         self._forward, self._copy, self._page_size, self._pins = forward, copy, page_size, pins
         self._start = start if start is not None else (lambda reqs, f=forward: started(f(reqs)))
         self._feeds = feeds and start is not None
-        self._overlaps = start is not None
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the scheduler thread between batches; returns its result or raises its error."""
@@ -301,8 +292,7 @@ class Scheduler:
         ahead = len(reqs)
         self._ahead_in_batch, self._loops_in_batch, self._fed_rows, self._running = [], 0, [], None
         reqs.extend(f.request for f in batch[ahead:] if isinstance(f.request, ForwardRequest))
-        launched = self._launch(batch, reqs, loops, ahead, prev.handle if prev is not None and fed else None, fed,
-                                idle=prev is None)
+        launched = self._launch(batch, reqs, loops, ahead, prev.handle if prev is not None and fed else None, fed)
         prev_ok = prev is None or self._settle(prev, fed=bool(fed))  # (the batch this one's steps read)
         if launched is None:
             return
@@ -349,24 +339,20 @@ class Scheduler:
         return True
 
     def _launch(self, batch: list[ForwardFuture], reqs: list[ForwardRequest], loops: int, ahead: int,
-                source: StartedForward | None = None, fed: list[int] | None = None,
-                idle: bool = False) -> tuple[StartedForward, float, int, int] | None:
+                source: StartedForward | None = None,
+                fed: list[int] | None = None) -> tuple[StartedForward, float, int, int] | None:
         """Start the batch; a request the backend rejects fails alone and the rest is started without
         it (`batch` shrinks). `source`: the batch running, whose rows `fed` the first loops' tokens
         are read from. Returns the handle, the launch time and the loops / ahead counts left, or
         None when nothing could be started."""
         assert self._start is not None
         fed = list(fed or ())
-        # only onto an idle device: a launch behind a running batch can block on it (a pageable copy
-        # waits for the stream), and instances would wait for a whole step
-        priority = self.priority if idle and self._overlaps and self.priority is not None else _NO_PRIORITY
         while True:
             start = time.perf_counter()
             try:
-                with priority:
-                    if source is not None and fed:
-                        return self._start(reqs, Feed(source, range(len(fed)), fed)), start, loops, ahead
-                    return self._start(reqs), start, loops, ahead
+                if source is not None and fed:
+                    return self._start(reqs, Feed(source, range(len(fed)), fed)), start, loops, ahead
+                return self._start(reqs), start, loops, ahead
             except ForwardError as e:
                 i = e.request_index
                 if not 0 <= i < len(batch):

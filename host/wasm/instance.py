@@ -30,7 +30,6 @@ from host.wasm.limits import InstanceLimits, unwatch_epochs, watch_epochs
 if TYPE_CHECKING:
     from host.batching.future import ForwardFuture
     from host.batching.gate import RunGate
-    from host.batching.launch import LaunchPriority
     from host.wasm.engine import WasmEngine
 
 __all__ = ["START_MAX_WAIT_S", "START_POLL_S", "Instance", "InstanceEnv", "Starts", "Terminated", "current"]
@@ -49,8 +48,6 @@ def current(park: bool = True) -> Instance:
     inst: Instance | None = getattr(_current, "instance", None)
     if inst is None:
         raise wasmtime.WasmtimeError("host import called outside an inferlet thread")
-    if inst.env.priority is not None:
-        inst.env.priority.wait()  # a scheduler is launching a batch: it goes first (host/batching/launch.py)
     if park and inst.parked:
         inst.await_launch()
     return inst
@@ -100,7 +97,6 @@ class InstanceEnv:
     # a warm instance starts at the lowest CPU priority until launched (host/wasm/priority.py)
     warm_in_background: bool = False
     starts: Starts | None = None  # counts launched instances until their first wait
-    priority: LaunchPriority | None = None  # host calls wait while a batch is being launched
 
 
 class Terminated(Exception):
