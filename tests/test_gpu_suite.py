@@ -41,3 +41,19 @@ def test_bad_arguments_are_refused():
     r = subprocess.run([sys.executable, "bench/gpu_suite.py", "--dry-run", "--out", "x", "--sections", "env,nope"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown sections ['nope']" in r.stderr
+    r = subprocess.run([sys.executable, "bench/gpu_suite.py", "--dry-run", "--out", "x", "--host-config", "nope=1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "expected FIELD=VALUE with a HostConfig field" in r.stderr
+
+
+def test_host_section_takes_host_config_and_ahead_only(tmp_path):
+    """`--host-config run_slots=3 --host-ahead-only`: the host section runs that host (its JSON says so)
+    and measures no run-ahead-off baseline."""
+    r = subprocess.run([sys.executable, "bench/gpu_suite.py", "--dry-run", "--out", str(tmp_path), "--sections", "host",
+                        "--host-config", "run_slots=3", "--host-ahead-only"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    host = json.loads((tmp_path / "gpu_suite.json").read_text())["host"]
+    assert host["host_config"] == {"run_slots": 3} and host["run_slots"] == 3
+    row = host["concurrency"]["4"]
+    assert row["host_ahead_tokens_per_s"] > 0 and "host_no_ahead_tokens_per_s" not in row
