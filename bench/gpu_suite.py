@@ -760,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-run-slots", type=int, default=None,
                     help="the host section's instance threads running at once (HostConfig.run_slots; default: the host's)")
     ap.add_argument("--host-config", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a HostConfig field for the host section (repeatable), e.g. launch_priority=false")
+                    help="a HostConfig field for the host section (repeatable), e.g. run_slots=8")
     ap.add_argument("--host-ahead-only", action="store_true",
                     help="the host section measures the default host only, not also with run_ahead off")
     a = ap.parse_args(argv)
