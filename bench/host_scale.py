@@ -79,6 +79,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # no pooling allocator: memory mapped at each instantiation and unmapped at the end
     "on_demand": {"warm_start": ("text_completion",), "config": {"instance_pool": False}},
     "idle_only": {"warm_start": (), "config": {"warm_yield": False}},
+    # instance threads running at once (HostConfig.run_slots, 2 by default; host/batching/gate.py)
+    "slots1": {"warm_start": ("text_completion",), "config": {"run_slots": 1}},
+    "slots4": {"warm_start": ("text_completion",), "config": {"run_slots": 4}},
+    "no_gate": {"warm_start": ("text_completion",), "config": {"run_gate": False}},
+    # a burst's first batch waits up to 50 ms after the last launch for the launched instances' first
+    # forwards (HostConfig.launch_grace_ms, 2 by default)
+    "grace50": {"warm_start": ("text_completion",), "config": {"launch_grace_ms": 50.0}},
     "warm_start_idle_only": {"warm_start": ("text_completion",), "config": {"warm_yield": False}},
 }
 

@@ -31,6 +31,12 @@ class HostConfig:
     model: None for the default SmolLM2 GGUF, else a .gguf path or an HF safetensors dir.
     policy: "adaptive" (one batch in flight, fire all queued when it returns) or "k-or-t"
         (fire when `batch_k` forwards are queued or the oldest waited `batch_t_ms`).
+    launch_grace_ms: with "adaptive", how long after the last launch onto an idle host a batch waits
+        for the launched instances' first forwards (it fires as soon as all have come, or blocked on
+        something else). 2 ms: a burst's instances join the batches as they come, best in front of the
+        stand-in (host/batching/policy.py). Longer gathers a burst's first prefills into fewer launches,
+        each of which an eager CUDA backend makes contended with the starting instances for the GIL
+        (bench/gpu_suite_notes.md): an A/B for a GPU machine (`bench/gpu_suite.py --host-config`).
     memory_limit_bytes: cap on all linear memories and tables of one instance together.
     wall_budget_s: wall-clock budget per instance (None = unlimited).
     max_pages_per_instance: KV pages one instance may own at once (None = no cap).
@@ -99,6 +105,7 @@ class HostConfig:
     max_batch_tokens: int = 10240
     batch_k: int = 8
     batch_t_ms: float = 16.0
+    launch_grace_ms: float = 2.0
     memory_limit_bytes: int = 512 * 2**20
     wall_budget_s: float | None = None
     max_pages_per_instance: int | None = None
@@ -144,6 +151,8 @@ class HostConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if not 0 <= self.launch_grace_ms <= 10_000:
+            raise ValueError(f"launch_grace_ms must be in [0, 10000], got {self.launch_grace_ms}")
         if self.batch_k < 1 or self.batch_t_ms < 0:
             raise ValueError(f"k-or-t needs batch_k >= 1 and batch_t_ms >= 0, got {self.batch_k}, {self.batch_t_ms}")
         if self.max_instances < 1 or self.warm_instances < 0 or self.warm_auto < 0:

@@ -83,7 +83,7 @@ class Host:
     def __init__(self, config: HostConfig | None = None, backend: Backend | None = None,
                  progress: bool = True, engines: list[Any] | None = None) -> None:
         self.config = config = config or HostConfig()
-        policy = lambda: make_policy(config.policy, config.batch_k, config.batch_t_ms)  # noqa: E731
+        policy = lambda: make_policy(config.policy, config.batch_k, config.batch_t_ms, config.launch_grace_ms)  # noqa: E731
         # Engine processes (config.engine / tp / replicas; docs/deployment.md) are started here, or
         # passed in (`engines`: gpu_backend.engine.client.ProcessBackend, one per replica, e.g. from
         # `start_engines`), and the host stops them in shutdown; a `backend` passed in is the

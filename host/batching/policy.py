@@ -137,10 +137,11 @@ class KOrTPolicy(BatchPolicy):
 POLICIES: dict[str, type[BatchPolicy]] = {"adaptive": AdaptivePolicy, "k-or-t": KOrTPolicy}
 
 
-def make_policy(name: str, k: int = 8, t_ms: float = 16.0) -> BatchPolicy:
-    """The policy called `name` (a `HostConfig.policy` value)."""
+def make_policy(name: str, k: int = 8, t_ms: float = 16.0, launch_grace_ms: float = 2.0) -> BatchPolicy:
+    """The policy called `name` (a `HostConfig.policy` value); `launch_grace_ms`: the adaptive
+    policy's `launch_grace_s`, in ms."""
     if name == "k-or-t":
         return KOrTPolicy(k, t_ms)
     if name == "adaptive":
-        return AdaptivePolicy()
+        return AdaptivePolicy(launch_grace_s=launch_grace_ms / 1000)
     raise ValueError(f"unknown batching policy {name!r}: use one of {sorted(POLICIES)}")
