@@ -50,7 +50,6 @@ __all__ = ["StoreReaper"]
 log = logging.getLogger(__name__)
 
 
-
 class StoreReaper:
     """Frees stores (objects with `close()`) on a thread of its own, preferably while `busy()` is False."""
 
