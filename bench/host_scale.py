@@ -38,7 +38,9 @@ work only while the host is idle, and a fresh host warms nothing: the rule befor
 `HostConfig.warm_yield`), `warm_start_idle_only` (the fresh host's pool readied, refills only
 while idle), `no_start_wait` (refills and frees do not wait while launched instances start:
 host/wasm/instance.py's `Starts`), `prime_once` (`Host.warm_start` primes one slot per parked
-instance instead of two) and `on_demand` (`HostConfig.instance_pool=False`: wasmtime's on-demand allocator).
+instance instead of two), `on_demand` (`HostConfig.instance_pool=False`: wasmtime's on-demand allocator)
+and `wasmtime_values` (host calls' lists and records converted element by element, as wasmtime-py
+does, instead of host/api/fastcall.py's paths).
 Every burst also reports the process's CPU, kernel CPU and page faults per instance
 (`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`), and back to back its ramp
 (`ramp_ms`: from the first launch to the first backend call with 90% of the N in it).
@@ -63,6 +65,7 @@ import host.host as host_module
 from gpu_backend.engine.client import EngineSpec, start_engines
 from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
+from host.api import fastcall
 from host.cli.build import resolve_inferlet
 from host.wasm.instance import Starts
 
@@ -87,6 +90,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # forwards (HostConfig.launch_grace_ms, 2 by default)
     "grace50": {"warm_start": ("text_completion",), "config": {"launch_grace_ms": 50.0}},
     "warm_start_idle_only": {"warm_start": ("text_completion",), "config": {"warm_yield": False}},
+    # host calls' lists and records converted element by element, as wasmtime-py does (host/api/fastcall.py)
+    "wasmtime_values": {"warm_start": ("text_completion",), "patch": {"fast_values": False}},
 }
 
 
@@ -258,17 +263,19 @@ def back_to_back(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def patched(starts_wait: bool = True, prime_factor: int | None = None) -> Iterator[None]:
+def patched(starts_wait: bool = True, prime_factor: int | None = None, fast_values: bool = True) -> Iterator[None]:
     """Module settings a variant changes for its host: `starts_wait` False = launched instances'
     starts do not hold refills and frees back (`Starts.active` always False); `prime_factor`:
-    slots `Host.warm_start` primes per parked instance."""
+    slots `Host.warm_start` primes per parked instance; `fast_values` False: lists and records
+    cross host calls as wasmtime-py converts them (`fastcall.wasmtime_py_values`)."""
     saved_active, saved_factor = Starts.active, host_module._PRIME_FACTOR
     if not starts_wait:
         Starts.active = lambda self: False  # type: ignore[method-assign]
     if prime_factor is not None:
         host_module._PRIME_FACTOR = prime_factor
     try:
-        yield
+        with contextlib.nullcontext() if fast_values else fastcall.wasmtime_py_values():
+            yield
     finally:
         Starts.active = saved_active  # type: ignore[method-assign]
         host_module._PRIME_FACTOR = saved_factor

@@ -102,9 +102,9 @@ def test_record_from_c_reads_every_scalar_kind() -> None:
               "s64": -2**63, "u64": 2**64 - 1, "f32": 0.5, "f64": -1e300}
     assert fastcall._FlatRecord.plan(fields) is not None  # read in one unpack, not field by field
     assert fastcall._record_from_c(rt, _to_c(rt, values)).__dict__ == values
-    mixed = _record_type([("n", T.U32()), ("name", T.String())])  # a string field: the general path
-    assert fastcall._FlatRecord.plan(mixed.fields) is None
-    assert fastcall._record_from_c(mixed, _to_c(mixed, {"n": 3, "name": "x"})).__dict__ == {"n": 3, "name": "x"}
+    nested = _record_type([("n", T.U32()), ("xs", _u32_list_type())])  # a list field: the general path
+    assert fastcall._FlatRecord.plan(nested.fields) is None
+    assert fastcall._record_from_c(nested, _to_c(nested, {"n": 3, "xs": [1, 2]})).__dict__ == {"n": 3, "xs": [1, 2]}
 
 
 @pytest.mark.parametrize("text", ["", "a", "finish", "héllo wörld ✓ 你好", "nul\x00inside", "long " * 2000])
@@ -133,3 +133,141 @@ def test_byte_vectors_refuse_what_wasmtime_py_refuses() -> None:
         ffi.str_to_capi(b"bytes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="expected bytes or bytearray"):
         ffi.bytes_to_capi("text")  # type: ignore[arg-type]
+
+
+def _string_list_type() -> T.ListType:
+    lt = T.ListType.__new__(T.ListType)
+    lt.__dict__["element"] = T.String()
+    return lt
+
+
+_TEXTS = ["", "a", "héllo wörld ✓ 你好", "nul\x00inside", "long " * 500]
+
+
+@pytest.mark.parametrize("values", [[0, 1, 2], [True, False, 7], [-1, 2**32, 2**32 + 5, 2**70 + 3]])
+def test_list_u32_to_c_stores_ints_as_wasmtime_py_does(values: list[int]) -> None:
+    """Bools and ints out of range are stored as wasmtime-py's own conversion stores them (masked)."""
+    fastcall._patch_types()
+    lt = _u32_list_type()
+    fast, ref = ffi.wasmtime_component_val_t(), ffi.wasmtime_component_val_t()
+    fastcall._list_to_c(lt, None, list(values), ctypes.pointer(fast))
+    fastcall._LIST_TO_C(lt, None, list(values), ctypes.pointer(ref))
+    try:
+        assert _elements(fast) == _elements(ref)
+    finally:
+        ffi.wasmtime_component_vallist_delete(ctypes.byref(fast.of.list))
+        ffi.wasmtime_component_vallist_delete(ctypes.byref(ref.of.list))
+
+
+def test_list_u32_to_c_refuses_a_float_as_wasmtime_py_does() -> None:
+    fastcall._patch_types()
+    with pytest.raises(TypeError, match="expected int"):
+        fastcall._list_to_c(_u32_list_type(), None, [1, 2.0], ctypes.pointer(ffi.wasmtime_component_val_t()))
+
+
+@pytest.mark.parametrize("values", [[t] for t in _TEXTS] + [_TEXTS, ["--prompt", "x", "--max-tokens", "64"]])
+def test_string_lists_match_wasmtime_py(values: list[str]) -> None:
+    """list<string> both ways: the same vectors as wasmtime-py's element-wise conversion, read back
+    by it and by the fast path (which also frees the list)."""
+    fastcall._patch_types()
+    lt = _string_list_type()
+    fast, ref = ffi.wasmtime_component_val_t(), ffi.wasmtime_component_val_t()
+    fastcall._list_to_c(lt, None, list(values), ctypes.pointer(fast))
+    fastcall._LIST_TO_C(lt, None, list(values), ctypes.pointer(ref))
+    raw_f, raw_r = fast.of.list, ref.of.list
+    assert raw_f.size == raw_r.size == len(values)
+    for i in range(len(values)):
+        assert raw_f.data[i].kind == raw_r.data[i].kind == ffi.WASMTIME_COMPONENT_STRING.value
+        f, r = raw_f.data[i].of.string, raw_r.data[i].of.string
+        assert ctypes.string_at(f.data, f.size) == ctypes.string_at(r.data, r.size) == values[i].encode()
+    assert fastcall._list_from_c(lt, fast) == values
+    assert fastcall._LIST_FROM_C(lt, ref) == values
+
+
+def test_string_list_to_c_refuses_what_wasmtime_py_refuses() -> None:
+    fastcall._patch_types()
+    lt = _string_list_type()
+    with pytest.raises(TypeError, match="expected string"):
+        fastcall._list_to_c(lt, None, ["a", b"b"], ctypes.pointer(ffi.wasmtime_component_val_t()))
+    with pytest.raises(UnicodeEncodeError):
+        fastcall._list_to_c(lt, None, ["a", "\ud800"], ctypes.pointer(ffi.wasmtime_component_val_t()))
+
+
+def _enum_type(names: list[str]) -> T.EnumType:
+    et = T.EnumType.__new__(T.EnumType)
+    et.__dict__["names"] = names
+    return et
+
+
+def _generation_type() -> T.RecordType:
+    """The WIT `generation` record's shape (forward.generate's result)."""
+    return _record_type([("tokens", _u32_list_type()), ("new-pages", _u32_list_type()), ("trim", T.U32()),
+                         ("finish", _enum_type(["length", "stop-token"]))])
+
+
+def _record(values: dict[str, object]) -> T.Record:
+    rec = T.Record()
+    rec.__dict__.update(values)
+    return rec
+
+
+@pytest.mark.parametrize("values", [
+    {"tokens": list(range(1000, 1064)), "new-pages": [5, 6], "trim": 0, "finish": "length"},
+    {"tokens": [7], "new-pages": [], "trim": 1, "finish": "stop-token"},
+])
+def test_record_to_c_matches_wasmtime_py(values: dict[str, object]) -> None:
+    """A record written in place: the same entries (names, kinds, values) as wasmtime-py's, read back
+    the same way by wasmtime-py's own reader."""
+    fastcall._patch_types()
+    rt = _generation_type()
+    fast, ref = ffi.wasmtime_component_val_t(), ffi.wasmtime_component_val_t()
+    fastcall._record_to_c(rt, None, _record(values), ctypes.pointer(fast))
+    fastcall._RECORD_TO_C(rt, None, _record(values), ctypes.pointer(ref))
+    for i, name in enumerate(values):
+        fe, re_ = fast.of.record.data[i], ref.of.record.data[i]
+        assert ctypes.string_at(fe.name.data, fe.name.size) == ctypes.string_at(re_.name.data, re_.name.size) \
+            == name.encode()
+        assert fe.val.kind == re_.val.kind
+    assert fastcall._RECORD_FROM_C(rt, fast).__dict__ == fastcall._RECORD_FROM_C(rt, ref).__dict__ == values
+
+
+def test_record_to_c_cleans_up_after_a_bad_field() -> None:
+    """A field that cannot be converted raises wasmtime-py's error; what was written is freed (no crash)."""
+    fastcall._patch_types()
+    rt = _generation_type()
+    for bad in [{"tokens": [1, 2], "new-pages": [3], "trim": "x", "finish": "length"},
+                {"tokens": [1, 2], "new-pages": [3], "trim": 0, "finish": 5},
+                {"tokens": 1.5, "new-pages": [3], "trim": 0, "finish": "length"}]:
+        with pytest.raises(TypeError):
+            fastcall._record_to_c(rt, None, _record(bad), ctypes.pointer(ffi.wasmtime_component_val_t()))
+    with pytest.raises(AttributeError):  # a missing field, as wasmtime-py's getattr
+        fastcall._record_to_c(rt, None, _record({"tokens": [1]}), ctypes.pointer(ffi.wasmtime_component_val_t()))
+
+
+@pytest.mark.parametrize("role, content", [("user", "What is the capital of France?"), ("", ""),
+                                           ("system", "héllo ✓ 你好\x00" * 50)])
+def test_record_of_strings_from_c_matches_wasmtime_py(role: str, content: str) -> None:
+    """A chat message (record of strings, and a scalar) is read flat, as wasmtime-py reads it."""
+    fastcall._patch_types()
+    rt = _record_type([("role", T.String()), ("n", T.U32()), ("content", T.String())])
+    values = {"role": role, "n": 9, "content": content}
+    assert fastcall._FlatRecord.plan(rt.fields) is not None
+    fast = fastcall._record_from_c(rt, _to_c(rt, values))  # frees the record
+    ref = fastcall._RECORD_FROM_C(rt, _to_c(rt, values))
+    assert fast.__dict__ == ref.__dict__ == values
+
+
+def test_wasmtime_py_values_restores_both_ways() -> None:
+    """The comparison switch: inside, lists and records convert as wasmtime-py does; after, fast again."""
+    fastcall._patch_types()
+    assert T.ListType.convert_to_c is fastcall._list_to_c and T.RecordType.convert_from_c is fastcall._record_from_c
+    with fastcall.wasmtime_py_values():
+        assert T.ListType.convert_to_c is fastcall._LIST_TO_C and T.ListType.convert_from_c is fastcall._LIST_FROM_C
+        assert T.RecordType.convert_to_c is fastcall._RECORD_TO_C
+        assert T.RecordType.convert_from_c is fastcall._RECORD_FROM_C
+        lt = _u32_list_type()
+        val = ffi.wasmtime_component_val_t()
+        lt.convert_to_c(None, [4, 5], ctypes.pointer(val))
+        assert lt.convert_from_c(val) == [4, 5]
+    assert T.ListType.convert_to_c is fastcall._list_to_c and T.ListType.convert_from_c is fastcall._list_from_c
+    assert T.RecordType.convert_to_c is fastcall._record_to_c

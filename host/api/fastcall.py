@@ -8,20 +8,27 @@ bench/inferlets/hostcalls). The types of an import never change, so this module
 - memoizes the type accessors (`ListType.element`, `RecordType.fields`, ...) per type object, and
 - registers host functions through a callback that builds their parameter/result types once.
 
-Values are converted by wasmtime-py's own code, except two hot spots replaced by equivalent
-faster versions: a `list<u32>` argument is read, and a `list<u32>` result written, with one
-C-level slice instead of a Python call per element, and a record argument skips decoding each field's name from C (the names
-come from the type, in the same order). Same values, same frees.
+Values are converted by wasmtime-py's own code, except for lists and records, which every start
+and end of an inferlet passes (its arguments, chat messages, prompt tokens, the `generation`
+record), replaced by equivalent faster versions:
+- a `list<u32>` is written and read with C-level slices instead of a Python call per element;
+- a `list<string>` is written with each byte vector made in place, and read in one unpack;
+- a record result is written entry by entry in place, its field names encoded once per type;
+- a record argument of scalars and strings is read in one struct.unpack_from (the names come
+  from the type, in the same order).
+Same values, same frees (tests/test_fastcall.py checks each against wasmtime-py's own);
+bench/conversions.py compares the costs, and `wasmtime_py_values` restores wasmtime-py's way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from wasmtime import StoreContext
@@ -78,9 +85,30 @@ def _patch_types() -> None:
     T.ListType.convert_from_c = _list_from_c  # type: ignore[method-assign]
     T.ListType.convert_to_c = _list_to_c  # type: ignore[method-assign]
     T.RecordType.convert_from_c = _record_from_c  # type: ignore[method-assign]
+    T.RecordType.convert_to_c = _record_to_c  # type: ignore[method-assign]
     _hold_gil_in_helpers()
     _patch_byte_vecs()
     _PATCHED = True
+
+
+_VALUE_PATCHES = [("ListType", "convert_from_c"), ("ListType", "convert_to_c"), ("RecordType", "convert_from_c"),
+                  ("RecordType", "convert_to_c")]
+
+
+@contextlib.contextmanager
+def wasmtime_py_values() -> Iterator[None]:
+    """While inside: lists and records convert the way wasmtime-py does, element by element (the
+    type memos and byte-vector patches stay), for comparisons (bench/conversions.py, host_scale's
+    `wasmtime_values` variant). Not for a host serving others: it changes the classes process-wide."""
+    _patch_types()
+    saved = [(getattr(T, c), n, getattr(T, c).__dict__[n]) for c, n in _VALUE_PATCHES]
+    for cls, name, _fn in saved:
+        setattr(cls, name, _ORIGINALS[(cls.__name__, name)])
+    try:
+        yield
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
 
 
 # The C helpers a value conversion calls: they allocate, free or read small structs, never run
@@ -158,33 +186,101 @@ def _patch_byte_vecs() -> None:
 _LIST_FROM_C = T.ListType.convert_from_c
 _RECORD_FROM_C = T.RecordType.convert_from_c
 _LIST_TO_C = T.ListType.convert_to_c
+_RECORD_TO_C = T.RecordType.convert_to_c
+_ORIGINALS = {("ListType", "convert_from_c"): _LIST_FROM_C, ("ListType", "convert_to_c"): _LIST_TO_C,
+              ("RecordType", "convert_from_c"): _RECORD_FROM_C, ("RecordType", "convert_to_c"): _RECORD_TO_C}
 _VAL_SIZE = ctypes.sizeof(ffi.wasmtime_component_val_t)
 _U32_OFFSET = ffi.wasmtime_component_val_t.of.offset  # the union's start; u32 sits at its start
 _U32_STRIDE = _VAL_SIZE // 4
 _U32_KIND = ffi.WASMTIME_COMPONENT_U32.value
+_STRING_KIND = ffi.WASMTIME_COMPONENT_STRING.value
+_BOOL_KIND = ffi.WASMTIME_COMPONENT_BOOL.value
+_VAL = ffi.wasmtime_component_val_t
+_VAL_PTR = ctypes.POINTER(_VAL)
+# wasm_byte_vec_new(out, size, data) into a vector at an address (in a list element or a record
+# entry), the GIL held as in `_patch_byte_vecs`
+_BYTE_VEC_NEW_AT = ctypes.PyDLL(ffi.dll._name, handle=ffi.dll._handle).wasm_byte_vec_new
+_BYTE_VEC_NEW_AT.restype, _BYTE_VEC_NEW_AT.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 
 
 def _list_to_c(self: T.ListType, store: Any, val: Any, ptr: Any) -> None:
-    """wasmtime-py's ListType.convert_to_c, with a fast path for a list<u32> of ints."""
-    if (type(self.element) is not T.U32 or type(val) is not list or not val or _VAL_SIZE % 4 or _U32_OFFSET % 4
-            or not all(type(v) is int for v in val)):
+    """wasmtime-py's ListType.convert_to_c, with fast paths for a list<u32> (two C-level slice
+    writes: the kinds and the values) and a list<string> (each string's byte vector made in place)."""
+    element = type(self.element)
+    if type(val) is not list or not val or _VAL_SIZE % 4 or _U32_OFFSET % 4 or (
+            element is not T.U32 and element is not T.String):
         _LIST_TO_C(self, store, val, ptr)
         return
     n = len(val)
+    data: list[bytes] = []
+    if element is T.String:
+        try:  # (before anything is allocated)
+            data = [v.encode("utf8") for v in val] if all(type(v) is str for v in val) else []
+        except UnicodeEncodeError:  # a lone surrogate
+            pass
+        if not data:  # wasmtime-py's own error, or its way for str subclasses
+            _LIST_TO_C(self, store, val, ptr)
+            return
     raw = ffi.wasmtime_component_vallist_t()
     ffi.wasmtime_component_vallist_new_uninit(raw, n)
     base = ctypes.addressof(raw.data.contents)
     kinds = (ctypes.c_uint8 * (n * _VAL_SIZE)).from_address(base)
-    kinds[0::_VAL_SIZE] = [_U32_KIND] * n
-    words = (ctypes.c_uint32 * (n * _U32_STRIDE)).from_address(base)
-    words[_U32_OFFSET // 4 :: _U32_STRIDE] = [v & 0xFFFFFFFF for v in val]  # as ctypes' c_uint32 stores an int
+    if element is T.U32:
+        words = (ctypes.c_uint32 * (n * _U32_STRIDE)).from_address(base)
+        try:  # ctypes stores an int as c_uint32 does (masked to 32 bits), and refuses what is not one
+            words[_U32_OFFSET // 4 :: _U32_STRIDE] = val
+        except TypeError:
+            kinds[0::_VAL_SIZE] = [_BOOL_KIND] * n  # nothing to free in them
+            ffi.wasmtime_component_vallist_delete(ctypes.byref(raw))
+            _LIST_TO_C(self, store, val, ptr)  # raises wasmtime-py's own error
+            return
+        kinds[0::_VAL_SIZE] = [_U32_KIND] * n
+    else:
+        new = _BYTE_VEC_NEW_AT
+        for i, b in enumerate(data):
+            new(base + i * _VAL_SIZE + _U32_OFFSET, len(b), b)
+        kinds[0::_VAL_SIZE] = [_STRING_KIND] * n
     ptr.contents.kind = ffi.WASMTIME_COMPONENT_LIST
     ptr.contents.of.list = raw
 
 
+def _record_to_c(self: T.RecordType, store: Any, val: Any, ptr: Any) -> None:
+    """wasmtime-py's RecordType.convert_to_c, writing each entry in place: its field name's byte
+    vector made from bytes encoded once per type, its value converted into the entry."""
+    fields = self.fields
+    d = self.__dict__
+    names = d.get("_name_bytes")
+    if names is None:
+        names = d["_name_bytes"] = [name.encode("utf8") for name, _ in fields]
+    n = len(fields)
+    raw = ffi.wasmtime_component_valrecord_t()
+    ffi.wasmtime_component_valrecord_new_uninit(raw, n)
+    base = ctypes.addressof(raw.data.contents) if n else 0
+    i = 0
+    try:
+        for (name, ty), b in zip(fields, names, strict=True):
+            at = base + i * _ENTRY_SIZE
+            ty.convert_to_c(store, getattr(val, name), _VAL_PTR(_VAL.from_address(at + _ENTRY_VAL)))
+            _BYTE_VEC_NEW_AT(at + _ENTRY_NAME, len(b), b)
+            i += 1
+    except BaseException:
+        for j in range(i, n):  # not written (or half): an empty name and a value owning nothing
+            entry = _ENTRY.from_address(base + j * _ENTRY_SIZE)
+            entry.name.size, entry.name.data = 0, None
+            entry.val.kind = ffi.WASMTIME_COMPONENT_BOOL
+            entry.val.of.boolean = False
+        ffi.wasmtime_component_valrecord_delete(ctypes.byref(raw))
+        raise
+    ptr.contents.kind = ffi.WASMTIME_COMPONENT_RECORD
+    ptr.contents.of.record = raw
+
+
 def _list_from_c(self: T.ListType, c: Any) -> Any:
-    """wasmtime-py's ListType.convert_from_c, with a fast path for list<u32>."""
-    if type(self.element) is not T.U32 or _VAL_SIZE % 4 or _U32_OFFSET % 4:
+    """wasmtime-py's ListType.convert_from_c, with fast paths for list<u32> and list<string>."""
+    element = type(self.element)
+    if element is T.String and ctypes.sizeof(ctypes.c_void_p) == 8 and _VAL_SIZE >= _U32_OFFSET + 16:
+        return _strings_from_c(c)
+    if element is not T.U32 or _VAL_SIZE % 4 or _U32_OFFSET % 4:
         return _LIST_FROM_C(self, c)
     assert c.kind == ffi.WASMTIME_COMPONENT_LIST.value
     try:
@@ -193,6 +289,27 @@ def _list_from_c(self: T.ListType, c: Any) -> Any:
             return []
         words = (ctypes.c_uint32 * (n * _U32_STRIDE)).from_address(ctypes.addressof(c.of.list.data.contents))
         return words[_U32_OFFSET // 4 :: _U32_STRIDE]  # u32 elements own nothing: no per-element reset
+    finally:
+        ffi.wasmtime_component_valtuple_delete(ctypes.byref(c.of.tuple))
+
+
+_STRING_VALS = struct.Struct(f"<B{_U32_OFFSET - 1}xQQ{_VAL_SIZE - _U32_OFFSET - 16}x")  # kind, size, data
+_string_at = ctypes.string_at
+
+
+def _strings_from_c(c: Any) -> list[str]:
+    """A list<string> read in place (each element's size and data pointer); the list's delete frees them."""
+    assert c.kind == ffi.WASMTIME_COMPONENT_LIST.value
+    try:
+        n = c.of.list.size
+        if n == 0:
+            return []
+        buf = (ctypes.c_char * (n * _VAL_SIZE)).from_address(ctypes.addressof(c.of.list.data.contents))
+        out = []
+        for kind, size, data in _STRING_VALS.iter_unpack(buf):
+            assert kind == _STRING_KIND
+            out.append(_string_at(data, size).decode("utf-8") if size else "")
+        return out
     finally:
         ffi.wasmtime_component_valtuple_delete(ctypes.byref(c.of.tuple))
 
@@ -209,21 +326,28 @@ _SCALARS: dict[type, tuple[int, str]] = {
 _OPTION_KIND = ffi.WASMTIME_COMPONENT_OPTION.value
 _ENTRY = ffi.wasmtime_component_valrecord_entry_t
 _ENTRY_SIZE = ctypes.sizeof(_ENTRY)
-_KIND_AT = _ENTRY.val.offset + ffi.wasmtime_component_val_t.kind.offset  # in an entry
+_ENTRY_NAME, _ENTRY_VAL = _ENTRY.name.offset, _ENTRY.val.offset  # in an entry
+_KIND_AT = _ENTRY.val.offset + ffi.wasmtime_component_val_t.kind.offset
 _VALUE_AT = _ENTRY.val.offset + ffi.wasmtime_component_val_t.of.offset
 
 
 class _FlatRecord:
-    """How to read a record of scalar fields (and options, read as their payload pointer: only a
-    `none`, a null pointer, is taken as is) in one struct.unpack_from of its entry array."""
+    """How to read a record of scalar and string fields (and options, read as their payload
+    pointer: only a `none`, a null pointer, is taken as is) in one struct.unpack_from of its entry
+    array. A string is read in place (its size and data pointer); the record's delete frees it."""
 
     def __init__(self, fields: list[tuple[str, Any]]) -> None:
-        fmt, kinds, pos = ["<"], [], 0
-        self.options = []  # indices of option fields
+        fmt, kinds, pos, at = ["<"], [], 0, 0
+        self.options: list[int] = []  # indices of option fields
+        self.strings: list[int] = []  # and of string fields
+        self.kind_at: list[int] = []  # each field's kind in the unpacked tuple (its value follows)
         for i, (_name, ty) in enumerate(fields):
             if type(ty) is T.OptionType:
                 kind, code = _OPTION_KIND, "Q"
                 self.options.append(i)
+            elif type(ty) is T.String:
+                kind, code = _STRING_KIND, "QQ"  # wasm_byte_vec_t: size, data
+                self.strings.append(i)
             else:
                 kind, code = _SCALARS[type(ty)]
             base = i * _ENTRY_SIZE
@@ -231,18 +355,21 @@ class _FlatRecord:
                     f"{_VALUE_AT - _KIND_AT - 1}x", code]
             pos = base + _VALUE_AT + struct.calcsize("<" + code)
             kinds.append(kind)
+            self.kind_at.append(at)
+            at += 1 + len(code)
         self.struct = struct.Struct("".join(fmt))
         self.names = [name for name, _ in fields]
         self.kinds = tuple(kinds)
         self.size = len(fields)
         self.buffer = ctypes.c_char * (self.size * _ENTRY_SIZE)
+        self.plain = not self.strings  # two items per field: kind, value
 
     @staticmethod
     def plan(fields: list[tuple[str, Any]]) -> _FlatRecord | None:
         if ctypes.sizeof(ctypes.c_void_p) != 8 or not fields:
             return None
         for _name, ty in fields:
-            if type(ty) not in _SCALARS and type(ty) is not T.OptionType:
+            if type(ty) not in _SCALARS and type(ty) is not T.OptionType and type(ty) is not T.String:
                 return None
         return _FlatRecord(fields)
 
@@ -251,9 +378,18 @@ class _FlatRecord:
         if record.size != self.size:
             return None
         got = self.struct.unpack_from(self.buffer.from_address(ctypes.addressof(record.data.contents)))
-        if got[0::2] != self.kinds:
-            return None
-        values = list(got[1::2])
+        if self.plain:
+            if got[0::2] != self.kinds:
+                return None
+            values = list(got[1::2])
+        else:
+            if tuple(got[k] for k in self.kind_at) != self.kinds:
+                return None
+            values = [got[k + 1] for k in self.kind_at]
+            for i in self.strings:
+                k = self.kind_at[i]
+                size = got[k + 1]
+                values[i] = _string_at(got[k + 2], size).decode("utf-8") if size else ""
         for i in self.options:
             if values[i]:
                 return None  # some(...): its payload is converted the general way
@@ -263,7 +399,8 @@ class _FlatRecord:
 
 def _record_from_c(self: T.RecordType, c: Any) -> Any:
     """wasmtime-py's RecordType.convert_from_c without decoding every field name from C; a record
-    of scalars (e.g. the sampler of every decode step) is read in one struct.unpack_from."""
+    of scalars and strings (the sampler of every decode step, a chat message) is read in one
+    struct.unpack_from."""
     assert c.kind == ffi.WASMTIME_COMPONENT_RECORD.value
     try:
         d = self.__dict__
