@@ -107,7 +107,8 @@ def test_static_buffer_path_equals_eager_on_cpu(backend, attention):
         assert_close(y, x, f"request {i}")
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+# (flex compiles its kernels on CPU, ~3.5 s: in `make test`, not in test-fast)
+@pytest.mark.parametrize("attention", ["sdpa", pytest.param("flex", marks=pytest.mark.slow)])
 def test_static_buffer_path_honours_the_window(attention):
     # a model whose first layer slides over 5 slots (the second is global): decode steps through
     # the graphs' static buffers, contexts past the window, equal the eager path; and the window
