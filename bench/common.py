@@ -14,13 +14,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Run:
-    """One instance's events, collected until its terminal event."""
+    """One instance's events, collected until its terminal event (`ended_at`: its perf_counter time)."""
 
     def __init__(self, host: Host, program: str, args: list[str]) -> None:
         self.events: queue.Queue[InstanceEvent] = queue.Queue()
         self.messages: list[str] = []
-        self.id = host.launch(program, args, self.events.put)
+        self.ended_at = float("nan")
+        self.id = host.launch(program, args, self._on_event)
         self.end: InstanceEvent | None = None
+
+    def _on_event(self, ev: InstanceEvent) -> None:
+        if ev.terminal:
+            self.ended_at = time.perf_counter()
+        self.events.put(ev)
 
     def finish(self, timeout: float = 300.0) -> InstanceEvent:
         while self.end is None:

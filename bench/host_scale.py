@@ -42,8 +42,13 @@ instance instead of two), `on_demand` (`HostConfig.instance_pool=False`: wasmtim
 and `wasmtime_values` (host calls' lists and records converted element by element, as wasmtime-py
 does, instead of host/api/fastcall.py's paths).
 Every burst also reports the process's CPU, kernel CPU and page faults per instance
-(`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`), and back to back its ramp
-(`ramp_ms`: from the first launch to the first backend call with 90% of the N in it).
+(`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`), the launching thread's time
+for its N launches (`launch_ms`: a launch that finds no parked instance starts one cold), and back to
+back where the time beyond the backend's goes: `ramp_ms` (from the first launch to the first
+backend call with 90% of the N in it), `period_ms` (the median time from a backend call's start to
+the next's, both holding all N: the step plus the host's work per step that the backend waits
+for) and `tail_ms` (from the end
+of the last backend call to the last instance's end event).
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
@@ -54,6 +59,7 @@ import contextlib
 import json
 import os
 import resource
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,13 +164,17 @@ def workload_args(name: str, tokens: int) -> list[str]:
 
 def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_s: float,
              tokens: int, log: BatchLog | None = None) -> dict[str, float]:
-    """One burst of n; with `log` (the stand-in's calls), also `ramp_ms`: from the first launch to
-    the first backend call with 90% of the n in it (the instances' starts, bench/README.md)."""
+    """One burst of n. `launch_ms`: the launching thread's time to make the n launches. With `log`
+    (the stand-in's calls), also `ramp_ms`: from the first launch to the first backend call with 90%
+    of the n in it (the instances' starts, bench/README.md); `period_ms`: the median time from one
+    backend call's start to the next's, both holding every one of the n (the step, plus the host's
+    work per step that the backend waits for); `tail_ms`: from the end of the last backend call to the last instance's end event."""
     before = host.scheduler.stats.as_dict()
     logged = len(log.calls) if log is not None else 0
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     runs = [Run(host, program, args) for _ in range(n)]
+    launched = time.perf_counter()
     for r in runs:
         end = r.finish(600)
         if end.event != "completed" or end.message != want:
@@ -175,11 +185,16 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
     mean_batch = (after["forwards"] - before["forwards"]) / max(after["batches"] - before["batches"], 1)
     tok_s = n * tokens / wall
     ideal = n * tokens / ((tokens + 1) * step_s)
-    ramp: dict[str, float] = {}
+    phases: dict[str, float] = {"launch_ms": round(1000 * (launched - t0), 1)}
     if log is not None:
-        full = [start for start, _end, size in log.calls[logged:] if size >= 0.9 * n]
-        ramp["ramp_ms"] = round(1000 * (full[0] - t0), 1) if full else float("nan")
-    return {**ramp, "tok_s": round(tok_s, 1), "ideal_tok_s": round(ideal, 1), "efficiency": round(tok_s / ideal, 3),
+        calls = sorted(log.calls[logged:])
+        full = [start for start, _end, size in calls if size >= 0.9 * n]
+        phases["ramp_ms"] = round(1000 * (full[0] - t0), 1) if full else float("nan")
+        periods = [1000 * (b[0] - a[0]) for a, b in zip(calls, calls[1:], strict=False) if a[2] == n and b[2] == n]
+        phases["period_ms"] = round(statistics.median(periods), 3) if periods else float("nan")
+        last_call = max((end for _start, end, _size in calls), default=float("nan"))
+        phases["tail_ms"] = round(1000 * (max(r.ended_at for r in runs) - last_call), 1)
+    return {**phases, "tok_s": round(tok_s, 1), "ideal_tok_s": round(ideal, 1), "efficiency": round(tok_s / ideal, 3),
             "mean_batch": round(mean_batch, 1), "wall_s": round(wall, 3),
             # the process's CPU and page faults during the burst, per instance (starts, runs, ends,
             # and what the warm pool and the reaper did meanwhile)
@@ -315,15 +330,19 @@ def traffic(opts: argparse.Namespace, step_s: float, n: int, config: dict[str, A
 def traffic_table(results: dict[str, Any], tokens: int) -> str:
     lines = [f"# bench/host_scale.py --back-to-back (`app`, {tokens} tokens per instance; efficiency = "
              "tok/s / ideal; fresh = a fresh host's first burst, back-to-back = median of the bursts after it)", "",
-             "| step ms | backend | instances | variant | fresh | back-to-back | all back-to-back | warm at launch |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| step ms | backend | instances | variant | fresh | back-to-back | all back-to-back | warm at launch "
+             "| launch / ramp / period / tail ms (back-to-back) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for step, by_backend in results.items():
         for backend, by_n in by_backend.items():
             for n, by_variant in by_n.items():
                 for variant, r in by_variant.items():
+                    b = r["back_to_back"]
                     lines.append(f"| {step} | {backend} | {n} | {variant} | {r['fresh']['efficiency']} | "
                                  f"{r['back_to_back']['efficiency']} | {r['back_to_back_all']} | "
-                                 f"{r['fresh']['warm_ready']}, {r['warm_ready_all']} |")
+                                 f"{r['fresh']['warm_ready']}, {r['warm_ready_all']} | "
+                                 + " / ".join(str(b.get(k)) for k in ("launch_ms", "ramp_ms", "period_ms", "tail_ms"))
+                                 + " |")
     return "\n".join(lines) + "\n"
 
 
