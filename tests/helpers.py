@@ -107,13 +107,14 @@ def text_completion_burst(host: Host, program: str, prompts: list[str], max_toke
         -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """`text_completion` launched for every prompt at once in front of a `FakeBackend` (each token the
     last one + 1, mod 256); returns each instance's (end event, message) and the expected ones,
-    computed from the fake's tokenizer and chat template."""
+    computed from the fake's tokenizer and chat template. The launches come one right after the
+    other (the expected outputs are computed first)."""
     tok = host.backend.tokenizer
-    runs, wants = [], []
+    wants = []
     for p in prompts:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], True))
         wants.append(("completed", tok.decode([(ids[-1] + 1 + j) % 256 for j in range(max_tokens)])))
-        runs.append(Run(host, program, ["--prompt", p, "--max-tokens", str(max_tokens)]))
+    runs = [Run(host, program, ["--prompt", p, "--max-tokens", str(max_tokens)]) for p in prompts]
     got = []
     for r in runs:
         ev = r.finish(120)
