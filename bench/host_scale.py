@@ -47,8 +47,7 @@ for its N launches (`launch_ms`: a launch that finds no parked instance starts o
 back where the time beyond the backend's goes: `ramp_ms` (from the first launch to the first
 backend call with 90% of the N in it), `period_ms` (the median time from a backend call's start to
 the next's, both holding all N: the step plus the host's work per step that the backend waits
-for) and `tail_ms` (from the end
-of the last backend call to the last instance's end event).
+for) and `tail_ms` (from the end of the last backend call to the last instance's end event).
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
@@ -168,7 +167,8 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
     (the stand-in's calls), also `ramp_ms`: from the first launch to the first backend call with 90%
     of the n in it (the instances' starts, bench/README.md); `period_ms`: the median time from one
     backend call's start to the next's, both holding every one of the n (the step, plus the host's
-    work per step that the backend waits for); `tail_ms`: from the end of the last backend call to the last instance's end event."""
+    work per step that the backend waits for); `tail_ms`: from the end of the last backend call to
+    the last instance's end event."""
     before = host.scheduler.stats.as_dict()
     logged = len(log.calls) if log is not None else 0
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
