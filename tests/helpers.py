@@ -7,8 +7,10 @@ import importlib.util
 import queue
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import wasmtime
 
@@ -103,18 +105,20 @@ def hf_default_tokenizer():  # type: ignore[no-untyped-def]
     return transformers.AutoTokenizer.from_pretrained(cache)
 
 
-def text_completion_burst(host: Host, program: str, prompts: list[str], max_tokens: int) \
+def text_completion_burst(host: Host, program: str, prompts: list[str], max_tokens: int,
+                          launching: Callable[[], AbstractContextManager[Any]] = nullcontext) \
         -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """`text_completion` launched for every prompt at once in front of a `FakeBackend` (each token the
     last one + 1, mod 256); returns each instance's (end event, message) and the expected ones,
     computed from the fake's tokenizer and chat template. The launches come one right after the
-    other (the expected outputs are computed first)."""
+    other (the expected outputs are computed first), inside `launching()`."""
     tok = host.backend.tokenizer
     wants = []
     for p in prompts:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], True))
         wants.append(("completed", tok.decode([(ids[-1] + 1 + j) % 256 for j in range(max_tokens)])))
-    runs = [Run(host, program, ["--prompt", p, "--max-tokens", str(max_tokens)]) for p in prompts]
+    with launching():
+        runs = [Run(host, program, ["--prompt", p, "--max-tokens", str(max_tokens)]) for p in prompts]
     got = []
     for r in runs:
         ev = r.finish(120)
