@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import pytest
 from wasmtime import _ffi as ffi
@@ -25,16 +26,19 @@ def _elements(val: ffi.wasmtime_component_val_t) -> list[tuple[int, int]]:
     return [(raw.data[i].kind, raw.data[i].of.u32) for i in range(raw.size)]
 
 
-@pytest.mark.parametrize("values", [[0], [1, 2, 3], list(range(1000)), [2**32 - 1, 7, 0]])
+@pytest.mark.parametrize("values", [[0], [1, 2, 3], list(range(1000)), [2**32 - 1, 7, 0],
+                                    [True, False, 7], [-1, 2**32, 2**32 + 5, 2**70 + 3]])
 def test_list_u32_to_c_matches_wasmtime_py(values: list[int]) -> None:
+    """Bools and ints out of range are stored as wasmtime-py's own conversion stores them (masked)."""
     fastcall._patch_types()
     lt = _u32_list_type()
+    stored = [v & 0xFFFFFFFF for v in values]
     fast, ref = ffi.wasmtime_component_val_t(), ffi.wasmtime_component_val_t()
     fastcall._list_to_c(lt, None, list(values), ctypes.pointer(fast))
     fastcall._LIST_TO_C(lt, None, list(values), ctypes.pointer(ref))
     try:
-        assert _elements(fast) == _elements(ref) == [(ffi.WASMTIME_COMPONENT_U32.value, v) for v in values]
-        assert fastcall._list_from_c(lt, fast) == values  # and back (this frees the list)
+        assert _elements(fast) == _elements(ref) == [(ffi.WASMTIME_COMPONENT_U32.value, v) for v in stored]
+        assert fastcall._list_from_c(lt, fast) == stored  # and back (this frees the list)
     finally:
         ffi.wasmtime_component_vallist_delete(ctypes.byref(ref.of.list))
 
@@ -142,21 +146,6 @@ def _string_list_type() -> T.ListType:
 
 
 _TEXTS = ["", "a", "héllo wörld ✓ 你好", "nul\x00inside", "long " * 500]
-
-
-@pytest.mark.parametrize("values", [[0, 1, 2], [True, False, 7], [-1, 2**32, 2**32 + 5, 2**70 + 3]])
-def test_list_u32_to_c_stores_ints_as_wasmtime_py_does(values: list[int]) -> None:
-    """Bools and ints out of range are stored as wasmtime-py's own conversion stores them (masked)."""
-    fastcall._patch_types()
-    lt = _u32_list_type()
-    fast, ref = ffi.wasmtime_component_val_t(), ffi.wasmtime_component_val_t()
-    fastcall._list_to_c(lt, None, list(values), ctypes.pointer(fast))
-    fastcall._LIST_TO_C(lt, None, list(values), ctypes.pointer(ref))
-    try:
-        assert _elements(fast) == _elements(ref)
-    finally:
-        ffi.wasmtime_component_vallist_delete(ctypes.byref(fast.of.list))
-        ffi.wasmtime_component_vallist_delete(ctypes.byref(ref.of.list))
 
 
 def test_list_u32_to_c_refuses_a_float_as_wasmtime_py_does() -> None:
@@ -271,3 +260,26 @@ def test_wasmtime_py_values_restores_both_ways() -> None:
         assert lt.convert_from_c(val) == [4, 5]
     assert T.ListType.convert_to_c is fastcall._list_to_c and T.ListType.convert_from_c is fastcall._list_from_c
     assert T.RecordType.convert_to_c is fastcall._record_to_c
+
+
+def test_a_host_functions_exception_stays_with_its_thread() -> None:
+    """The exception a failing import leaves for its guest's caller is the calling thread's: another
+    thread whose guest trapped meanwhile does not take it (wasmtime-py keeps one global)."""
+    from wasmtime import Engine, Store, WasmtimeError
+    from wasmtime.component import _enter
+
+    fastcall._patch_types()
+    store = Store(Engine())
+
+    def fail(_store: object) -> None:
+        raise LookupError("the other instance's")
+
+    def other() -> None:
+        assert _enter.catch_exceptions(store._context(), fail) != 0  # an error for its guest
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    _enter.maybe_raise_last_exn()  # this thread's: nothing
+    with pytest.raises(WasmtimeError, match="trap here"):
+        _enter.enter_wasm(lambda: WasmtimeError("trap here")._consume())  # a trap of this thread's own

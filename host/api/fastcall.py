@@ -28,15 +28,16 @@ import functools
 import itertools
 import re
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from wasmtime import StoreContext
+from wasmtime import StoreContext, WasmtimeError
 from wasmtime import _bindings as B
 from wasmtime import _ffi as ffi
+from wasmtime.component import _enter
 from wasmtime.component import _linker as L
 from wasmtime.component import _types as T
-from wasmtime.component._enter import catch_exceptions
 
 __all__ = ["add_func"]
 
@@ -88,7 +89,42 @@ def _patch_types() -> None:
     T.RecordType.convert_to_c = _record_to_c  # type: ignore[method-assign]
     _hold_gil_in_helpers()
     _patch_byte_vecs()
+    _enter.catch_exceptions = L.catch_exceptions = catch_exceptions  # type: ignore[assignment]
+    _enter.maybe_raise_last_exn = _maybe_raise_last_exn  # (read by `_enter.enter_wasm`)
     _PATCHED = True
+
+
+_LAST = threading.local()
+
+
+def catch_exceptions(store_raw: Any, func: Callable[[StoreContext], None]) -> int:
+    """wasmtime-py's `catch_exceptions` (a host function's wrapper), with the Python exception kept
+    for the thread that made the call, not in one global: the thread's `enter_wasm` re-raises it
+    when the guest's call returns with the error. With the global, an instance whose guest trapped
+    while another instance's import was failing took that one's exception as its own (a guest
+    with invalid UTF-8 ended "aborted: terminated" next to an instance being terminated)."""
+    store = StoreContext(store_raw)
+    exception = None
+    try:
+        func(store)
+    except WasmtimeError as e:
+        exception = e
+    except Exception as e:
+        _LAST.exception = e
+        exception = WasmtimeError("python exception")
+    finally:
+        store._invalidate()
+    if exception:
+        return ctypes.cast(exception._consume(), ctypes.c_void_p).value or 0
+    return 0
+
+
+def _maybe_raise_last_exn() -> None:
+    """wasmtime-py's, reading this thread's exception (`catch_exceptions`)."""
+    exception = getattr(_LAST, "exception", None)
+    if exception is not None:
+        _LAST.exception = None
+        raise exception
 
 
 _VALUE_PATCHES = [("ListType", "convert_from_c"), ("ListType", "convert_to_c"), ("RecordType", "convert_from_c"),
@@ -276,42 +312,32 @@ def _record_to_c(self: T.RecordType, store: Any, val: Any, ptr: Any) -> None:
 
 
 def _list_from_c(self: T.ListType, c: Any) -> Any:
-    """wasmtime-py's ListType.convert_from_c, with fast paths for list<u32> and list<string>."""
+    """wasmtime-py's ListType.convert_from_c, with fast paths for list<u32> (one C-level slice) and
+    list<string> (each element's size and data pointer in one unpack). Either way the elements are
+    read in place and the list's delete frees them."""
     element = type(self.element)
-    if element is T.String and ctypes.sizeof(ctypes.c_void_p) == 8 and _VAL_SIZE >= _U32_OFFSET + 16:
-        return _strings_from_c(c)
-    if element is not T.U32 or _VAL_SIZE % 4 or _U32_OFFSET % 4:
+    if not ((element is T.U32 and not _VAL_SIZE % 4 and not _U32_OFFSET % 4)
+            or (element is T.String and ctypes.sizeof(ctypes.c_void_p) == 8 and _VAL_SIZE >= _U32_OFFSET + 16)):
         return _LIST_FROM_C(self, c)
     assert c.kind == ffi.WASMTIME_COMPONENT_LIST.value
     try:
         n = c.of.list.size
         if n == 0:
             return []
-        words = (ctypes.c_uint32 * (n * _U32_STRIDE)).from_address(ctypes.addressof(c.of.list.data.contents))
-        return words[_U32_OFFSET // 4 :: _U32_STRIDE]  # u32 elements own nothing: no per-element reset
+        base = ctypes.addressof(c.of.list.data.contents)
+        if element is T.U32:
+            return (ctypes.c_uint32 * (n * _U32_STRIDE)).from_address(base)[_U32_OFFSET // 4 :: _U32_STRIDE]
+        out = []
+        for kind, size, data in _STRING_VALS.iter_unpack((ctypes.c_char * (n * _VAL_SIZE)).from_address(base)):
+            assert kind == _STRING_KIND
+            out.append(_string_at(data, size).decode("utf-8") if size else "")
+        return out
     finally:
         ffi.wasmtime_component_valtuple_delete(ctypes.byref(c.of.tuple))
 
 
 _STRING_VALS = struct.Struct(f"<B{_U32_OFFSET - 1}xQQ{_VAL_SIZE - _U32_OFFSET - 16}x")  # kind, size, data
 _string_at = ctypes.string_at
-
-
-def _strings_from_c(c: Any) -> list[str]:
-    """A list<string> read in place (each element's size and data pointer); the list's delete frees them."""
-    assert c.kind == ffi.WASMTIME_COMPONENT_LIST.value
-    try:
-        n = c.of.list.size
-        if n == 0:
-            return []
-        buf = (ctypes.c_char * (n * _VAL_SIZE)).from_address(ctypes.addressof(c.of.list.data.contents))
-        out = []
-        for kind, size, data in _STRING_VALS.iter_unpack(buf):
-            assert kind == _STRING_KIND
-            out.append(_string_at(data, size).decode("utf-8") if size else "")
-        return out
-    finally:
-        ffi.wasmtime_component_valtuple_delete(ctypes.byref(c.of.tuple))
 
 
 # Scalar field types: (their kind tag in a val, how their value is laid out in the val's union).
