@@ -39,8 +39,9 @@ work only while the host is idle, and a fresh host warms nothing: the rule befor
 while idle), `no_start_wait` (refills and frees do not wait while launched instances start:
 host/wasm/instance.py's `Starts`), `prime_once` (`Host.warm_start` primes one slot per parked
 instance instead of two), `on_demand` (`HostConfig.instance_pool=False`: wasmtime's on-demand allocator)
-and `wasmtime_values` (host calls' lists and records converted element by element, as wasmtime-py
-does, instead of host/api/fastcall.py's paths).
+`wasmtime_values` (host calls' lists and records converted element by element, as wasmtime-py
+does, instead of host/api/fastcall.py's paths) and `reap_first` (the warm pool waits for every
+finished store to be freed before it refills, even into slots used before that are free).
 Every burst also reports the process's CPU, kernel CPU and page faults per instance
 (`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`), the launching thread's time
 for its N launches (`launch_ms`: a launch that finds no parked instance starts one cold), and back to
@@ -72,6 +73,7 @@ from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
 from host.api import fastcall
 from host.cli.build import resolve_inferlet
+from host.wasm.engine import WasmEngine
 from host.wasm.instance import Starts
 
 PROMPT = "Write a story about a lighthouse."
@@ -97,6 +99,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "warm_start_idle_only": {"warm_start": ("text_completion",), "config": {"warm_yield": False}},
     # host calls' lists and records converted element by element, as wasmtime-py does (host/api/fastcall.py)
     "wasmtime_values": {"warm_start": ("text_completion",), "patch": {"fast_values": False}},
+    # refills wait until the reaper has freed every finished store, even while slots used before are
+    # free (the rule before issue 40's fourth round: Host._reaping)
+    "reap_first": {"warm_start": ("text_completion",), "patch": {"reuse_slots": False}},
 }
 
 
@@ -278,12 +283,16 @@ def back_to_back(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def patched(starts_wait: bool = True, prime_factor: int | None = None, fast_values: bool = True) -> Iterator[None]:
+def patched(starts_wait: bool = True, prime_factor: int | None = None, fast_values: bool = True,
+            reuse_slots: bool = True) -> Iterator[None]:
     """Module settings a variant changes for its host: `starts_wait` False = launched instances'
     starts do not hold refills and frees back (`Starts.active` always False); `prime_factor`:
     slots `Host.warm_start` primes per parked instance; `fast_values` False: lists and records
-    cross host calls as wasmtime-py converts them (`fastcall.wasmtime_py_values`)."""
-    saved_active, saved_factor = Starts.active, host_module._PRIME_FACTOR
+    cross host calls as wasmtime-py converts them (`fastcall.wasmtime_py_values`); `reuse_slots`
+    False: the warm pool waits for every queued store to be freed, reusable slots or not."""
+    saved_active, saved_factor, saved_reusable = Starts.active, host_module._PRIME_FACTOR, WasmEngine.reusable_slots
+    if not reuse_slots:
+        WasmEngine.reusable_slots = lambda self: 0  # type: ignore[method-assign]
     if not starts_wait:
         Starts.active = lambda self: False  # type: ignore[method-assign]
     if prime_factor is not None:
@@ -294,6 +303,7 @@ def patched(starts_wait: bool = True, prime_factor: int | None = None, fast_valu
     finally:
         Starts.active = saved_active  # type: ignore[method-assign]
         host_module._PRIME_FACTOR = saved_factor
+        WasmEngine.reusable_slots = saved_reusable  # type: ignore[method-assign]
 
 
 def inferlet_wasm(opts: argparse.Namespace, name: str) -> bytes:

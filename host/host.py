@@ -183,13 +183,16 @@ class Host:
             _set_switch_interval(config.switch_interval_ms)
 
     def _reaping(self) -> bool:
-        """Stores of finished instances are still waiting to be freed. The warm pool waits for them:
-        a store freed first gives its pool slot, memory already faulted in, to the next warm
-        instance; warmed before, that instance takes a fresh slot and faults its memory in while it
-        serves (measured: ~250 page faults and ~3.5 ms of kernel time per `text_completion`
-        instance, on the critical path of the next burst)."""
+        """Stores of finished instances wait to be freed and no slot used before is free: the warm
+        pool waits for the frees. A store freed first gives its pool slot, memory already faulted
+        in, to the next warm instance; warmed before, that instance takes a slot never used and
+        faults its memory in while it serves (measured: ~250 page faults and ~3.5 ms of kernel time
+        per `text_completion` instance, on the critical path of the next burst). While slots used
+        before are free (`WasmEngine.reusable_slots`: a host's earlier bursts and `warm_start`'s
+        priming left them), refills go on into those: bursts of 256 back to back otherwise found
+        the pool short (bench/README.md, "Issue 40, fourth round")."""
         reaper = self.wasm.reaper
-        return reaper is not None and reaper.pending() > 0
+        return reaper is not None and reaper.pending() > 0 and self.wasm.reusable_slots() == 0
 
     # ---- programs ----
     def compile(self, wasm: bytes) -> str:
@@ -338,6 +341,8 @@ class Host:
         primed = min(_PRIME_FACTOR * n, max(n, pool.slots // (2 * max(len(programs), 1)))) if pool else n
         for program in programs:
             self.warm.prime(program, primed, timeout_s)  # each slot's costly first reset now, not in a burst
+            if self.wasm.reaper is not None:  # (the resets are the frees of the primed stores)
+                self.wasm.reaper.wait_drained(max(deadline - time.monotonic(), 0.0))
             self.warm.seed(program, n)
         for program in programs:
             self.warm.wait_ready(program, n, max(deadline - time.monotonic(), 0.0))

@@ -128,3 +128,17 @@ def test_a_closed_reaper_frees_at_once(busy):
     store = FakeStore()
     reaper.put(store)
     assert store.closed.is_set() and store.closed_by is threading.current_thread()
+
+
+def test_wait_drained_returns_once_every_queued_store_is_freed(busy):
+    reaper = make(busy, max_delay_s=60.0, poll_s=0.005)
+    try:
+        stores = [FakeStore() for _ in range(3)]
+        for store in stores:
+            reaper.put(store)
+        assert not reaper.wait_drained(0.05)  # busy: they wait
+        busy["busy"] = False
+        assert reaper.wait_drained(5)
+        assert all(s.closed.is_set() for s in stores)
+    finally:
+        reaper.close()

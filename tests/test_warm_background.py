@@ -98,6 +98,27 @@ def test_warm_start_readies_the_pools_of_a_fresh_host(host: Host, misbehave_wasm
     wait_for(lambda: host.warm.ready_count(program) == 3, what="the pool to refill after the launch")
 
 
+def test_warm_start_returns_once_the_primed_slots_are_reset(host: Host, misbehave_wasm: bytes) -> None:
+    """Priming's purpose is each slot's first reset before the first burst: those resets are the
+    frees of the primed stores, so warm_start waits for the reaper to finish them."""
+    reaper = host.wasm.reaper
+    assert reaper is not None
+    resets: list[float] = []
+    free = reaper._free
+
+    def slow_free(store: object) -> None:  # a first reset takes ~25 ms of faults on a real slot
+        time.sleep(0.02)
+        free(store)
+        resets.append(time.monotonic())
+
+    reaper._free = slow_free  # type: ignore[method-assign]
+    [program] = host.warm_start([misbehave_wasm], per_program=3)
+    returned = time.monotonic()
+    assert reaper.pending() == 0 and len(resets) >= 6  # 2 x 3 primed, all reset before it returned
+    assert max(resets) <= returned
+    assert host.warm.ready_count(program) == 3
+
+
 def test_warm_start_shares_warm_auto_between_programs(host: Host, misbehave_wasm: bytes) -> None:
     blocked = wasm_bytes("blocked_receive")  # parks at its first host call, like any inferlet
     programs = host.warm_start([misbehave_wasm, blocked], timeout_s=30)
@@ -173,6 +194,62 @@ def test_a_background_reaper_waits_while_instances_start_at_most_max_delay() -> 
         assert b.closed_at - t1 < 0.25  # type: ignore[operator]  # nothing starting: at once
     finally:
         reaper.close()
+
+
+# ---- issue 40, fourth round: refills go on into slots used before while stores wait ----
+
+@needs_nice
+def test_a_refill_goes_on_into_reusable_slots_while_stores_wait_to_be_freed(
+        host: Host, misbehave_wasm: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    [program] = host.warm_start([misbehave_wasm], per_program=2)  # primes 4 slots: used before, free
+    host.prewarm(program, 0)  # (its parked instances' stores are freed as they end)
+    reaper = host.wasm.reaper
+    assert reaper is not None and reaper.wait_drained(10)
+    assert host.wasm.reusable_slots() >= 2
+    monkeypatch.setattr(reaper, "pending", lambda: 7)  # finished stores wait (a burst's, being freed)
+    host.warm.seed(program, 2)
+    assert host.warm.wait_ready(program, 2, 30) == 2  # into the slots used before, without waiting
+
+
+@needs_nice
+def test_a_refill_waits_for_the_frees_when_no_slot_used_before_is_free(
+        host: Host, misbehave_wasm: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    program = host.compile(misbehave_wasm)
+    reaper = host.wasm.reaper
+    assert reaper is not None
+    monkeypatch.setattr(reaper, "pending", lambda: 7)
+    monkeypatch.setattr(host.wasm, "reusable_slots", lambda: 0)
+    host.warm.seed(program, 2)
+    assert host.warm.wait_ready(program, 1, 0.5) == 0  # a slot never used would fault in: it waits
+    monkeypatch.setattr(reaper, "pending", lambda: 0)  # the frees are done
+    assert host.warm.wait_ready(program, 2, 30) == 2
+
+
+def test_the_engine_counts_the_slots_used_before_that_are_free(tmp_path: Path) -> None:
+    from host.wasm.engine import WasmEngine
+    from host.wasm.limits import InstanceLimits
+    from host.wasm.pooling import PoolingConfig
+
+    engine = WasmEngine(tmp_path, tick_ms=5, pooling=PoolingConfig(slots=8, limits=InstanceLimits(), warm_slots=2),
+                        busy=lambda: False)
+    plain = WasmEngine(tmp_path, tick_ms=5)
+    try:
+        stores = [engine.new_store() for _ in range(3)]
+        assert engine.reusable_slots() == 0  # all three in use
+        for store in stores[:2]:
+            engine.free_store(store)
+        assert engine.reaper is not None and engine.reaper.wait_drained(5)
+        assert engine.reusable_slots() == 2
+        engine.free_store(stores[2])
+        assert engine.reaper.wait_drained(5)
+        assert engine.reusable_slots() == 2  # 3 used before and free, but wasmtime keeps 2 warm
+        engine.new_store()
+        assert engine.reusable_slots() == 2 and engine.new_store() is not None and engine.reusable_slots() == 1
+        plain.free_store(plain.new_store())
+        assert plain.reusable_slots() == 0  # on-demand allocation: no slots
+    finally:
+        engine.close()
+        plain.close()
 
 
 @pytest.mark.build

@@ -64,8 +64,20 @@ class WasmEngine:
         self.on_tick: list[Callable[[], None]] = []  # also called each tick (cheap checks only)
         self._ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
         self._ticker.start()
-        self.reaper = StoreReaper(busy, reap_pending, background=background, ramping=ramping, threads=reapers) \
-            if busy is not None else None
+        self.reaper = StoreReaper(busy, reap_pending, background=background, ramping=ramping, threads=reapers,
+                                  on_free=self._freed) if busy is not None else None
+        # Stores made and not freed yet, and the most there ever were at once (see `reusable_slots`).
+        self._stores_lock = threading.Lock()
+        self._stores_live = 0
+        self._stores_peak = 0
+
+    def new_store(self) -> Store:
+        """A store for one instance (counted until `free_store` has freed it)."""
+        store = Store(self.engine)
+        with self._stores_lock:
+            self._stores_live += 1
+            self._stores_peak = max(self._stores_peak, self._stores_live)
+        return store
 
     def free_store(self, store: Store) -> None:
         """Free a finished instance's store (through the reaper when there is one)."""
@@ -73,6 +85,22 @@ class WasmEngine:
             self.reaper.put(store)
         else:
             store.close()
+            self._freed()
+
+    def _freed(self) -> None:
+        with self._stores_lock:
+            self._stores_live -= 1
+
+    def reusable_slots(self) -> int:
+        """Pool slots free now that an instance has used before, as far as the count tells: the next
+        instantiations reuse them (the allocator gives a module the slots it last freed), their
+        memory resident, instead of a slot never used, whose pages fault in and whose first reset
+        costs ~25 ms (host/wasm/reaper.py). At most the pool's `warm_slots` (wasmtime keeps no more
+        unused slots warm); 0 without the pooling allocator."""
+        if self.pooling is None:
+            return 0
+        with self._stores_lock:
+            return max(min(self._stores_peak - self._stores_live, self.pooling.warm_slots), 0)
 
     def _tick(self) -> None:
         while not self._stop.wait(self.tick_s):

@@ -146,13 +146,14 @@ class Instance:
         self.state = "starting"
         self.pages = InstancePages(self.id)
         self.cond = threading.Condition()
-        # The thread blocked in wait_until sleeps on `_kick` (released = woken), not on `cond`:
-        # a Condition allocates a lock per wait and its waiter must take `cond` back while the
-        # notifier still holds it; `_notify` (the per-token wake-up) releases the kick after
-        # letting go of `cond`. Other waiters on `cond` (the warm pool, await_launch) still use it.
+        # The thread blocked in wait_until or await_launch sleeps on `_kick` (released = woken),
+        # not on `cond`: a Condition allocates a lock per wait and its waiter must take `cond` back
+        # while the notifier still holds it; `_notify` (the per-token wake-up) and `_resume` (a
+        # launch) release the kick after letting go of `cond`. Other waiters on `cond` (the warm
+        # pool waiting for a first call) still use it.
         self._kick = threading.Lock()
         self._kick.acquire()
-        self._waiting = False  # the thread is blocked in wait_until (guarded by cond)
+        self._waiting = False  # the thread is blocked on `_kick` (guarded by cond)
         self._handed = False  # the gate has woken it for its turn (guarded by cond)
         self.inbox: deque[str] = deque()
         self.inbox_bytes = 0  # UTF-8 bytes of the messages in `inbox` (guarded by cond)
@@ -208,7 +209,10 @@ class Instance:
                 return False
             self._awaiting_launch = False
             self._resumed = True
-            self.cond.notify_all()
+            kick = self._waiting
+            self._waiting = False
+        if kick:
+            self._kick.release()  # outside cond, as `_notify`
         return True
 
     def await_launch(self) -> None:
@@ -218,8 +222,14 @@ class Instance:
             self.state = "warm"
             self.cond.notify_all()  # the pool may be waiting for it to get here
             self._awaiting_launch = True
-            while not self._resumed and self.stop_reason is None:
-                self.cond.wait()
+            while not self._resumed and self.stop_reason is None:  # on the kick, as wait_until
+                self._waiting = True
+                self.cond.release()
+                try:
+                    self._kick.acquire()
+                finally:
+                    self.cond.acquire()
+                self._waiting = False
             self._awaiting_launch = False
             if self.stop_reason is not None:
                 if self._resumed:  # handed a turn it will not take
@@ -453,7 +463,7 @@ class Instance:
                 if self.parked:
                     self._base_nice = priority.lower()
         try:
-            store = Store(env.engine.engine)
+            store = env.engine.new_store()
             env.limits.apply(store)
             epoch_key = watch_epochs(store, self)
             wasi = WasiConfig()

@@ -55,8 +55,9 @@ class StoreReaper:
 
     def __init__(self, busy: Callable[[], bool], max_pending: int = 256, max_delay_s: float = 0.25,
                  poll_s: float = 0.02, background: bool = False, ramping: Callable[[], bool] | None = None,
-                 threads: int = 1) -> None:
+                 threads: int = 1, on_free: Callable[[], None] | None = None) -> None:
         self._busy = busy
+        self._on_free = on_free or (lambda: None)  # called after each store is freed
         self._ramping = ramping or (lambda: False)
         self._ramp_since: float | None = None  # since when frees wait for starting instances
         self.background = background
@@ -68,6 +69,7 @@ class StoreReaper:
         self._closed = False
         self.free_when_behind = True  # False: queue every store, however far behind (the rule before)
         self.freed_inline = 0  # stores put while the reaper was behind, freed by their caller
+        self._freeing = 0  # stores taken off the queue by the threads, not freed yet (guarded by _cond)
         # several threads free in parallel on a host with the cores (a reset runs without the GIL)
         self._threads = [threading.Thread(target=self._run, name="pie-reaper" if i == 0 else f"pie-reaper-{i}",
                                           daemon=True) for i in range(max(threads, 1))]
@@ -84,7 +86,7 @@ class StoreReaper:
                     self._cond.notify()  # a thread waits for it; past that many, they look at later ones themselves
                 return
             self.freed_inline += 1
-        _free(store)  # outside the lock: the reaper's thread and other ending threads go on
+        self._free(store)  # outside the lock: the reaper's thread and other ending threads go on
 
     def _behind(self, now: float) -> bool:
         """Whether the queue has fallen behind its limits (called with the lock held)."""
@@ -92,6 +94,11 @@ class StoreReaper:
 
     def pending(self) -> int:
         return len(self._queue)
+
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Wait until every store queued so far is freed (or `timeout_s`); True if they are."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._closed or not self._queue and not self._freeing, timeout_s)
 
     def close(self) -> None:
         """Stop the thread and free every store still queued."""
@@ -102,7 +109,7 @@ class StoreReaper:
             if t is not threading.current_thread():
                 t.join(5)
         while self._queue:
-            _free(self._queue.popleft()[1])
+            self._free(self._queue.popleft()[1])
 
     def _wait_s(self) -> float:
         """0 if the oldest queued store is due to be freed now, else how long to wait before looking
@@ -137,11 +144,18 @@ class StoreReaper:
                     self._cond.wait(wait)
                     continue
                 store = self._queue.popleft()[1]
-            _free(store)
+                self._freeing += 1
+            try:
+                self._free(store)
+            finally:
+                with self._cond:
+                    self._freeing -= 1
+                    if not self._queue and not self._freeing:
+                        self._cond.notify_all()  # (wait_drained)
 
-
-def _free(store: Any) -> None:
-    try:
-        store.close()
-    except Exception:  # a store that cannot be freed is leaked, not fatal to the host
-        log.exception("could not free an instance's store")
+    def _free(self, store: Any) -> None:
+        try:
+            store.close()
+        except Exception:  # a store that cannot be freed is leaked, not fatal to the host
+            log.exception("could not free an instance's store")
+        self._on_free()

@@ -14,9 +14,10 @@ once (its peak since it became one of the recent programs), never more than `aut
 A host that has just served a burst of N requests of a program is thus ready for the next burst
 of N (bench/host_scale.py measures what that buys: the burst skips N instance start-ups).
 
-When warming happens: after launches have paused for `QUIET_S` and the reaper has freed the
-finished instances' stores (a slot freed first, its memory already faulted in, goes to the next
-warm instance). In the background (`background=True`, where host/wasm/priority.py can lower a
+When warming happens: after launches and ends have paused for `QUIET_S` (refills during a
+burst's ends made its tail 1.5-3x longer), and once the reaper has freed the finished instances'
+stores unless pool slots used before are free (`reaping`: a warm instance takes a slot whose
+memory is already faulted in, not one never used). In the background (`background=True`, where host/wasm/priority.py can lower a
 thread, the host's default `HostConfig.warm_yield`) that is all: each warm instance's thread runs
 at the lowest CPU priority until its launch, so the pool refills with the CPU
 a running burst leaves (a 10 ms GPU step leaves most of it) and the next burst, launched right
