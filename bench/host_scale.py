@@ -44,7 +44,8 @@ does, instead of host/api/fastcall.py's paths) and `reap_first` (the warm pool w
 finished store to be freed before it refills, even into slots used before that are free).
 Every burst also reports the process's CPU, kernel CPU and page faults per instance
 (`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`), the launching thread's time
-for its N launches (`launch_ms`: a launch that finds no parked instance starts one cold), and back to
+for its N launches (`launch_ms`: a launch that finds no parked instance makes one cold, its thread
+started by host/wasm/starter.py's thread), and back to
 back where the time beyond the backend's goes: `ramp_ms` (from the first launch to the first
 backend call with 90% of the N in it), `period_ms` (the median time from a backend call's start to
 the next's, both holding all N: the step plus the host's work per step that the backend waits

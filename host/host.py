@@ -39,6 +39,7 @@ from host.wasm.engine import WasmEngine
 from host.wasm.instance import InboxFull, Instance, InstanceEnv, Starts
 from host.wasm.limits import InstanceLimits
 from host.wasm.pooling import PoolingConfig
+from host.wasm.starter import Starter
 from host.wasm.warm import WarmPool
 
 __all__ = ["Host", "HostBusy", "InboxFull"]
@@ -169,6 +170,7 @@ class Host:
         self.wasm.on_tick.append(self._admit)  # queued launches past their timeout end
         self._ended: OrderedDict[str, Instance] = OrderedDict()
         self._lock = threading.Lock()
+        self._starter = Starter()  # cold launches' threads are started on its thread
         self._closed = False
         self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
@@ -232,8 +234,8 @@ class Host:
                 self._place(inst)
             self._instances[inst.id] = inst
         self.replicas[inst.pages.replica].scheduler.expect(inst.id)
-        if cold:
-            inst.start()
+        if cold:  # its thread is started by the starter's: this thread waits for no GIL hand-over
+            self._starter.start_soon(inst)
         return inst.id
 
     # ---- the launch queue: launches past max_instances wait for a slot, in order ----

@@ -171,6 +171,7 @@ class Instance:
         self._stderr = bytearray()
         self._thread = threading.Thread(target=self._main, name=f"inferlet-{self.id[:8]}", daemon=True)
         self.finished = threading.Event()
+        self._thread_started = threading.Event()  # `start` has started its thread
         self.parked = warm  # not launched yet: the first host call waits (guarded by cond)
         self.at_first_call = False  # a warm instance has reached its first host call
         self._awaiting_launch = False  # a warm instance's thread waits in await_launch (guarded by cond)
@@ -244,6 +245,18 @@ class Instance:
             with self.cond:
                 self._begin_start()
         self._thread.start()
+        self._thread_started.set()
+
+    def fail_to_start(self, message: str) -> None:
+        """Its thread could not be started: end it with an exception event, as its thread would."""
+        self._end_start()
+        with self.cond:
+            self.finished.set()
+            self.cond.notify_all()
+        self.state = "exception"
+        self._thread_started.set()
+        self.env.on_end(self)
+        self.emit("exception", message)
 
     def _begin_start(self) -> None:
         """Count this instance as starting (cond held)."""
@@ -261,8 +274,14 @@ class Instance:
         self.env.starts.done()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the instance thread to end; True if it has."""
-        self._thread.join(timeout)
+        """Wait for the instance thread to end (to be started first, if it is queued for that,
+        host/wasm/starter.py); True if it has."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._thread_started.wait(timeout):
+            return False
+        if self._thread.ident is None:  # (fail_to_start: no thread ever ran)
+            return self.finished.is_set()
+        self._thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
         return not self._thread.is_alive()
 
     def elapsed_ms(self) -> int:

@@ -1,0 +1,102 @@
+"""Cold launches start their threads on the starter's thread (host/wasm/starter.py), so `launch`
+never waits for a GIL hand-over; a queued instance can be joined, terminated and fail to start.
+Runs on the fake backend (the token after t is t+1), so the expected outputs are known."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakes import FakeBackend
+from helpers import Run, wasm_bytes
+
+from host import Host, HostConfig
+from host.wasm.instance import Instance
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    h = Host(HostConfig(warm_auto=0, data_dir=tmp_path), backend=FakeBackend(page_size=4, num_pages=256))
+    yield h
+    h.shutdown()
+
+
+@pytest.fixture(scope="module")
+def misbehave_wasm() -> bytes:
+    return wasm_bytes("misbehave")
+
+
+def test_a_cold_launch_starts_its_thread_on_the_starter_not_the_launching_thread(
+        host: Host, misbehave_wasm: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    program = host.compile(misbehave_wasm)
+    starters: list[str] = []
+    start = Instance.start
+
+    def recording_start(self: Instance) -> None:
+        starters.append(threading.current_thread().name)
+        start(self)
+
+    monkeypatch.setattr(Instance, "start", recording_start)
+    runs = [Run(host, program, ["generate", "3", str(k)]) for k in range(4)]
+    assert [(r.finish(30).event, r.end.message) for r in runs] == \
+        [("completed", f"{k + 1} {k + 2} {k + 3}") for k in range(4)]  # type: ignore[union-attr]
+    assert starters == ["pie-starter"] * 4
+
+
+def test_a_queued_instance_can_be_joined_and_terminated_before_its_thread_starts(
+        host: Host, misbehave_wasm: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    program = host.compile(misbehave_wasm)
+    release = threading.Event()
+    start = Instance.start
+
+    def held_start(self: Instance) -> None:
+        release.wait(10)
+        start(self)
+
+    monkeypatch.setattr(Instance, "start", held_start)
+    run = Run(host, program, ["generate", "3", "1"])
+    assert not host.wait(run.id, 0.05)  # not started yet: a join that times out, no error
+    host.terminate(run.id)
+    release.set()
+    assert host.wait(run.id, 10)
+    assert run.finish(10).event == "aborted"
+
+
+def test_an_instance_whose_thread_cannot_start_ends_with_an_error_and_the_host_goes_on(
+        host: Host, misbehave_wasm: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    program = host.compile(misbehave_wasm)
+    start = Instance.start
+
+    def failing_start(self: Instance) -> None:
+        with self.cond:
+            self._begin_start()  # counted as starting first, as the real start does
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(Instance, "start", failing_start)
+    failed = Run(host, program, ["generate", "3", "1"])
+    end = failed.finish(10)
+    assert end.event == "exception" and "could not start the instance's thread: can't start new thread" in end.message
+    assert host.wait(failed.id, 1) and not host.starts.active()
+    monkeypatch.setattr(Instance, "start", start)
+    ok = Run(host, program, ["generate", "3", "5"])
+    assert (ok.finish(30).event, ok.end.message) == ("completed", "6 7 8")  # type: ignore[union-attr]
+
+
+def test_the_starter_thread_ends_when_idle_and_comes_back(
+        host: Host, misbehave_wasm: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    import host.wasm.starter as starter_module
+
+    monkeypatch.setattr(starter_module, "_IDLE_S", 0.05)
+    program = host.compile(misbehave_wasm)
+    threads = []
+    for k in range(2):
+        run = Run(host, program, ["generate", "2", str(k)])
+        thread = host._starter._thread
+        assert thread is not None and thread.name == "pie-starter"
+        threads.append(thread)
+        assert (run.finish(30).event, run.end.message) == ("completed", f"{k + 1} {k + 2}")  # type: ignore[union-attr]
+        thread.join(5)
+        assert not thread.is_alive() and host._starter._thread is None
+    assert threads[0] is not threads[1]
