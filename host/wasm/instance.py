@@ -250,13 +250,17 @@ class Instance:
     def fail_to_start(self, message: str) -> None:
         """Its thread could not be started: end it with an exception event, as its thread would."""
         self._end_start()
+        self._thread_started.set()
+        self._mark_ended("exception")
+        self.emit("exception", message)
+
+    def _mark_ended(self, event: str) -> None:
+        """Finished: waiters see it, and the host releases what it held (on_end)."""
         with self.cond:
             self.finished.set()
             self.cond.notify_all()
-        self.state = "exception"
-        self._thread_started.set()
+        self.state = event
         self.env.on_end(self)
-        self.emit("exception", message)
 
     def _begin_start(self) -> None:
         """Count this instance as starting (cond held)."""
@@ -513,11 +517,7 @@ class Instance:
             env.gate.leave()
             _current.instance = None
             unwatch_epochs(epoch_key)
-            with self.cond:
-                self.finished.set()
-                self.cond.notify_all()
-            self.state = event
-            env.on_end(self)
+            self._mark_ended(event)
         self.emit(event, message)
         if store is not None:  # freed off this thread, when the backend is idle (host/wasm/reaper.py)
             env.engine.free_store(store)
