@@ -213,7 +213,8 @@ class Host:
         With `max_instances` running, the launch waits in the launch queue (its id is returned at once,
         its state is "queued" until it starts; `launch_queue_timeout_s` later it ends with
         out_of_resources); raises HostBusy when the queue is full too. A warm instance is used when
-        one is ready."""
+        one is ready; a cold one's thread is started by the starter's thread (host/wasm/starter.py),
+        so this returns without waiting for it."""
         if self._closed:
             raise RuntimeError("host is shut down")
         self.wasm.get(program_hash)  # KeyError with a clear message if unknown
