@@ -469,6 +469,7 @@ class Host:
         self._admit()  # queued launches start, to end at once
         for inst in insts:
             inst.join(timeout)
+        self._starter.close()
         for r in self.replicas:
             if r.suspender is not None:
                 r.suspender.stop()

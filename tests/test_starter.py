@@ -42,7 +42,7 @@ def test_a_cold_launch_starts_its_thread_on_the_starter_not_the_launching_thread
     runs = [Run(host, program, ["generate", "3", str(k)]) for k in range(4)]
     assert [(r.finish(30).event, r.end.message) for r in runs] == \
         [("completed", f"{k + 1} {k + 2} {k + 3}") for k in range(4)]  # type: ignore[union-attr]
-    assert starters == ["pie-starter"] * 4
+    assert len(starters) == 4 and all(name.startswith("pie-starter") for name in starters)
 
 
 def test_a_queued_instance_can_be_joined_and_terminated_before_its_thread_starts(
@@ -84,19 +84,13 @@ def test_an_instance_whose_thread_cannot_start_ends_with_an_error_and_the_host_g
     assert (ok.finish(30).event, ok.end.message) == ("completed", "6 7 8")  # type: ignore[union-attr]
 
 
-def test_the_starter_thread_ends_when_idle_and_comes_back(
-        host: Host, misbehave_wasm: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
-    import host.wasm.starter as starter_module
-
-    monkeypatch.setattr(starter_module, "_IDLE_S", 0.05)
-    program = host.compile(misbehave_wasm)
-    threads = []
-    for k in range(2):
-        run = Run(host, program, ["generate", "2", str(k)])
-        thread = host._starter._thread
-        assert thread is not None and thread.name == "pie-starter"
-        threads.append(thread)
-        assert (run.finish(30).event, run.end.message) == ("completed", f"{k + 1} {k + 2}")  # type: ignore[union-attr]
-        thread.join(5)
-        assert not thread.is_alive() and host._starter._thread is None
-    assert threads[0] is not threads[1]
+def test_the_starter_thread_ends_with_the_host(tmp_path: Path, misbehave_wasm: bytes) -> None:
+    h = Host(HostConfig(warm_auto=0, data_dir=tmp_path), backend=FakeBackend(page_size=4, num_pages=256))
+    program = h.compile(misbehave_wasm)
+    run = Run(h, program, ["generate", "2", "0"])
+    assert (run.finish(30).event, run.end.message) == ("completed", "1 2")  # type: ignore[union-attr]
+    [thread] = h._starter._pool._threads
+    assert thread.name.startswith("pie-starter") and thread.is_alive()
+    h.shutdown()
+    thread.join(5)
+    assert not thread.is_alive()

@@ -4,20 +4,19 @@
 thread waits for the GIL behind every running instance: a launch that found no parked instance
 (host/wasm/warm.py) took ~1 ms of the launching thread's time, 3.6 ms median and up to 24 ms in a
 first burst of 128 (pie-serve launches on its asyncio loop, so every other client's messages and
-streamed tokens waited that long). `Starter` starts those instances' threads on a thread of its
-own, in launch order; `Host.launch` returns as soon as the instance is queued for it.
+streamed tokens waited that long; bench/cold_launch.py). `Starter` starts those instances'
+threads on one worker thread of its own (a `ThreadPoolExecutor`, made on first use), in launch
+order; `Host.launch` returns as soon as the instance is queued for it.
 
 Invariants: instances start in the order they were queued; a queued instance that was terminated
-meanwhile still starts (it ends at once, with its event, as a cold start would); `Instance.join`
-waits for a queued instance to be started first. The thread is made on first use and ends after
-`_IDLE_S` with nothing queued (a process that makes many hosts keeps no idle threads).
+meanwhile still starts (it ends at once, with its event, as a cold start would), also after
+`close`; `Instance.join` waits for a queued instance to be started first.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from host.wasm.instance import Instance
 
@@ -25,38 +24,25 @@ __all__ = ["Starter"]
 
 log = logging.getLogger(__name__)
 
-_IDLE_S = 1.0
-
 
 class Starter:
-    """Starts queued instances' threads, in order, on one thread."""
+    """Starts queued instances' threads, in order, on one worker thread."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Instance] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pie-starter")
 
     def start_soon(self, inst: Instance) -> None:
-        """Queue `inst` to have its thread started (cheap: no wait for the GIL or the new thread,
-        except the first time after an idle second, when the starter's own thread is made)."""
-        self._queue.put(inst)
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="pie-starter", daemon=True)
-                self._thread.start()
+        """Queue `inst` to have its thread started (cheap: no wait for the GIL or the new thread)."""
+        self._pool.submit(_start, inst)
 
-    def _run(self) -> None:
-        while True:
-            try:
-                inst = self._queue.get(timeout=_IDLE_S)
-            except queue.Empty:
-                with self._lock:  # idle: the thread ends (the next start_soon makes another)
-                    if self._queue.empty():
-                        self._thread = None
-                        return
-                continue
-            try:
-                inst.start()
-            except Exception as e:  # (no thread left in the process): this instance ends, the host goes on
-                log.exception("could not start %s", inst.label)
-                inst.fail_to_start(f"host error: could not start the instance's thread: {e}")
+    def close(self) -> None:
+        """No more starts are queued; those queued still run, then the worker thread ends."""
+        self._pool.shutdown(wait=False)
+
+
+def _start(inst: Instance) -> None:
+    try:
+        inst.start()
+    except Exception as e:  # (no thread left in the process): this instance ends, the host goes on
+        log.exception("could not start %s", inst.label)
+        inst.fail_to_start(f"host error: could not start the instance's thread: {e}")
