@@ -298,3 +298,71 @@ def test_a_warm_text_completion_asked_for_the_model_constants_before_it_parked(t
         assert len(calls) == 2  # the launched instance did not ask again
     finally:
         h.shutdown()
+
+
+@pytest.fixture()
+def fresh(tmp_path: Path) -> Iterator[Host]:
+    h = Host(HostConfig(warm_auto=0, data_dir=tmp_path), backend=FakeBackend(page_size=4, num_pages=64))
+    yield h
+    h.shutdown()
+
+
+def _slow_start(monkeypatch: pytest.MonkeyPatch, seconds: float, slow: threading.Event) -> None:
+    """Warm starts wait `seconds` while `slow` is set, without CPU, after the store's epoch deadline is
+    set: as a thread at the lowest priority waits for a core while a burst runs (the deadline is
+    then long past when its guest runs)."""
+    import host.wasm.instance as instance_module
+
+    watch = instance_module.watch_epochs
+
+    def slow_watch(store: wasmtime.Store, owner: Instance) -> int:
+        key = watch(store, owner)
+        if slow.is_set():
+            time.sleep(seconds)
+        return key
+
+    monkeypatch.setattr(instance_module, "watch_epochs", slow_watch)
+
+
+def test_a_warm_start_slowed_by_a_busy_cpu_still_warms(fresh: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm deadline counts the instance's CPU time: a start that waited for a core (wall time)
+    is no guest computing before its first call. Counted in wall time, a burst of 256 on 2 vCPUs
+    made a standard inferlet's warm start miss it, and the program was never warmed again."""
+    monkeypatch.setattr(Instance, "WARM_DEADLINE_S", 0.2)
+    slow = threading.Event()
+    slow.set()
+    _slow_start(monkeypatch, 0.6, slow)
+    program = fresh.compile(wasm_bytes("misbehave"))
+    assert fresh.prewarm(program, 1, timeout_s=30) == 1
+    assert program not in fresh.warm._cold
+    assert Run(fresh, program, ["ok"]).finish(60).event == "completed"
+
+
+def test_a_warm_start_given_up_is_tried_again(fresh: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    import host.wasm.warm as warm_module
+
+    monkeypatch.setattr(warm_module, "_START_TIMEOUT_S", 0.1)
+    slow = threading.Event()
+    slow.set()
+    _slow_start(monkeypatch, 0.5, slow)
+    program = fresh.compile(wasm_bytes("misbehave"))
+    assert fresh.prewarm(program, 1, timeout_s=1.0) == 0  # each start given up after 0.1 s
+    assert program not in fresh.warm._cold
+    slow.clear()
+    assert fresh.prewarm(program, 1, timeout_s=30) == 1
+
+
+def test_a_warm_start_that_failed_in_the_host_is_tried_again(fresh: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    new_store = WasmEngine.new_store
+    failures = [1]
+
+    def failing(self: WasmEngine) -> wasmtime.Store:
+        if failures:
+            failures.pop()
+            raise RuntimeError("no store for now")
+        return new_store(self)
+
+    monkeypatch.setattr(WasmEngine, "new_store", failing)
+    program = fresh.compile(wasm_bytes("misbehave"))
+    assert fresh.prewarm(program, 1, timeout_s=30) == 1
+    assert not failures and program not in fresh.warm._cold

@@ -128,7 +128,9 @@ class Instance:
     from a cold one; its wall-clock budget starts at `launch`. With
     `InstanceEnv.warm_in_background`, its thread runs at the lowest CPU priority until `launch`
     raises it back (host/wasm/priority.py). A warm instance must
-    reach its first call within `WARM_DEADLINE_S` of running guest code, or it is stopped.
+    reach its first call within `WARM_DEADLINE_S` of its thread's CPU time, or it is stopped: a
+    thread at the lowest priority may wait seconds for a core while a burst runs, and only a
+    guest that computes that long before its first call is one not to warm.
     """
 
     WARM_DEADLINE_S = 2.0
@@ -178,6 +180,9 @@ class Instance:
         self._resumed = False  # the gate has handed a launched warm instance its turn (guarded by cond)
         self._base_nice: int | None = None  # while a warm instance's thread runs in the background (guarded by cond)
         self._starting = False  # counted in env.starts: launched, not waited yet (guarded by cond)
+        self._cpu0 = 0.0  # its thread's CPU time when it began (time.thread_time, read on that thread)
+        # it ended for the host's reasons, not its guest's (a host error, the instance pool full)
+        self.failed_in_host = False
 
     def launch(self, args: list[str], on_event: Callable[[InstanceEvent], None], tenant: str) -> bool:
         """Hand a warm instance its launch; False if it can no longer be used (it ended or was stopped)."""
@@ -308,7 +313,7 @@ class Instance:
 
     def on_epoch(self) -> str | None:
         """Epoch tick while the guest runs: a trap message if it must stop, else None."""
-        if self.parked and time.perf_counter() - self._t0 > self.WARM_DEADLINE_S:
+        if self.parked and time.thread_time() - self._cpu0 > self.WARM_DEADLINE_S:  # (on its own thread)
             self.terminate(f"did not reach its first host call within {self.WARM_DEADLINE_S:g} s while warming")
         self._enforce_budget()
         if self.stop_reason is not None:
@@ -481,6 +486,7 @@ class Instance:
         event, message = "exception", "instance did not start"
         epoch_key = 0
         store: Store | None = None
+        self._cpu0 = time.thread_time()
         if env.warm_in_background:
             with self.cond:  # (not once launched: `launch` raises it only after this)
                 if self.parked:
@@ -511,6 +517,7 @@ class Instance:
             event, message = self.stop_event, self.stop_reason or "terminated"
         except Exception as e:  # a host-side failure ends this instance only
             log.exception("instance %s failed in the host", self.id)
+            self.failed_in_host = True
             event, message = "exception", f"host error: {type(e).__name__}: {e}"
         finally:
             self._end_start()
@@ -531,7 +538,10 @@ class Instance:
             return "exception", self.trap_reason
         cause, backtrace = _split_wasmtime_error(str(e))
         pool = self.env.engine.pooling
-        limit = self.env.limits.explain(cause) or (pool.explain(cause) if pool is not None else None)
+        limit = self.env.limits.explain(cause)
+        if limit is None and pool is not None:
+            limit = pool.explain(cause)
+            self.failed_in_host = limit is not None  # the pool's slots, not the guest's doing
         if limit is not None:
             return "exception", limit
         stderr = self._stderr.decode("utf-8", "replace").strip()

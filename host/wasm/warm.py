@@ -29,8 +29,10 @@ either way.
 Invariants: a warm instance has received nothing from the host but the model's constants (imports
 declared `before_launch`, host/api/guest.py: the same answer for every launch, tenant and
 replica), so handing one out is indistinguishable, to its guest, from a cold start. A program whose warm instance ends before its
-first host call (it traps, returns without a call, or runs past `Instance.WARM_DEADLINE_S`) is
-never warmed again: its launches start cold and meet the same fate in front of their client. At
+first host call (it traps, returns without a call, or computes past `Instance.WARM_DEADLINE_S` of
+CPU time) is never warmed again: its launches start cold and meet the same fate in front of their
+client. One that is only slow to get there (its thread starved of CPU while a burst runs) or that
+ended for the host's reasons (the instance pool full) is given up and warmed again later. At
 most `warmers` warm instances are being started at a time (the host: one per four cores, at least
 one), so warming takes no more cores than that (`prime`, at a host's start, runs its n at once).
 `seed` gives a program a target as if it had run that many at once (a fresh host's standard
@@ -51,7 +53,7 @@ __all__ = ["WarmPool"]
 
 log = logging.getLogger(__name__)
 
-_START_TIMEOUT_S = 10.0  # a warm instance not at its first call by then is given up on
+_START_TIMEOUT_S = 10.0  # a warm instance not at its first call by then is given up on (and tried again)
 # Refilling waits until launches and ends have paused this long (and, unless it runs in the
 # background, until the backend has no work): while a burst starts, its own starts come first.
 QUIET_S = 0.05
@@ -306,12 +308,19 @@ class WarmPool:
         with inst.cond:
             inst.cond.wait_for(lambda: inst.at_first_call or inst.finished.is_set(), _START_TIMEOUT_S)
         with self._cond:
-            if not inst.at_first_call or inst.finished.is_set():
-                log.info("program %s is not warmed: its instance ended or stalled before its first host call",
-                         program[:12])
+            if inst.finished.is_set() and not inst.at_first_call and not inst.failed_in_host:
+                # its guest returned, trapped or computed past Instance.WARM_DEADLINE_S first
+                log.info("program %s is not warmed: its instance ended before its first host call", program[:12])
                 self._cold.add(program)
                 self._cond.notify_all()  # (prewarm / wait_ready wait for this too)
-                inst.terminate("warm start failed")
+            elif not inst.at_first_call or inst.finished.is_set():
+                # Not there yet: its thread, at the lowest priority, waits for a core (a burst runs;
+                # its CPU time, not this wait, is what the instance's own deadline counts), or it
+                # ended for the host's reasons (the instance pool full). The next refill tries again.
+                log.info("a warm instance of %s was given up (%s); warming goes on", program[:12],
+                         "ended in the host" if inst.finished.is_set() else
+                         f"not at its first host call after {_START_TIMEOUT_S:g} s")
+                inst.terminate("warm start given up")
             elif self._closed or program not in self._ready:
                 inst.terminate("warm instance no longer needed")
             else:
