@@ -45,12 +45,16 @@ class BatchLog:
 
     def __init__(self, backend: Any) -> None:
         self.calls: list[tuple[float, float, int]] = []
+        # (each call's start, the process's CPU time then: time.process_time), in the order of the starts
+        self.cpu_at_start: list[tuple[float, float]] = []
         forward = backend.forward
-        calls = self.calls
+        calls, cpu = self.calls, self.cpu_at_start
         inside = [0]  # the stand-in's forward is start_forward + wait: one call, logged once
 
         def timed(reqs: Any) -> Any:
             start = time.perf_counter()
+            if not inside[0]:
+                cpu.append((start, time.process_time()))
             inside[0] += 1
             try:
                 return forward(reqs)
@@ -65,6 +69,7 @@ class BatchLog:
                 if inside[0]:
                     return start_forward(reqs, *args)
                 start = time.perf_counter()
+                cpu.append((start, time.process_time()))
                 return _TimedStep(start_forward(reqs, *args), start, len(reqs), calls)
 
             backend.start_forward = timed_start
