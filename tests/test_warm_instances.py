@@ -366,3 +366,16 @@ def test_a_warm_start_that_failed_in_the_host_is_tried_again(fresh: Host, monkey
     program = fresh.compile(wasm_bytes("misbehave"))
     assert fresh.prewarm(program, 1, timeout_s=30) == 1
     assert not failures and program not in fresh.warm._cold
+
+
+def test_warm_starts_failing_in_the_host_are_retried_at_a_pace(fresh: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    tries: list[float] = []
+
+    def failing(self: WasmEngine) -> wasmtime.Store:
+        tries.append(time.monotonic())
+        raise RuntimeError("no store for now")
+
+    monkeypatch.setattr(WasmEngine, "new_store", failing)
+    program = fresh.compile(wasm_bytes("misbehave"))
+    assert fresh.prewarm(program, 1, timeout_s=1.2) == 0
+    assert 1 <= len(tries) <= 4 and program not in fresh.warm._cold

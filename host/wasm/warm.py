@@ -54,6 +54,7 @@ __all__ = ["WarmPool"]
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 10.0  # a warm instance not at its first call by then is given up on (and tried again)
+_RETRY_S = 0.5  # how long a warmer waits after giving a start up
 # Refilling waits until launches and ends have paused this long (and, unless it runs in the
 # background, until the backend has no work): while a burst starts, its own starts come first.
 QUIET_S = 0.05
@@ -296,6 +297,7 @@ class WarmPool:
             ramp_since = None
 
     def _warm_one(self, program: str) -> None:
+        given_up = False
         try:
             inst = self._make(program)
             inst.start()
@@ -321,8 +323,12 @@ class WarmPool:
                          "ended in the host" if inst.finished.is_set() else
                          f"not at its first host call after {_START_TIMEOUT_S:g} s")
                 inst.terminate("warm start given up")
+                given_up = True
             elif self._closed or program not in self._ready:
                 inst.terminate("warm instance no longer needed")
             else:
                 self._ready[program].append(inst)
                 self._cond.notify_all()
+        if given_up:  # (a host that keeps failing them is not retried in a tight loop)
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed, _RETRY_S)
