@@ -320,7 +320,7 @@ class WarmPool:
                 # its CPU time, not this wait, is what the instance's own deadline counts), or it
                 # ended for the host's reasons (the instance pool full). The next refill tries again.
                 log.info("a warm instance of %s was given up (%s); warming goes on", program[:12],
-                         "ended in the host" if inst.finished.is_set() else
+                         "it failed in the host" if inst.failed_in_host else "it ended" if inst.finished.is_set() else
                          f"not at its first host call after {_START_TIMEOUT_S:g} s")
                 inst.terminate("warm start given up")
                 given_up = True
