@@ -137,6 +137,8 @@ def main() -> None:
                     help="confine the process to the first K of its CPUs (a number, or all), each in turn")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the settings x cores list, alternating")
     opts = ap.parse_args()
+    if opts.rounds < 1 or opts.bursts < 1 or opts.instances < 1:
+        ap.error("--rounds, --bursts and --instances must be at least 1")
     allowed = sorted(os.sched_getaffinity(0))
     cores: list[int] = []
     for k in opts.cores:
