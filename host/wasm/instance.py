@@ -541,7 +541,8 @@ class Instance:
         limit = self.env.limits.explain(cause)
         if limit is None and pool is not None:
             limit = pool.explain(cause)
-            self.failed_in_host = limit is not None  # the pool's slots, not the guest's doing
+            if limit is not None:  # the pool's slots ran out: not the guest's doing
+                self.failed_in_host = True
         if limit is not None:
             return "exception", limit
         stderr = self._stderr.decode("utf-8", "replace").strip()
