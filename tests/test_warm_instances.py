@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import wasmtime
 from fakes import FakeBackend
-from helpers import Run, wait_for, wasm_bytes
+from helpers import Run, text_completion_burst, wait_for, wasm_bytes
 
 from host import Host, HostBusy, HostConfig
 from host.wasm.engine import WasmEngine
@@ -379,3 +379,17 @@ def test_warm_starts_failing_in_the_host_are_retried_at_a_pace(fresh: Host, monk
     program = fresh.compile(wasm_bytes("misbehave"))
     assert fresh.prewarm(program, 1, timeout_s=1.2) == 0
     assert 1 <= len(tries) <= 4 and program not in fresh.warm._cold
+
+
+@pytest.mark.build
+def test_a_starved_warm_text_completion_still_warms_and_answers(fresh: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standard inferlet through the same starved start: warmed, then exact at its launch."""
+    monkeypatch.setattr(Instance, "WARM_DEADLINE_S", 0.2)
+    slow = threading.Event()
+    slow.set()
+    _slow_start(monkeypatch, 0.6, slow)
+    program = fresh.compile(wasm_bytes("text_completion"))
+    assert fresh.prewarm(program, 2, timeout_s=60) == 2 and program not in fresh.warm._cold
+    slow.clear()
+    got, wants = text_completion_burst(fresh, program, ["hi there", "a lighthouse"], 8)
+    assert got == wants
