@@ -94,6 +94,9 @@ class _FakeInstance:
         last = (req["messages"] or [{}])[-1].get("content", "") if req.get("messages") else req.get("prompt") or ""
         if not isinstance(last, str):  # a prompt of token ids, a null or multi-part content
             last = ""
+        if last.startswith("gated "):  # "gated G <rest>": wait until gate G opens, then like <rest>
+            _, gate, last = last.split(" ", 2)
+            self._wait(lambda: gate in self.host.open_gates)
         if last == "hold":
             self._wait(lambda: False)
         if last == "crash":

@@ -11,6 +11,7 @@ import hashlib
 import json
 import select
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -282,6 +283,32 @@ def test_an_sse_client_that_stops_reading_is_dropped_and_its_instance_ended(tmp_
             wait_for(lambda: bool(host.terminations), 20, "the instance to be ended")
             wait_for(lambda: not host.running, 5, "the instance to end")
         assert host.terminations[0][1] == ("client went away" if flood == 2_000 else "client not reading")
+        assert rss.growth < 40 * MIB, f"server grew by {rss.growth / MIB:.0f} MiB"
+        sock.close()
+        assert httpx.get(f"{srv.http_url}/health").status_code == 200
+
+
+def test_messages_emitted_while_the_event_loop_is_busy_count_against_max_queued(tmp_path: Path) -> None:
+    """The bound holds when the instance outruns the server's event loop: 80 MB of deltas emitted
+    while the loop is blocked for 1.5 s must not pile up in the loop's queue of callbacks."""
+    host = FakeHost()
+    with running_server(tmp_path, host=host, openai=True, write_timeout_s=5, max_queued_bytes=4 * MIB) as srv:
+        assert srv._loop is not None
+        with PeakRss() as rss:
+            sock = _post_and_never_read(srv.port, "gated g flood 20000 hold")
+            wait_for(lambda: bool(host.running), 5, "the instance to start")
+            busy = threading.Event()
+
+            def block() -> None:
+                busy.set()
+                time.sleep(1.5)
+
+            srv._loop.call_soon_threadsafe(block)
+            assert busy.wait(5)
+            host.open_gate("g")
+            wait_for(lambda: bool(host.terminations), 20, "the instance to be ended")
+            wait_for(lambda: not host.running, 5, "the instance to end")
+        assert host.terminations[0][1] == "client not reading"
         assert rss.growth < 40 * MIB, f"server grew by {rss.growth / MIB:.0f} MiB"
         sock.close()
         assert httpx.get(f"{srv.http_url}/health").status_code == 200

@@ -21,6 +21,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -128,30 +129,51 @@ class _Run:
     h: OpenAIHandler
     queue: asyncio.Queue[InstanceEvent]
     tenant: str
+    loop: asyncio.AbstractEventLoop
     iid: str = ""
     ended: bool = False  # its terminal event has been seen
     closed: bool = False
-    queued_bytes: int = 0  # of the messages in `queue`, at most `h.max_queued_bytes`
+    # Bytes of messages handed to the loop and not yet taken by `get`, at most `h.max_queued_bytes`.
+    # Counted on the instance's thread, before the hand-off: the loop's own queue of callbacks is
+    # unbounded, and an instance can emit faster than a busy loop runs them.
+    queued_bytes: int = 0
     overflowed: bool = False  # past it: terminated, later messages dropped (its terminal event still comes)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
-    def put(self, ev: InstanceEvent) -> None:
-        """On the loop: queue one event; an instance whose messages pile up (the client does not
-        read them) past `max_queued_bytes` is terminated and the request fails."""
-        if self.closed or (self.overflowed and ev.event == "message"):
-            return
-        size = len(ev.message)
-        if ev.event == "message" and self.queued_bytes + size > self.h.max_queued_bytes:
-            self.overflowed = True
+    def offer(self, ev: InstanceEvent) -> None:
+        """The instance's `on_event` (its thread): hand the event to the loop. An instance whose
+        messages pile up (the client does not read them) past `max_queued_bytes` is terminated and
+        the request fails."""
+        size = len(ev.message) if ev.event == "message" else 0
+        with self.lock:
+            if self.overflowed and size:
+                return
+            over = size > 0 and self.queued_bytes + size > self.h.max_queued_bytes
+            if over:
+                self.overflowed = True
+            else:
+                self.queued_bytes += size
+        try:
+            self.loop.call_soon_threadsafe(self._overflow if over else self.put, ev)
+        except RuntimeError:  # loop closed: the server has stopped
+            pass
+
+    def _overflow(self, ev: InstanceEvent) -> None:  # on the loop
+        if not self.closed:
             log.warning("instance %s: %d bytes of messages queued for an HTTP client that does not read them; "
                         "ending it", self.iid, self.queued_bytes)
             self.terminate("client not reading")
+
+    def put(self, ev: InstanceEvent) -> None:  # on the loop
+        if self.closed:
             return
-        self.queued_bytes += size
         self.queue.put_nowait(ev)
 
     async def get(self) -> InstanceEvent:
         ev = await self.queue.get()
-        self.queued_bytes -= len(ev.message)
+        if ev.event == "message":
+            with self.lock:
+                self.queued_bytes -= len(ev.message)
         return ev
 
     def terminate(self, reason: str) -> None:
@@ -176,7 +198,7 @@ def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local") -> _Run
         raise OpenAIError(404, f"the model {req.model!r} does not exist; this server has {h.model!r}",
                           param="model", code="model_not_found")
     loop = asyncio.get_running_loop()
-    run = _Run(h, asyncio.Queue(), tenant)
+    run = _Run(h, asyncio.Queue(), tenant, loop)
     arg = req.handler_argument()
     extra = {"tenant": tenant} if tenant != "local" else {}
     try:
@@ -184,7 +206,7 @@ def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local") -> _Run
     except TenantLimitError as e:
         raise OpenAIError(429, str(e), type_="rate_limit_error", code="rate_limit_exceeded") from None
     try:
-        run.iid = h.host.launch(h.program_hash, [arg], lambda ev: loop.call_soon_threadsafe(run.put, ev), **extra)
+        run.iid = h.host.launch(h.program_hash, [arg], run.offer, **extra)
     except BaseException as e:
         h.limits.give_instance(tenant)  # nothing was launched
         if isinstance(e, HostBusy):
