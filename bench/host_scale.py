@@ -1,7 +1,8 @@
 """Can the host keep up with a GPU? The real host in front of a stand-in backend that sleeps per batch.
 
 Usage: python bench/host_scale.py --json OUT [--step-ms 10 2] [--instances 1 16 64 256] [--tokens 64]
-                                  [--engine inproc|process]
+                                  [--engine inproc|process] [--workloads app step]
+                                  [--variants default reap_first] [--rounds R] [--no-cold]
        python bench/host_scale.py --back-to-back --json OUT [--step-ms 10 2] [--instances 64 256]
                                   [--backends forward overlap] [--variants default idle_only]
 
@@ -21,6 +22,9 @@ time as the median (by efficiency) of `--bursts` bursts (3; this 2-core VM varie
 burst to the next): as the host runs by default (`tok_s`, `efficiency`, ...: the warm pool, host/wasm/warm.py, has refilled
 to the N instances the program just had running, so the launches skip the instances' start-up),
 and with `cold_*` keys: the pool off (`--warm-auto 0`), every instance started from scratch.
+`--variants` (below) compares host settings settled too, each workload and variant on hosts of
+its own, reported as `WORKLOAD@VARIANT`; `--rounds R` measures them all R times in turn (the entry:
+the round with the median efficiency, and `efficiency_rounds`); `--no-cold` skips the cold bursts.
 `--engine process` runs the same stand-in in an engine process (gpu_backend/engine/client.py, fed over
 pyzmq + msgpack, as `pie-serve --engine process` does) instead of on the host's scheduler thread;
 bench/engine.py compares the two in one run.
@@ -127,8 +131,18 @@ def parse_args() -> argparse.Namespace:
                     help="with --back-to-back: take NAME.wasm from DIR instead of building the standard inferlets "
                          "(the GPU kit's folder has text_completion.wasm)")
     ap.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=["default"],
-                    help="with --back-to-back: host settings to compare in the same run")
-    return ap.parse_args()
+                    help="host settings to compare in the same run, each on hosts of its own (settled: "
+                         "reported as WORKLOAD@VARIANT; a variant's warm_start applies to --back-to-back only)")
+    ap.add_argument("--workloads", nargs="+", choices=("app", "step"), default=["app", "step"],
+                    help="settled: the workloads to measure")
+    ap.add_argument("--no-cold", action="store_true", help="settled: skip the cold-start bursts (no cold_* keys)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="settled: measure every workload and variant this many times, alternated; each entry "
+                         "is the round with the median efficiency, `efficiency_rounds` lists them all")
+    opts = ap.parse_args()
+    if opts.rounds < 1 or opts.bursts < 1 or min(opts.instances) < 1:
+        ap.error("--rounds, --bursts and --instances must be at least 1")
+    return opts
 
 
 def make_host(engine: str, step_s: float, feed: bool = True, log: list[BatchLog] | None = None,
@@ -210,8 +224,9 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
 
 
 def measure(host: Host, step_s: float, program: str, args: list[str], n: int, want: str,
-            tokens: int, bursts: int = 3) -> dict[str, float]:
-    """Bursts of n as the host runs by default, then bursts of n cold starts; the median of each.
+            tokens: int, bursts: int = 3, cold: bool = True) -> dict[str, float]:
+    """Bursts of n as the host runs by default, then (with `cold`) bursts of n cold starts; the
+    median of each.
 
     An unmeasured burst of n goes first: the first time n instances run at once, the pooling
     allocator maps their slots and faults their pages in (once per slot, host/wasm/pooling.py),
@@ -224,6 +239,8 @@ def measure(host: Host, step_s: float, program: str, args: list[str], n: int, wa
     for _ in range(bursts):
         settle(host, program, n)
         runs.append(run_once(host, program, args, n, want, step_s, tokens))
+    if not cold:
+        return _median(runs)
     host.warm.auto = 0  # cold: the pool off and emptied
     host.prewarm(program, 0)
     cold_runs = []
@@ -291,7 +308,8 @@ def patched(starts_wait: bool = True, prime_factor: int | None = None, fast_valu
     slots `Host.warm_start` primes per parked instance; `fast_values` False: lists and records
     cross host calls as wasmtime-py converts them (`fastcall.wasmtime_py_values`); `reuse_slots`
     False: the warm pool waits for every queued store to be freed, reusable slots or not."""
-    saved_active, saved_factor, saved_reusable = Starts.active, host_module._PRIME_FACTOR, WasmEngine.reusable_slots
+    saved_active, saved_factor = Starts.active, host_module._PRIME_FACTOR
+    saved_reusable = getattr(WasmEngine, "reusable_slots", None)  # (absent from trees before it, as 1061fa1)
     if not reuse_slots:
         WasmEngine.reusable_slots = lambda self: 0  # type: ignore[method-assign]
     if not starts_wait:
@@ -304,7 +322,8 @@ def patched(starts_wait: bool = True, prime_factor: int | None = None, fast_valu
     finally:
         Starts.active = saved_active  # type: ignore[method-assign]
         host_module._PRIME_FACTOR = saved_factor
-        WasmEngine.reusable_slots = saved_reusable  # type: ignore[method-assign]
+        if saved_reusable is not None:
+            WasmEngine.reusable_slots = saved_reusable  # type: ignore[method-assign]
 
 
 def inferlet_wasm(opts: argparse.Namespace, name: str) -> bytes:
@@ -364,11 +383,55 @@ def table(results: dict[str, Any], rss: float, tokens: int, engine: str) -> str:
         for workload, by_n in by_workload.items():
             lines += [f"## {step} ms step, `{workload}`", "", "| instances | " + " | ".join(by_n) + " |",
                       "|---|" + "---|" * len(by_n)]
-            for key in ("tok_s", "ideal_tok_s", "efficiency", "mean_batch", "cold_tok_s", "cold_efficiency"):
-                lines.append(f"| {key} | " + " | ".join(str(v[key]) for v in by_n.values()) + " |")
+            for key in ("tok_s", "ideal_tok_s", "efficiency", "efficiency_rounds", "mean_batch", "cold_tok_s",
+                        "cold_efficiency"):
+                if any(key in v for v in by_n.values()):
+                    lines.append(f"| {key} | " + " | ".join(str(v.get(key, "")) for v in by_n.values()) + " |")
             lines.append("")
     lines.append(f"rss per live instance: {rss} MB")
     return "\n".join(lines) + "\n"
+
+
+def settled(opts: argparse.Namespace) -> dict[str, Any]:
+    """{step: {workload[@variant]: {n: entry}}}: each workload and variant on a host of its own (see the
+    module doc), `opts.rounds` times in turn; an entry is the round with the median efficiency."""
+    rounds: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+    workloads = tuple(opts.workloads) + (("app_no_feed",) if opts.compare_feed else ())
+    for _ in range(opts.rounds):
+        for step_ms in opts.step_ms:
+            key = f"{step_ms:g}"
+            for workload in workloads:
+                for variant in opts.variants:
+                    label = workload if variant == "default" else f"{workload}@{variant}"
+                    config = {**({"warm_yield": False} if opts.no_warm_yield else {}),
+                              **VARIANTS[variant].get("config", {})}
+                    with patched(**VARIANTS[variant].get("patch", {})):
+                        row = settled_entry(opts, step_ms / 1000, workload, config)
+                    for n, entry in row.items():
+                        rounds.setdefault((key, label, n), []).append(entry)
+                    print(key, label, json.dumps(row), flush=True)
+    results: dict[str, Any] = {}
+    for (key, label, n), entries in rounds.items():
+        entry = _median(entries)
+        if opts.rounds > 1:
+            entry = {**entry, "efficiency_rounds": [e["efficiency"] for e in entries]}
+        results.setdefault(key, {}).setdefault(label, {})[n] = entry
+    return results
+
+
+def settled_entry(opts: argparse.Namespace, step_s: float, workload: str, config: dict[str, Any]) -> dict[str, Any]:
+    """{n: measure(...)} for every --instances, on a fresh host with HostConfig `config`."""
+    host = make_host(opts.engine, step_s, feed=workload != "app_no_feed", **config)
+    try:
+        app = workload != "step"
+        program = compile_inferlet(host, "text_completion" if app else ROOT / "bench" / "inferlets" / "stepper")
+        want = expected_text(host, opts.tokens) if app else expected_steps(host, opts.tokens)
+        args = workload_args("app" if app else "step", opts.tokens)
+        run_once(host, program, args, 1, want, step_s, opts.tokens)
+        return {str(n): measure(host, step_s, program, args, n, want, opts.tokens, opts.bursts, not opts.no_cold)
+                for n in opts.instances}
+    finally:
+        host.shutdown()
 
 
 def main() -> None:
@@ -383,25 +446,7 @@ def main() -> None:
         opts.json.with_suffix(".md").write_text(md)
         print(md)
         return
-    results: dict[str, Any] = {}
-    for step_ms in opts.step_ms:
-        key = f"{step_ms:g}"
-        results[key] = {}
-        workloads = ("app", "step") + (("app_no_feed",) if opts.compare_feed else ())
-        for workload in workloads:  # each on a host of its own (see the module doc)
-            host = make_host(opts.engine, step_ms / 1000, feed=workload != "app_no_feed",
-                             **({"warm_yield": False} if opts.no_warm_yield else {}))
-            try:
-                app = workload != "step"
-                program = compile_inferlet(host, "text_completion" if app else ROOT / "bench" / "inferlets" / "stepper")
-                want = expected_text(host, opts.tokens) if app else expected_steps(host, opts.tokens)
-                args = workload_args("app" if app else "step", opts.tokens)
-                run_once(host, program, args, 1, want, step_ms / 1000, opts.tokens)
-                results[key][workload] = {str(n): measure(host, step_ms / 1000, program, args, n, want, opts.tokens,
-                                                          opts.bursts) for n in opts.instances}
-                print(key, workload, json.dumps(results[key][workload]), flush=True)
-            finally:
-                host.shutdown()
+    results = settled(opts)
     host = make_host(opts.engine, 0.0)  # memory per instance, on a host with no delay
     try:
         host.warm.auto = 0  # count started instances only: no parked ones before or during
