@@ -307,10 +307,10 @@ def fresh(tmp_path: Path) -> Iterator[Host]:
     h.shutdown()
 
 
-def _slow_start(monkeypatch: pytest.MonkeyPatch, seconds: float, slow: threading.Event) -> None:
-    """Warm starts wait `seconds` while `slow` is set, without CPU, after the store's epoch deadline is
-    set: as a thread at the lowest priority waits for a core while a burst runs (the deadline is
-    then long past when its guest runs)."""
+def _slow_start(monkeypatch: pytest.MonkeyPatch, seconds: float) -> threading.Event:
+    """Warm starts wait `seconds` while the returned event is set (it is, until the test clears it),
+    without CPU, after the store's epoch deadline is set: as a thread at the lowest priority waits
+    for a core while a burst runs (the deadline is then long past when its guest runs)."""
     import host.wasm.instance as instance_module
 
     watch = instance_module.watch_epochs
@@ -321,7 +321,10 @@ def _slow_start(monkeypatch: pytest.MonkeyPatch, seconds: float, slow: threading
             time.sleep(seconds)
         return key
 
+    slow = threading.Event()
+    slow.set()
     monkeypatch.setattr(instance_module, "watch_epochs", slow_watch)
+    return slow
 
 
 def test_a_warm_start_slowed_by_a_busy_cpu_still_warms(fresh: Host, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -329,9 +332,7 @@ def test_a_warm_start_slowed_by_a_busy_cpu_still_warms(fresh: Host, monkeypatch:
     is no guest computing before its first call. Counted in wall time, a burst of 256 on 2 vCPUs
     made a standard inferlet's warm start miss it, and the program was never warmed again."""
     monkeypatch.setattr(Instance, "WARM_DEADLINE_S", 0.2)
-    slow = threading.Event()
-    slow.set()
-    _slow_start(monkeypatch, 0.6, slow)
+    _slow_start(monkeypatch, 0.6)
     program = fresh.compile(wasm_bytes("misbehave"))
     assert fresh.prewarm(program, 1, timeout_s=30) == 1
     assert program not in fresh.warm._cold
@@ -342,9 +343,7 @@ def test_a_warm_start_given_up_is_tried_again(fresh: Host, monkeypatch: pytest.M
     import host.wasm.warm as warm_module
 
     monkeypatch.setattr(warm_module, "_START_TIMEOUT_S", 0.1)
-    slow = threading.Event()
-    slow.set()
-    _slow_start(monkeypatch, 0.5, slow)
+    slow = _slow_start(monkeypatch, 0.5)
     program = fresh.compile(wasm_bytes("misbehave"))
     assert fresh.prewarm(program, 1, timeout_s=1.0) == 0  # each start given up after 0.1 s
     assert program not in fresh.warm._cold
@@ -385,9 +384,7 @@ def test_warm_starts_failing_in_the_host_are_retried_at_a_pace(fresh: Host, monk
 def test_a_starved_warm_text_completion_still_warms_and_answers(fresh: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     """The standard inferlet through the same starved start: warmed, then exact at its launch."""
     monkeypatch.setattr(Instance, "WARM_DEADLINE_S", 0.2)
-    slow = threading.Event()
-    slow.set()
-    _slow_start(monkeypatch, 0.6, slow)
+    slow = _slow_start(monkeypatch, 0.6)
     program = fresh.compile(wasm_bytes("text_completion"))
     assert fresh.prewarm(program, 2, timeout_s=60) == 2 and program not in fresh.warm._cold
     slow.clear()
