@@ -8,7 +8,7 @@ with it on (what vLLM with automatic prefix caching does: only the new suffix is
 run on the same backend and batching scheduler, with 1 and 16 agents at once; ours runs with the
 prefix cache on, as the host does by default.
 
-    python bench/agents.py --json bench/agents.json
+    python bench/agents.py --json bench/agents.json [--quick]
 
 Writes {"throughput_ratio": {"1": .., "16": ..}, "latency_ratio": {...}} against `baseline`, the
 same against `baseline_cached` ("throughput_ratio_cached", "latency_ratio_cached"),
@@ -81,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--thought-tokens", type=int, default=12)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 1 turn, 2 thought tokens, 1 ms tools, 1 agent")
     a = ap.parse_args(argv)
+    if a.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(turns=1, tool_ms=1.0, concurrency="1", thought_tokens=2)
+        a = ap.parse_args(argv)
     levels = [int(x) for x in a.concurrency.split(",")]
     common = ["--tool-choice", "ask_user", "--max-turns", str(a.turns), "--thought-tokens", str(a.thought_tokens),
               "--arg-tokens", "8", "--answer-tokens", "8", "--client-timeout-ms", "600000", "--json"]

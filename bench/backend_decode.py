@@ -1,6 +1,6 @@
 """Decode throughput of gpu_backend vs transformers' generate, same weights, same prompts, one run.
 
-    python bench/backend_decode.py --json bench/results/backend_decode.json
+    python bench/backend_decode.py --json bench/results/backend_decode.json [--quick]
 
 Measures decode tokens/s (prefill excluded: the clock starts when the first token is out) at each
 batch size, alternating all series `--repeats` times and keeping each one's best, so load from other
@@ -137,7 +137,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    return ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): batches 1 and 2, 4 new tokens, 1 repeat")
+    args = ap.parse_args()
+    if args.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(batches="1,2", new_tokens=4, repeats=1)
+        args = ap.parse_args()
+    return args
 
 
 def make_series(args: argparse.Namespace) -> Series:

@@ -2,7 +2,7 @@
 (host/wasm/starter.py: the instance's thread is started on the starter's thread) and without it
 (`inline`: `Host.launch` starts the thread itself, as before), alternated on hosts of their own.
 
-Usage: python bench/cold_launch.py --json bench/cold_launch.json [--instances 128] [--rounds 4]
+Usage: python bench/cold_launch.py --json bench/cold_launch.json [--instances 128] [--rounds 4] [--quick]
 
 A burst of `--instances` `text_completion` launches with the warm pool off (every launch cold;
 a pool that has run dry, or a program not among the recent ones), 64 tokens each on the stand-in
@@ -63,7 +63,7 @@ def burst(host: Host, program: str, n: int, want: str) -> dict[str, float]:
     wall = time.perf_counter() - t0
     ideal = n * TOKENS / ((TOKENS + 1) * STEP_S)
     return {"launch_median_us": round(1e6 * statistics.median(per_launch), 1),
-            "launch_p99_us": round(1e6 * percentile(per_launch, 99), 1),
+            "launch_p99_us": round(1e6 * percentile(per_launch, 0.99), 1),
             "launch_max_us": round(1e6 * max(per_launch), 1),
             "launch_total_ms": round(1000 * launched, 1),
             "efficiency": round(n * TOKENS / wall / ideal, 3)}
@@ -74,7 +74,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--instances", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="a small, fast run (CI): 8 instances, 2 rounds")
     opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(instances=8, rounds=2)
+        opts = ap.parse_args()
     opts.inferlets = None
     wasm = inferlet_wasm(opts, "text_completion")
     rounds: dict[str, list[dict[str, float]]] = {"starter": [], "inline": []}

@@ -1,6 +1,6 @@
 """What converting a host call's values costs: host/api/fastcall.py's paths vs wasmtime-py's own.
 
-Usage: python bench/conversions.py --json OUT [--reps 2000]
+Usage: python bench/conversions.py --json OUT [--reps 2000] [--quick]
 
 Every host call converts its arguments from the guest's C values (`lift`) and its result back
 (`lower`). For the values `text_completion` exchanges with the host on every start and end (its
@@ -133,10 +133,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, type=Path, help="where to write the results")
     ap.add_argument("--reps", type=int, default=2000, help="conversions per round and path")
+    ap.add_argument("--quick", action="store_true", help="a small, fast run (CI): 20 reps, 2 rounds")
     opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(reps=20)
+        opts = ap.parse_args()
     if opts.reps < 1:
         ap.error("--reps must be >= 1")
-    results = measure(opts.reps)
+    results = measure(opts.reps, rounds=2 if opts.quick else 5)
     opts.json.write_text(json.dumps({"reps": opts.reps, "conversions": results}, indent=2) + "\n")
     opts.json.with_suffix(".md").write_text(table(results))
 

@@ -1,6 +1,6 @@
 """The backend in the host process vs in an engine process (`--engine inproc` vs `--engine process`).
 
-Usage: python bench/engine.py --json OUT [--instances 1 16 64] [--tokens 32] [--repeats 3] [--skip-model]
+Usage: python bench/engine.py --json OUT [--instances 1 16 64] [--tokens 32] [--repeats 3] [--skip-model] [--quick]
 
 Both sides in the same run, interleaved (A B A B ...), medians of `--repeats`:
 - `standin`: the host in front of the stand-in backend sleeping `--step-ms` per batch (as in
@@ -44,7 +44,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-model", action="store_true", help="only the stand-in part")
-    return ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 1 and 4 instances (model: 1 and 2), 8 tokens, 1 repeat, "
+                         "200 round trips")
+    opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(instances=[1, 4], model_instances=[1, 2], tokens=8, repeats=1)
+        opts = ap.parse_args()
+    return opts
 
 
 def burst(host: Host, program: str, n: int, tokens: int) -> tuple[float, str]:
@@ -163,7 +170,7 @@ def table(res: dict[str, Any]) -> str:
 def main() -> None:
     opts = parse_args()
     res: dict[str, Any] = {"tokens": opts.tokens, "repeats": opts.repeats, "step_ms": opts.step_ms,
-                           "roundtrip_us": roundtrip_us()}
+                           "roundtrip_us": roundtrip_us(200 if opts.quick else 2000)}
     print("roundtrip_us", res["roundtrip_us"], flush=True)
     res["standin"] = standin_part(opts)
     if not opts.skip_model:

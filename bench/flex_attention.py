@@ -1,6 +1,6 @@
 """FlexAttention over the pages in place vs SDPA over gathered pages: one forward step, same run.
 
-    python bench/flex_attention.py --json bench/flex_attention.json
+    python bench/flex_attention.py --json bench/flex_attention.json [--quick]
 
 Both paths share one model and one KV cache (filled with random K/V: attention's speed does not
 depend on the values), so they compute the same logits; the script checks that they agree. For each
@@ -57,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--warm-cache", action="store_true", help="keep inductor's on-disk cache (no cold compiles)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): batch 1, 32 cached tokens, a 32-token prefill, 1 repeat")
     a = ap.parse_args(argv)
+    if a.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(batches="1", ctx="32", prefill=32, repeats=1)
+        a = ap.parse_args(argv)
     if a.warm_cache:
         return run(a)
     with tempfile.TemporaryDirectory(prefix="flex-bench-inductor-") as d:

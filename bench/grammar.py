@@ -1,6 +1,6 @@
 """Structured generation cost: xgrammar vs llguidance token masks, and decode with a JSON-schema constraint.
 
-    python bench/grammar.py --json bench/grammar.json
+    python bench/grammar.py --json bench/grammar.json [--quick]
 
 xgrammar is only needed here, not a dependency: `pip install --no-deps xgrammar apache-tvm-ffi` (its
 declared dependencies would pull another torch and triton).
@@ -291,7 +291,12 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     ap.add_argument("--device", default=None, help="decode device (default: cuda if available)")
     ap.add_argument("--no-decode", action="store_true", help="only the library comparison")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): sizes 1 and 2, 10 mask steps, 6 decode steps, 1 repeat")
     args = ap.parse_args()
+    if args.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(steps=10, decode_steps=6, repeats=1, sizes=[1, 2])
+        args = ap.parse_args()
 
     backend = load_backend(device=args.device, page_size=16, num_pages=2048, progress=False)
     tok, info = backend.tokenizer, backend.info

@@ -1,6 +1,6 @@
 """Decode through the host's generation loop with and without a JSON-schema constraint.
 
-    python bench/grammar_host.py --json bench/grammar.json     # adds / replaces its "host_loop" section
+    python bench/grammar_host.py --json bench/grammar.json [--quick]  # adds / replaces its "host_loop" section
     (bench/grammar.py runs it too, after the backend-level decode)
 
 n sequences run as host-side loops on the scheduler (`forward.generate`'s machinery), all resident in
@@ -19,11 +19,12 @@ import math
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import BatchLog  # noqa: E402  (a sibling: this folder is on sys.path when run as a script)
 
 from gpu_backend import ForwardRequest, OutputSpec, SamplerParams, load_backend  # noqa: E402
 from gpu_backend.grammar import Grammar, GrammarCompiler, Matcher  # noqa: E402
@@ -42,13 +43,15 @@ def long_schema() -> dict[str, Any]:
     return {"type": "array", "items": TYPICAL, "minItems": 30, "maxItems": 30}
 
 
-def loop_ms_per_step(host: Host, prompt: list[int], n: int, steps: int, grammar: Grammar | None,
+def loop_ms_per_step(host: Host, log: BatchLog, prompt: list[int], n: int, steps: int, grammar: Grammar | None,
                      seed: int) -> float:
-    """ms per batch of n host-loop steps (the median over full batches after the first full one)."""
+    """ms per batch of n host-loop steps: the median start-to-start period of the backend calls that
+    hold all n sequences, the first one (the prefill) excluded. (The calls are timed, not the loops'
+    `advance`: a step whose token needs no rule but the length goes through `Generation.fast_step`.)"""
     pm, ps = host.pages, host.backend.info.page_size
     table = InstancePages(f"bench-{n}-{seed}")
-    stamps: list[tuple[int, float]] = []  # (batch number, time) of every advance
     futures = []
+    first_call = len(log.calls)
     try:
         for i in range(n):
             pages = pm.allocate(table, math.ceil(len(prompt) / ps))
@@ -66,26 +69,17 @@ def loop_ms_per_step(host: Host, prompt: list[int], n: int, steps: int, grammar:
                 first = allowed_mask(m)
                 assert isinstance(first, bytes), first
                 gen = ConstrainedGeneration(*args, matcher=m, first_mask=first)
-            advance = gen.advance
-
-            def timed(token: int, advance: Any = advance) -> bool:
-                stamps.append((host.scheduler.stats.batches, time.perf_counter()))
-                return bool(advance(token))
-
-            gen.advance = timed  # type: ignore[method-assign]
             futures.append(host.scheduler.submit(req, table.owner, generation=gen))
         for f in futures:
             res = f.wait()
             assert res.finish == "length", res.finish
     finally:
         pm.release_all(table)
-    first: dict[int, float] = {}
-    count: dict[int, int] = {}
-    for b, t in stamps:
-        first.setdefault(b, t)
-        count[b] = count.get(b, 0) + 1
-    full = sorted(b for b, c in count.items() if c == n)[1:]  # steps of every sequence, prefill excluded
-    gaps = [first[b] - first[a] for a, b in zip(full, full[1:], strict=False) if b == a + 1]
+    calls = sorted(log.calls[first_call:])
+    full = [i for i, c in enumerate(calls) if c[2] == n][1:]  # steps of every sequence, prefill excluded
+    gaps = [calls[j][0] - calls[i][0] for i, j in zip(full, full[1:], strict=False) if j == i + 1]
+    if not gaps:
+        raise RuntimeError(f"no two batches in a row held all {n} sequences ({len(calls)} backend calls)")
     return statistics.median(gaps) * 1e3
 
 
@@ -95,12 +89,13 @@ def host_loop(backend: Any, compiler: GrammarCompiler, sizes: list[int], steps: 
     tok = backend.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
     out: dict[str, Any] = {"steps": steps, "prompt_tokens": len(prompt), "temperature": 1.0}
+    log = BatchLog(backend)  # (wraps the backend's calls for good: the bench's backend is used for nothing after)
     with Host(HostConfig(data_dir=Path(tempfile.mkdtemp())), backend=backend) as host:
         for n in sizes:
             free = constrained = math.inf
             for r in range(repeats):
-                free = min(free, loop_ms_per_step(host, prompt, n, steps, None, r))
-                constrained = min(constrained, loop_ms_per_step(host, prompt, n, steps, grammar, r))
+                free = min(free, loop_ms_per_step(host, log, prompt, n, steps, None, r))
+                constrained = min(constrained, loop_ms_per_step(host, log, prompt, n, steps, grammar, r))
             row = out[str(n)] = {"unconstrained_ms": round(free, 2), "json_schema_ms": round(constrained, 2),
                                  "slowdown": round(constrained / free - 1, 4)}
             print("host loop", n, row, flush=True)
@@ -114,7 +109,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     ap.add_argument("--device", default=None)
+    ap.add_argument("--quick", action="store_true", help="a small, fast run (CI): sizes 1 and 2, 6 steps, 1 repeat")
     args = ap.parse_args()
+    if args.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(steps=6, repeats=1, sizes=[1, 2])
+        args = ap.parse_args()
     backend = load_backend(device=args.device, page_size=16, num_pages=4096, progress=False)
     section = host_loop(backend, GrammarCompiler(backend.tokenizer, backend.info), args.sizes, args.steps,
                         args.repeats)

@@ -1,6 +1,7 @@
 """Do arriving requests stall the ones already generating? (issue 12: the launch grace)
 
 Usage: python bench/host_arrivals.py --json OUT [--running 32] [--arrivals 40] [--every-ms 25] [--step-ms 10]
+                                     [--quick]
 
 `--running` `text_completion` instances (150 tokens) generate in front of the stand-in backend
 sleeping `--step-ms` per batch (as in bench/host_scale.py); while they run, `--arrivals` short
@@ -79,7 +80,11 @@ def main() -> None:
     ap.add_argument("--every-ms", type=float, default=25.0, help="time between two arrivals")
     ap.add_argument("--step-ms", type=float, default=10.0, help="stand-in backend time per batch")
     ap.add_argument("--reps", type=int, default=3, help="measured repetitions (medians reported)")
+    ap.add_argument("--quick", action="store_true", help="a small, fast run (CI): 4 running, 5 arrivals, 1 repetition")
     opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(running=4, arrivals=5, reps=1)
+        opts = ap.parse_args()
     res: dict[str, Any] = {"running": opts.running, "arrivals": opts.arrivals, "every_ms": opts.every_ms,
                            "step_ms": opts.step_ms}
     for name, warm in (("warm", True), ("cold", False)):

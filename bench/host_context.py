@@ -1,6 +1,6 @@
 """What a guest-driven token costs the host as the context grows (the page list it sends every step).
 
-Usage: python bench/host_context.py --json OUT [--instances 16] [--tokens 64 1024 4096] [--bursts 3]
+Usage: python bench/host_context.py --json OUT [--instances 16] [--tokens 64 1024 4096] [--bursts 3] [--quick]
 
 N instances of bench/inferlets/stepper (every token a `forward.decode-step`, whose arguments
 include the instance's whole page list) generate `--tokens` tokens each against the stand-in
@@ -34,7 +34,12 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=16, help="concurrent instances")
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 1024, 4096], help="tokens per instance")
     ap.add_argument("--bursts", type=int, default=3, help="bursts per length (the median is reported)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 4 instances, 16 and 64 tokens, 1 burst")
     opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(instances=4, tokens=[16, 64], bursts=1)
+        opts = ap.parse_args()
     n = opts.instances
     host = Host(HostConfig(), backend=StandInBackend(page_size=16, num_pages=65536, delay_s=0.0))
     per_token: dict[str, float] = {}

@@ -1,6 +1,6 @@
 """Step lookahead on vs off: guests that step every token themselves, in front of a stand-in GPU step.
 
-Usage: python bench/host_lookahead.py --json OUT [--step-ms 10] [--instances 16 64] [--bursts 5]
+Usage: python bench/host_lookahead.py --json OUT [--step-ms 10] [--instances 16 64] [--bursts 5] [--quick]
 
 Two hosts in one process, the same as bench/host_scale.py's `step` workload (the stepper guest,
 bench/inferlets/stepper: 64 greedy `decode-step` calls), one with `HostConfig.step_lookahead` on
@@ -34,7 +34,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--instances", type=int, nargs="+", default=[16, 64], help="concurrent instances")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per instance")
     ap.add_argument("--bursts", type=int, default=5, help="measured bursts per host and N")
-    return ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 4 instances, 16 tokens, 2 bursts")
+    opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(instances=[4], tokens=16, bursts=2)
+        opts = ap.parse_args()
+    return opts
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The scheduler's own time per batch for N host-side generation loops (`forward.generate`).
 
-Usage: python bench/host_loops.py --json OUT [--loops 64 256] [--tokens 256] [--rounds 5]
+Usage: python bench/host_loops.py --json OUT [--loops 64 256] [--tokens 256] [--rounds 5] [--quick]
 
 After each batch the scheduler thread turns every loop's request into its next step, one loop
 after the other, while the backend waits: that time is the gap between two backend calls. This
@@ -10,7 +10,8 @@ writes are compared in the same run, alternating rounds:
 - `page_notes`: as the host does (a loop notes its writes a page at a time and when it ends,
   `Generation.note_writes`);
 - `step_notes`: the baseline, each step's write noted when it is queued (`PageManager.note_write`
-  per step, what the host did before).
+  per step, what the host did before; every step goes through `Generation.advance`, so this side
+  also goes without the fast steps, `Generation.fast_step`, which would skip the note).
 Reports the median gap of the batches holding all N loops, in ms, per way and their ratio.
 Writes JSON to --json.
 """
@@ -40,6 +41,8 @@ PROMPT = 20
 class StepNotes(Generation):
     """The baseline: every step's write noted as it is queued (one `note_write` per token)."""
 
+    FAST_STEPS = False  # every step through `advance` and so `_next_step` (else a fast step skips the note)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._noted = 1 << 62  # the page-at-a-time notes off
@@ -58,7 +61,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--loops", type=int, nargs="+", default=[64, 256], help="loops running at once")
     ap.add_argument("--tokens", type=int, default=256, help="tokens each loop generates")
     ap.add_argument("--rounds", type=int, default=5, help="rounds per way (alternating; medians reported)")
-    return ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="a small, fast run (CI): 4 and 16 loops, 32 tokens, 1 round")
+    opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(loops=[4, 16], tokens=32, rounds=1)
+        opts = ap.parse_args()
+    return opts
 
 
 def one_round(make: type[Generation], n: int, tokens: int) -> float:

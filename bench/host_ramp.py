@@ -1,7 +1,7 @@
 """How long a burst takes to reach the backend, by run-gate setting (diagnosis for issue 12).
 
 Usage: python bench/host_ramp.py --json OUT [--instances 64] [--bursts 5] [--step-ms 10] [--settings ...]
-                                 [--cores 1 all] [--rounds 1]
+                                 [--cores 1 all] [--rounds 1] [--quick]
 
 N `text_completion` instances (greedy, 64 tokens) launched at once in front of the stand-in backend
 sleeping `--step-ms` per batch, as in bench/host_scale.py, with the host as it runs by default
@@ -136,7 +136,11 @@ def main() -> None:
     ap.add_argument("--cores", nargs="+", default=["all"], metavar="K",
                     help="confine the process to the first K of its CPUs (a number, or all), each in turn")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the settings x cores list, alternating")
+    ap.add_argument("--quick", action="store_true", help="a small, fast run (CI): 8 instances, 1 burst")
     opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(instances=8, bursts=1)
+        opts = ap.parse_args()
     if opts.rounds < 1 or opts.bursts < 1 or opts.instances < 1:
         ap.error("--rounds, --bursts and --instances must be at least 1")
     allowed = sorted(os.sched_getaffinity(0))

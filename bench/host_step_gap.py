@@ -1,6 +1,6 @@
 """Where the host's per-step time goes between batches (diagnosis for the 16-instance tax).
 
-Usage: python bench/host_step_gap.py --json OUT [--step-ms 80]
+Usage: python bench/host_step_gap.py --json OUT [--step-ms 80] [--quick]
 
 Runs N instances against a fake backend that sleeps `step-ms` per batch (no model), with two
 guests: `raw` (bench/inferlets/hostcalls: one forward.run per step, nothing else) and `sdk`
@@ -74,7 +74,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--step-ms", type=float, default=80.0, help="fake backend time per batch")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): a 5 ms step, 1 and 4 instances, 100-pass round trips")
     opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(step_ms=5.0)
+        opts = ap.parse_args()
+    sizes = (1, 4) if opts.quick else (1, 16)
     step_s = opts.step_ms / 1000
     fb = StandInBackend(page_size=16, num_pages=4096, delay_s=step_s)
     host = Host(HostConfig(), backend=fb)
@@ -82,14 +88,15 @@ def main() -> None:
     sdk = compile_inferlet(host, ROOT / "tests" / "fixtures" / "misbehave")
     res: dict = {"step_ms": opts.step_ms, "gap_ms": {}}
     for name, prog, args in [("raw", raw, ["forward", str(STEPS)]), ("sdk", sdk, ["generate", str(STEPS), "5", "6"])]:
-        res["gap_ms"][name] = {str(n): gap_ms(host, fb, prog, args, n, step_s) for n in (1, 16)}
+        res["gap_ms"][name] = {str(n): gap_ms(host, fb, prog, args, n, step_s) for n in sizes}
     res["one_instance_us"] = dict(zip(("finish_to_wake", "wake_to_next_submit"), wake_latency_us(host, raw),
                                       strict=True))
     fb.delay_s = 0.0
     res["one_instance_us_no_wait"] = dict(zip(("finish_to_wake", "wake_to_next_submit"),
                                               wake_latency_us(host, raw), strict=True))
     # one pass from the guest with a zero-cost backend: forward.run with one spec vs forward.decode-step
-    res["round_trip_us"] = {mode: statistics.median(float(Run(host, raw, [mode, "500"]).finish(120).message)
+    passes = "100" if opts.quick else "500"
+    res["round_trip_us"] = {mode: statistics.median(float(Run(host, raw, [mode, passes]).finish(120).message)
                                                     for _ in range(3)) for mode in ("forward", "decode")}
     host.shutdown()
     opts.json.parent.mkdir(parents=True, exist_ok=True)

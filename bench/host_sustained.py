@@ -1,7 +1,7 @@
 """Sustained load: N `text_completion` instances kept running, each replaced as soon as it ends.
 
 Usage: python bench/host_sustained.py --json OUT [--instances 64 256] [--step-ms 10] [--tokens 64]
-                                      [--warmup-s 20] [--measure-s 6] [--policies queue behind inline]
+                                      [--warmup-s 20] [--measure-s 6] [--policies queue behind inline] [--quick]
 
 bench/host_scale.py measures bursts: N launches at an idle host, timed to the last end. A server
 under steady traffic never goes idle, so what it defers "until the host is idle" (freeing finished
@@ -57,7 +57,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--measure-s", type=float, default=6.0, help="the measured window")
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
                     help="store-freeing policies to compare (see the module doc)")
-    return ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 8 instances, 16 tokens, 1 s warm-up, a 1 s window")
+    opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(instances=[8], tokens=16, warmup_s=1.0, measure_s=1.0)
+        opts = ap.parse_args()
+    return opts
 
 
 def set_policy(host: Host, policy: str) -> None:

@@ -1,7 +1,7 @@
 """What starting an instance costs the host, piece by piece, and what each allocator setting gives.
 
 Usage: python bench/instance_start.py --json OUT [--instances 64] [--rounds 5]
-                                      [--variants pool16 pool4 pool0 on_demand] [--no-runtime]
+                                      [--variants pool16 pool4 pool0 on_demand] [--no-runtime] [--quick]
 
 For each variant, on a host of its own (the stand-in backend, no warm pool), `--rounds` rounds of
 `--instances` standard `text_completion` instances, started one after another up to their first
@@ -67,7 +67,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=5, help="rounds per variant (the first is reported apart)")
     ap.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--no-runtime", action="store_true", help="skip building the bare runtime component")
-    return ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 4 instances, 2 rounds, no bare runtime build, only "
+                         "text_completion's component size, 8 instances for the memory numbers")
+    opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(instances=4, rounds=2, no_runtime=True)
+        opts = ap.parse_args()
+    return opts
 
 
 def _usage() -> tuple[float, int]:
@@ -163,12 +170,12 @@ def rss_per_parked(n: int = 256) -> tuple[float, float]:
         host.shutdown()
 
 
-def rss_per_live() -> float:
+def rss_per_live(n: int = 256) -> float:
     """Resident memory per live `step` instance (host_scale's measure), the warm pool off: its refills
     would be counted too (as bench/host_scale.py measures it: no step delay)."""
     host = make_host("inproc", 0.0, warm_auto=0, warm_instances=0)
     try:
-        return rss_per_instance(host, compile_inferlet(host, Path(__file__).parent / "inferlets" / "stepper"))
+        return rss_per_instance(host, compile_inferlet(host, Path(__file__).parent / "inferlets" / "stepper"), n)
     finally:
         host.shutdown()
 
@@ -224,8 +231,9 @@ def main() -> None:
     for name in opts.variants:
         results["variants"][name] = row = measure_variant(name, opts.instances, opts.rounds)
         print(f"{name}: {json.dumps(row)}", flush=True)
+    names = ["text_completion"] if opts.quick else standard_inferlets()  # (each one not cached is built)
     results["components_mb"] = {name: round(resolve_inferlet(name, quiet=True).stat().st_size / 1e6, 2)
-                                for name in standard_inferlets()}
+                                for name in names}
     tc = resolve_inferlet("text_completion", quiet=True)
     results["image_mb"] = {"text_completion": _data_section_bytes(tc.read_bytes())}
     if not opts.no_runtime:
@@ -234,8 +242,9 @@ def main() -> None:
             if bare is not None:
                 results["runtime_mb"] = round(bare.stat().st_size / 1e6, 2)
                 results["image_mb"]["runtime"] = _data_section_bytes(bare.read_bytes())
-    results["rss_mb_per_primed_slot"], results["rss_mb_per_parked"] = rss_per_parked()
-    results["rss_mb_per_live"] = rss_per_live()
+    n_rss = 8 if opts.quick else 256
+    results["rss_mb_per_primed_slot"], results["rss_mb_per_parked"] = rss_per_parked(n_rss)
+    results["rss_mb_per_live"] = rss_per_live(n_rss)
     print(json.dumps({k: v for k, v in results.items() if k != "variants"}), flush=True)
     opts.json.write_text(json.dumps(results, indent=1) + "\n")
     opts.json.with_suffix(".md").write_text(table(results))

@@ -1,7 +1,7 @@
 """Under KV pressure nothing fails: N instances whose KV needs 4x / 8x the pool (host/suspend.py).
 
 Usage: python bench/kv_pressure.py --json OUT [--step-ms 10] [--instances 16 64 256] [--factors 4 8]
-                                   [--tokens 96] [--real N] [--real-tokens 48] [--no-real]
+                                   [--tokens 96] [--real N] [--real-tokens 48] [--quick]
 
 Stand-in part: the standard `text_completion` inferlet (host-side loop, greedy, `--tokens` new
 tokens) on the stand-in backend sleeping `--step-ms` per batch, N instances launched at once on a
@@ -50,7 +50,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=96, help="tokens generated per stand-in instance")
     ap.add_argument("--real", type=int, default=8, help="chats run on the real model (0: skip)")
     ap.add_argument("--real-tokens", type=int, default=48, help="tokens per real-model chat")
-    return ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 8 instances at 4x, 32 tokens; 4 real chats of 8 tokens, "
+                         "swap vs prefill at 4 pages")
+    opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(instances=[8], factors=[4], tokens=32, real=4, real_tokens=8)
+        opts = ap.parse_args()
+    return opts
 
 
 def _prompt(i: int) -> str:
@@ -134,7 +141,7 @@ def swap_vs_prefill(backend: Any, pages: int, reps: int = 3) -> dict[str, float]
             "swap_mb": round(pages * backend.swap_page_bytes / 2**20, 2)}
 
 
-def real_entry(n: int, tokens: int) -> dict[str, Any]:
+def real_entry(n: int, tokens: int, resume_pages: tuple[int, ...] = (4, 16, 64)) -> dict[str, Any]:
     """The default model on CPU: n chats on a pool holding a quarter of them, against a pool holding all."""
     prompts = [f"Tell me a short fact about the number {i}." for i in range(n)]
     host = Host(HostConfig(device="cpu", num_pages=1024, warm_auto=0), progress=False)
@@ -143,7 +150,7 @@ def real_entry(n: int, tokens: int) -> dict[str, Any]:
         per = max(math.ceil((len(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], True)))
                              + tokens) / ps) for p in prompts)
         want, full = _chats(host, prompts, tokens)
-        resume = [swap_vs_prefill(host.backend, k) for k in (4, 16, 64)]
+        resume = [swap_vs_prefill(host.backend, k) for k in resume_pages]
     finally:
         host.shutdown()
     pool = max(n * per // 4, per)
@@ -161,7 +168,7 @@ def real_entry(n: int, tokens: int) -> dict[str, Any]:
 def main() -> None:
     a = parse_args()
     entries = [standin_entry(n, f, a.step_ms / 1000, a.tokens) for n in a.instances for f in a.factors]
-    real = real_entry(a.real, a.real_tokens) if a.real else None
+    real = real_entry(a.real, a.real_tokens, (4,) if a.quick else (4, 16, 64)) if a.real else None
     result = {"step_ms": a.step_ms, "tokens": a.tokens, "standin": entries, "real_cpu": real}
     a.json.write_text(json.dumps(result, indent=1) + "\n")
     lines = ["| N | needs / pool | pool pages | completed | tok/s | ideal | eff | unpressured eff | "

@@ -8,6 +8,7 @@ Each load runs in a fresh Python process, so its peak RSS is that process's high
 directory) in the same run, alternating with this tree's, for a before / after on the same machine:
 
     .venv/bin/python bench/load_model.py --dtype float32 --dtype bfloat16 --baseline c19d5fe --json bench/load_model.json
+    .venv/bin/python bench/load_model.py --quick --json OUT       # CI: one cold and one cached load, float32
 
 Results and history: bench/README.md.
 """
@@ -81,7 +82,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="loads of each kind (medians reported)")
     ap.add_argument("--baseline", default=None, help="a git revision measured alongside (before / after)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="a small, fast run (CI): 1 load of each kind")
     args = ap.parse_args()
+    if args.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(repeat=1)
+        args = ap.parse_args()
     dtypes = args.dtype or ["float32"]
     with tempfile.TemporaryDirectory(prefix="pie-load-bench-") as tmp:
         trees = {"this tree": ROOT}

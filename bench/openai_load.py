@@ -21,7 +21,7 @@ A warm-up at the largest client count first (so neither path pays for the first 
 instances), each level measured once the host has settled (warm pool refilled, finished stores freed),
 and the two paths alternate which goes first at each level.
 
-    python bench/openai_load.py --json bench/openai_load.json [--md bench/openai_load.md]
+    python bench/openai_load.py --json bench/openai_load.json [--md bench/openai_load.md] [--quick]
 """
 
 from __future__ import annotations
@@ -210,7 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16, help="max tokens per request (16)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the host's choice)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated paths to measure (default {','.join(MODES)})")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 1 and 2 clients, 1 request each, 4 tokens")
     opts = ap.parse_args(argv)
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(clients="1,2", requests_per_client=1, max_tokens=4)
+        opts = ap.parse_args(argv)
     levels = [int(x) for x in opts.clients.split(",")]
     modes = tuple(m for m in opts.modes.split(",") if m)
     if not modes or any(m not in MODES for m in modes):

@@ -1,6 +1,6 @@
 """The automatic prefix cache: 16 requests sharing a long system prompt, with and without the cache.
 
-Usage: python bench/prefix_cache.py --json OUT [--requests 16] [--system-tokens 1000] [--max-tokens 8]
+Usage: python bench/prefix_cache.py --json OUT [--requests 16] [--system-tokens 1000] [--max-tokens 8] [--quick]
 
 The same 16 `text_completion` requests (one shared system prompt of about --system-tokens tokens,
 a different question each, greedy, streamed) are launched at once on the embedded host with the
@@ -70,7 +70,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 4 requests, a 64-token system prompt, 4 tokens each")
     opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(requests=4, system_tokens=64, max_tokens=4)
+        opts = ap.parse_args()
     backend = None
     res: dict[str, Any] = {"prefilled_tokens": {}, "ttft_ms_p50": {}}
     outputs = {}

@@ -8,7 +8,7 @@ launch to the first streamed piece; latency is from the launch to `completed`. T
 the same requests on the same host without the server (direct `Host.launch` from threads), so the
 difference is the cost of the WebSocket layer.
 
-    python bench/server_load.py --json out/server_load.json [--md out/server_load.md]
+    python bench/server_load.py --json out/server_load.json [--md out/server_load.md] [--quick]
 """
 
 from __future__ import annotations
@@ -146,7 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per request (8)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the direct-host baseline")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the host's choice)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 1 and 2 clients, 1 request each, 4 tokens")
     opts = ap.parse_args(argv)
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(clients="1,2", requests_per_client=1, max_tokens=4)
+        opts = ap.parse_args(argv)
     levels = [int(x) for x in opts.clients.split(",")]
 
     wasm = resolve_inferlet("text_completion", quiet=True).read_bytes()

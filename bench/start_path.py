@@ -1,7 +1,7 @@
 """A launched instance's start path with this checkout's SDK against the SDK of another revision.
 
 Usage: python bench/start_path.py --json OUT --baseline REV [--instances 256] [--bursts 5] [--rounds 3]
-                                  [--step-ms 10]
+                                  [--step-ms 10] [--quick]
 
 `text_completion` is built twice: with the SDK (and the inferlet) of git revision REV, and with this
 checkout's. Both run on this checkout's host, in front of the stand-in sleeping `--step-ms` per
@@ -77,8 +77,9 @@ def build(tree: Path | None) -> bytes:
     return Path(out).read_bytes()
 
 
-def measure(wasm: bytes, n: int, bursts: int, step_s: float) -> dict[str, Any]:
-    host = make_host("inproc", step_s)
+def measure(wasm: bytes, n: int, bursts: int, step_s: float, warm_auto: int | None = None) -> dict[str, Any]:
+    """`warm_auto`: the host's (HostConfig) instead of its default (256, the default burst's size)."""
+    host = make_host("inproc", step_s, **({} if warm_auto is None else {"warm_auto": warm_auto}))
     try:
         [program] = host.warm_start([wasm])
         want, args = expected_text(host, 64), workload_args("app", 64)
@@ -100,12 +101,21 @@ def measure(wasm: bytes, n: int, bursts: int, step_s: float) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, required=True)
-    ap.add_argument("--baseline", required=True, help="the git revision whose SDK is measured against this one")
+    ap.add_argument("--baseline", help="the git revision whose SDK is measured against this one (required; "
+                                       "--quick: HEAD by default)")
     ap.add_argument("--instances", type=int, default=256)
     ap.add_argument("--bursts", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 8 instances (and 8 kept warm), 1 burst, 1 round, HEAD as the "
+                         "baseline unless given")
     opts = ap.parse_args()
+    if opts.quick:  # the defaults shrink; what is given on the command line stays
+        ap.set_defaults(baseline="HEAD", instances=8, bursts=1, rounds=1)
+        opts = ap.parse_args()
+    if opts.baseline is None:
+        ap.error("the following arguments are required: --baseline")
     _instrument()
     with tempfile.TemporaryDirectory(prefix="pie-bench-sdk-") as tmp:
         builds = {f"baseline {opts.baseline}": build(export_rev(opts.baseline, Path(tmp) / "base")),
@@ -113,7 +123,8 @@ def main() -> None:
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in builds}
     for _ in range(opts.rounds):
         for name, wasm in builds.items():
-            row = measure(wasm, opts.instances, opts.bursts, opts.step_ms / 1000)
+            row = measure(wasm, opts.instances, opts.bursts, opts.step_ms / 1000,
+                          opts.instances if opts.quick else None)
             rounds[name].append(row)
             print(f"{name}: {json.dumps(row)}", flush=True)
     out = {"instances": opts.instances, "step_ms": opts.step_ms, "rounds": rounds}
