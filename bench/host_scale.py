@@ -3,6 +3,7 @@
 Usage: python bench/host_scale.py --json OUT [--step-ms 10 2] [--instances 1 16 64 256] [--tokens 64]
                                   [--engine inproc|process] [--workloads app step]
                                   [--variants default reap_first] [--rounds R] [--no-cold]
+                                  [--sequence 64 256 64 256] [--quick]
        python bench/host_scale.py --back-to-back --json OUT [--step-ms 10 2] [--instances 64 256]
                                   [--backends forward overlap] [--variants default idle_only]
 
@@ -54,6 +55,18 @@ back where the time beyond the backend's goes: `ramp_ms` (from the first launch 
 backend call with 90% of the N in it), `period_ms` (the median time from a backend call's start to
 the next's, both holding all N: the step plus the host's work per step that the backend waits
 for) and `tail_ms` (from the end of the last backend call to the last instance's end event).
+
+The default run also measures `sequence` (`--sequence`, 64 256 64 256; `--sequence` with no sizes
+skips it; `--workloads` with none skips the settled bursts; each of `--variants`, `--rounds` times
+in turn): a user's own backend that has only `forward` (`ForwardOnly`: the host wraps it with
+`started`, no run-ahead, no feed) in front of a fresh host (no `warm_start`: the embedding API),
+the standard `text_completion` (`--raw`) launched in bursts of those sizes, each the moment the
+one before has ended; `efficiency` per burst, and `by_size`: the median of each size's bursts. A
+burst right after a bigger one meets what that one left (the pool refilling, the stores being
+freed): the regression of issue 56 showed there first.
+
+`--quick` (CI: every path runs, in seconds): 10 ms step, 1 and 16 instances, 16 tokens, one burst,
+no cold bursts, a sequence of 16 64 16, 32 live instances for the memory figure.
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
@@ -82,7 +95,7 @@ from host.wasm.engine import WasmEngine
 from host.wasm.instance import Starts
 
 PROMPT = "Write a story about a lighthouse."
-BACKENDS = {"forward": {"run_ahead": False}, "overlap": {"run_ahead": True}}
+BACKENDS = {"forward": {"run_ahead": False}, "overlap": {"run_ahead": True}, "forward_only": {"forward_only": True}}
 # Host settings for --back-to-back; `warm_start`: standard inferlets whose pools a fresh host readies.
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {"warm_start": ("text_completion",)},
@@ -107,6 +120,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # refills wait until the reaper has freed every finished store, even while slots used before are
     # free (the rule before issue 40's fourth round: Host._reaping)
     "reap_first": {"warm_start": ("text_completion",), "patch": {"reuse_slots": False}},
+    # the GIL switch interval at 0.5 ms whatever the backend (the default before issue 56; now only on CUDA)
+    "switch05": {"warm_start": ("text_completion",), "config": {"switch_interval_ms": 0.5}},
 }
 
 
@@ -133,24 +148,49 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=["default"],
                     help="host settings to compare in the same run, each on hosts of its own (settled: "
                          "reported as WORKLOAD@VARIANT; a variant's warm_start applies to --back-to-back only)")
-    ap.add_argument("--workloads", nargs="+", choices=("app", "step"), default=["app", "step"],
-                    help="settled: the workloads to measure")
+    ap.add_argument("--workloads", nargs="*", choices=("app", "step"), default=["app", "step"],
+                    help="settled: the workloads to measure (none: skip the settled bursts)")
     ap.add_argument("--no-cold", action="store_true", help="settled: skip the cold-start bursts (no cold_* keys)")
+    ap.add_argument("--sequence", type=int, nargs="*", default=[64, 256, 64, 256], metavar="N",
+                    help="settled run: bursts of these sizes back to back behind a forward-only backend "
+                         "(`sequence`); none: skip it")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 10 ms, 1 and 16 instances, 16 tokens, one burst, no cold "
+                         "bursts, a sequence of 16 64 16")
     ap.add_argument("--rounds", type=int, default=1,
                     help="settled: measure every workload and variant this many times, alternated; each entry "
                          "is the round with the median efficiency, `efficiency_rounds` lists them all")
     opts = ap.parse_args()
-    if opts.rounds < 1 or opts.bursts < 1 or min(opts.instances) < 1:
-        ap.error("--rounds, --bursts and --instances must be at least 1")
+    if opts.quick:
+        opts.step_ms, opts.instances, opts.tokens, opts.bursts, opts.no_cold = [10.0], [1, 16], 16, 1, True
+        opts.sequence = [16, 64, 16] if opts.sequence else []
+    if opts.rounds < 1 or opts.bursts < 1 or min(opts.instances + opts.sequence, default=1) < 1 or opts.tokens < 1:
+        ap.error("--rounds, --bursts, --instances, --sequence and --tokens must be at least 1")
     return opts
 
 
+class ForwardOnly:
+    """A user's own backend with only `forward` (and `copy_tokens`): no `start_forward`, no `feeds`,
+    so the host runs it through `gpu_backend.types.started`, one batch at a time."""
+
+    def __init__(self, inner: StandInBackend) -> None:
+        self._inner = inner
+        self.info, self.tokenizer = inner.info, inner.tokenizer
+
+    def forward(self, reqs: Any) -> Any:
+        return self._inner.forward(reqs)
+
+    def copy_tokens(self, *args: Any) -> Any:
+        return self._inner.copy_tokens(*args)
+
+
 def make_host(engine: str, step_s: float, feed: bool = True, log: list[BatchLog] | None = None,
-              **config: Any) -> Host:
+              forward_only: bool = False, **config: Any) -> Host:
     """The host (HostConfig `config`) in front of the stand-in sleeping `step_s` per batch, in-process
     or in an engine process. `feed` False: the stand-in takes no `Feed`, so the scheduler waits for
     each batch of loops before it launches the next (the host before fed batches). `log`: a
-    `BatchLog` of the in-process stand-in's calls is appended to it."""
+    `BatchLog` of the in-process stand-in's calls is appended to it. `forward_only`: the stand-in
+    behind `ForwardOnly`."""
     if engine == "process":
         spec = EngineSpec(standin=True, page_size=16, num_pages=16384, standin_delay_s=step_s)
         return Host(HostConfig(engine="process", **config), engines=start_engines(spec))
@@ -158,13 +198,14 @@ def make_host(engine: str, step_s: float, feed: bool = True, log: list[BatchLog]
     backend.feeds = feed
     if log is not None:
         log.append(BatchLog(backend))
-    return Host(HostConfig(**config), backend=backend)
+    return Host(HostConfig(**config), backend=ForwardOnly(backend) if forward_only else backend)
 
 
-def expected_text(host: Host, tokens: int) -> str:
-    """text_completion's output on the stand-in: the tokens after the chat prompt's last one."""
+def expected_text(host: Host, tokens: int, raw: bool = False) -> str:
+    """text_completion's output on the stand-in: the tokens after the chat prompt's last one (`raw`:
+    the prompt's own)."""
     tok = host.backend.tokenizer
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}], True))
+    prompt = tok.encode(PROMPT if raw else tok.apply_chat_template([{"role": "user", "content": PROMPT}], True))
     vocab = host.backend.info.vocab_size
     return tok.decode([(prompt[-1] + 1 + i) % vocab for i in range(tokens)])
 
@@ -434,6 +475,50 @@ def settled_entry(opts: argparse.Namespace, step_s: float, workload: str, config
         host.shutdown()
 
 
+def sequence(opts: argparse.Namespace) -> dict[str, Any]:
+    """{step: {variant: {"sizes", "efficiency" (per burst, per round), "by_size" (the median of each
+    size's bursts over the rounds)}}}: bursts of `opts.sequence` sizes back to back on a fresh host
+    behind a forward-only backend, each variant on hosts of its own, `opts.rounds` times in turn."""
+    out: dict[str, Any] = {}
+    for step_ms in opts.step_ms:
+        step_s = step_ms / 1000
+        runs: dict[str, list[list[dict[str, float]]]] = {v: [] for v in opts.variants}
+        for _ in range(opts.rounds):
+            for variant in opts.variants:
+                with patched(**VARIANTS[variant].get("patch", {})):
+                    host = make_host(opts.engine, step_s, forward_only=opts.engine == "inproc",
+                                     **VARIANTS[variant].get("config", {}))
+                    try:
+                        program = host.compile(inferlet_wasm(opts, "text_completion"))
+                        want = expected_text(host, opts.tokens, raw=True)
+                        args = workload_args("app", opts.tokens) + ["--raw"]
+                        runs[variant].append([run_once(host, program, args, n, want, step_s, opts.tokens)
+                                              for n in opts.sequence])
+                    finally:
+                        host.shutdown()
+                print(f"{step_ms:g} ms sequence {opts.sequence} {variant}: "
+                      f"{[r['efficiency'] for r in runs[variant][-1]]}", flush=True)
+        for variant, rounds in runs.items():
+            effs = [[r["efficiency"] for r in burst] for burst in rounds]
+            by_size = {str(n): round(statistics.median(e for burst in effs
+                                                       for m, e in zip(opts.sequence, burst, strict=True) if m == n), 3)
+                       for n in dict.fromkeys(opts.sequence)}
+            out.setdefault(f"{step_ms:g}", {})[variant] = {
+                "sizes": opts.sequence, "efficiency": effs, "by_size": by_size,
+                "cpu_ms_per_instance": [[r["cpu_ms_per_instance"] for r in burst] for burst in rounds]}
+    return out
+
+
+def sequence_table(res: dict[str, Any]) -> str:
+    lines = ["## `sequence`: bursts back to back, a forward-only backend, `text_completion --raw`", "",
+             "| step ms | variant | bursts | efficiency per burst (each round) | median by size |", "|---|---|---|---|---|"]
+    for step, by_variant in res.items():
+        for variant, r in by_variant.items():
+            lines.append(f"| {step} | {variant} | {r['sizes']} | {r['efficiency']} | "
+                         + ", ".join(f"{n}: {e}" for n, e in r["by_size"].items()) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     opts = parse_args()
     if opts.back_to_back:
@@ -446,17 +531,19 @@ def main() -> None:
         opts.json.with_suffix(".md").write_text(md)
         print(md)
         return
-    results = settled(opts)
+    results = settled(opts) if opts.workloads else {}
+    seq = sequence(opts) if opts.sequence else {}
     host = make_host(opts.engine, 0.0)  # memory per instance, on a host with no delay
     try:
         host.warm.auto = 0  # count started instances only: no parked ones before or during
-        rss = rss_per_instance(host, compile_inferlet(host, ROOT / "bench" / "inferlets" / "stepper"))
+        rss = rss_per_instance(host, compile_inferlet(host, ROOT / "bench" / "inferlets" / "stepper"),
+                               32 if opts.quick else 256)
     finally:
         host.shutdown()
-    res = {**results, "rss_mb_per_instance": rss, "tokens": opts.tokens, "engine": opts.engine}
+    res = {**results, "sequence": seq, "rss_mb_per_instance": rss, "tokens": opts.tokens, "engine": opts.engine}
     opts.json.parent.mkdir(parents=True, exist_ok=True)
     opts.json.write_text(json.dumps(res, indent=2))
-    md = table(results, rss, opts.tokens, opts.engine)
+    md = table(results, rss, opts.tokens, opts.engine) + ("\n" + sequence_table(seq) if seq else "")
     opts.json.with_suffix(".md").write_text(md)
     print(md)
 

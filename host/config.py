@@ -87,11 +87,15 @@ class HostConfig:
         pool has refilled (the host is idle then), so that no middle or full collection comes due
         inside a burst. Shutdown undoes the first two. See `Host`.
     switch_interval_ms: the GIL switch interval the host sets for its process while it runs
-        (`sys.setswitchinterval`; 0 leaves Python's 5 ms). The scheduler's thread gives the GIL up
+        (`sys.setswitchinterval`; 0 leaves Python's 5 ms; None, the default: 0.5 ms when the
+        backend runs on a CUDA device, else Python's). The scheduler's thread gives the GIL up
         at every torch call; while a burst starts (the launching thread and the instances run
         Python), each one took up to an interval to get it back, and an eager prefill makes hundreds
         of calls: on an H200, the first batch of a 256-instance burst took 552 ms at 5 ms and
-        334 ms at 0.5 ms (bench/gpu_suite_notes.md). Shutdown of the last host restores it.
+        334 ms at 0.5 ms (bench/gpu_suite_notes.md). Elsewhere the short interval only makes the
+        starting instances hand the GIL round ten times as often: behind a backend that has only
+        `forward`, bursts of 64 ran at 0.54-0.59 of the ideal with 0.5 ms and 0.62-0.64 with 5 ms,
+        256 unchanged (bench/HISTORY.md, issue 56). Shutdown of the last host restores it.
     """
 
     model: str | None = None
@@ -133,7 +137,7 @@ class HostConfig:
     replicas: int = 1
     engine_restart: bool = True
     tune_gc: bool = True
-    switch_interval_ms: float = 0.5
+    switch_interval_ms: float | None = None
     step_lookahead: bool = True
     run_ahead: bool = True
 
@@ -158,7 +162,7 @@ class HostConfig:
         if self.max_instances < 1 or self.warm_instances < 0 or self.warm_auto < 0:
             raise ValueError(f"max_instances must be >= 1, warm_instances and warm_auto >= 0, got "
                              f"{self.max_instances}, {self.warm_instances}, {self.warm_auto}")
-        if not 0 <= self.switch_interval_ms <= 100:
+        if self.switch_interval_ms is not None and not 0 <= self.switch_interval_ms <= 100:
             raise ValueError(f"switch_interval_ms must be in [0, 100], got {self.switch_interval_ms}")
         if self.run_slots < 1:
             raise ValueError(f"run_slots must be >= 1, got {self.run_slots}")

@@ -50,6 +50,7 @@ _ENDED_KEPT = 1024  # ended instances remembered for wait()
 _WARM_PROGRAMS = 4  # programs kept warm at once (the most recently launched)
 _PRIME_FACTOR = 2  # Host.warm_start primes this many slots per parked instance
 _REAP_PENDING = 512  # finished instances whose stores may wait for an idle backend (host/wasm/reaper.py)
+_CUDA_SWITCH_MS = 0.5  # HostConfig.switch_interval_ms's default on a CUDA backend
 
 
 class HostBusy(RuntimeError):
@@ -180,9 +181,13 @@ class Host:
         self._gc_tuned = config.tune_gc
         if self._gc_tuned:
             _tune_gc()
-        self._switch_set = config.switch_interval_ms > 0
+        switch_ms = config.switch_interval_ms
+        if switch_ms is None:  # the short interval where it was measured to help: a CUDA backend
+            switch_ms = _CUDA_SWITCH_MS if str(getattr(info, "device", "")).startswith("cuda") else 0.0
+        self.switch_interval_ms = switch_ms  # what this host set (0: Python's own)
+        self._switch_set = switch_ms > 0
         if self._switch_set:
-            _set_switch_interval(config.switch_interval_ms)
+            _set_switch_interval(switch_ms)
 
     def _reaping(self) -> bool:
         """Stores of finished instances wait to be freed and no slot used before is free: the warm

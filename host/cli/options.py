@@ -91,8 +91,8 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
                              f"at once, up to N parked in all; 0 = off (default {_default('warm_auto')})")
     parser.add_argument("--switch-interval-ms", type=float, metavar="MS",
                         help="the GIL switch interval while the host runs: how long the scheduler may wait for the "
-                             "GIL while instances start; 0 = Python's 5 ms "
-                             f"(default {_default('switch_interval_ms')})")
+                             "GIL while instances start; 0 = Python's 5 ms (default: 0.5 on a CUDA device, where it "
+                             "was measured to help, else Python's)")
     parser.add_argument("--engine", choices=list(ENGINES),
                         help="where the model runs: inproc = in this process, on the scheduler thread; "
                              "process = in engine processes fed over pyzmq + msgpack; auto = inproc for one "
