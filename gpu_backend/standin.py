@@ -4,7 +4,8 @@ Its "model" is deterministic: the sampled token after token t is (t + 1) % vocab
 inferlet's output is predictable and any cross-talk between instances shows up. `delay_s`
 makes each batch take that long in all, as a GPU step does: its own bookkeeping (a few us per
 request) runs first and the rest of the time is slept with the GIL released, so a batch of any
-size costs the host exactly `delay_s` of backend time. The host benchmarks put it behind the real
+size costs the host exactly `delay_s` of backend time. `token_s` adds that much per new token in the
+batch (a fixed time plus a time per token, as a prefill costs on a device: bench/qos.py). The host benchmarks put it behind the real
 host to measure the host alone. Tests use it through tests/fakes.py.
 
 The sleeping thread asks Linux for a timer slack of 1 us (`prctl(PR_SET_TIMERSLACK)`): with the
@@ -101,10 +102,11 @@ class StandInBackend:
 
     feeds = True  # start_forward takes a `Feed` (as the torch backend's)
 
-    def __init__(self, page_size: int = 4, num_pages: int = 64, delay_s: float = 0.0) -> None:
+    def __init__(self, page_size: int = 4, num_pages: int = 64, delay_s: float = 0.0, token_s: float = 0.0) -> None:
         self.info = StandInInfo(page_size=page_size, num_pages=num_pages)
         self.tokenizer = StandInTokenizer()
         self.delay_s = delay_s
+        self.token_s = token_s
         self.batches: list[int] = []
         self._free_at = 0.0  # when the "device" is done with the batches started so far
         self._lock = threading.Lock()
@@ -148,8 +150,9 @@ class StandInBackend:
                                             logprob=None if o.target is None else 0.0 if o.target == nxt else -100.0))
                 out.append(res)
             until = 0.0
-            if self.delay_s:
-                until = self._free_at = max(start, self._free_at) + self.delay_s
+            cost = self.delay_s + (self.token_s * sum(len(r.tokens) for r in reqs) if self.token_s else 0.0)
+            if cost:
+                until = self._free_at = max(start, self._free_at) + cost
         return StandInStep(out, until)
 
     @property

@@ -31,6 +31,10 @@ class HostConfig:
     model: None for the default SmolLM2 GGUF, else a .gguf path or an HF safetensors dir.
     policy: "adaptive" (one batch in flight, fire all queued when it returns) or "k-or-t"
         (fire when `batch_k` forwards are queued or the oldest waited `batch_t_ms`).
+    prefill_chunk: a forward of more new tokens than this runs in chunks of at most this many, one
+        batch each, the running generation loops stepping in every one (docs/architecture.md,
+        "Chunked prefill"); the chunks in one batch take at most this many tokens together; 0 = never
+        split. The default is measured by bench/qos.py (see the `--prefill-chunk` help).
     launch_grace_ms: with "adaptive", how long after the last launch onto an idle host a batch waits
         for the launched instances' first forwards (it fires as soon as all have come, or blocked on
         something else). 2 ms: a burst's instances join the batches as they come, best in front of the
@@ -107,6 +111,7 @@ class HostConfig:
     gpu_memory_utilization: float = 0.9
     policy: str = "adaptive"
     max_batch_tokens: int = 10240
+    prefill_chunk: int = 512
     batch_k: int = 8
     batch_t_ms: float = 16.0
     launch_grace_ms: float = 2.0
@@ -155,6 +160,8 @@ class HostConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be an int >= 0 (0 = never split), got {self.prefill_chunk!r}")
         if not 0 <= self.launch_grace_ms <= 10_000:
             raise ValueError(f"launch_grace_ms must be in [0, 10000], got {self.launch_grace_ms}")
         if self.batch_k < 1 or self.batch_t_ms < 0:

@@ -98,7 +98,7 @@ class Host:
         elif backend is None and config.engine_kind == "process":
             self.engines = _start_engines(config)
             backend = self.engines[0]
-        schedulers = [Scheduler(policy(), max_batch_tokens=config.max_batch_tokens)
+        schedulers = [Scheduler(policy(), max_batch_tokens=config.max_batch_tokens, prefill_chunk=config.prefill_chunk)
                       for _ in range(max(1, len(self.engines)))]
         if backend is None:  # loaded on the scheduler thread, where its forwards will run
             try:

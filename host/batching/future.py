@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from gpu_backend.types import ForwardRequest
 
 if TYPE_CHECKING:
+    from host.batching.chunks import Chunks
     from host.batching.generation import Generation
 
 __all__ = ["CopyRequest", "ForwardFuture", "Job"]
@@ -41,8 +42,8 @@ class ForwardFuture:
     wait on their own condition (woken by a done-callback), and finishing a batch is on the
     per-step critical path."""
 
-    __slots__ = ("request", "owner", "generation", "follow", "submitted", "_done", "_event", "_result", "_error",
-                 "_callbacks")
+    __slots__ = ("request", "owner", "generation", "follow", "submitted", "chunks", "parent", "_done", "_event",
+                 "_result", "_error", "_callbacks")
 
     def __init__(self, request: Job, owner: str, generation: Generation | None = None) -> None:
         self.request = request
@@ -53,6 +54,10 @@ class ForwardFuture:
         # still pinned), which the scheduler queues at once. The scheduler clears it when it calls it.
         self.follow: Callable[[ForwardFuture, Any], ForwardFuture | None] | None = None
         self.submitted = time.perf_counter()
+        # Chunked prefill (host/batching/chunks.py): a long forward's progress through its chunks
+        # (set when its first chunk is taken); `parent`: this job is a chunk of that one, not its last.
+        self.chunks: Chunks | None = None
+        self.parent: ForwardFuture | None = None
         self._done = False
         self._event: threading.Event | None = None
         self._result: Any = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from gpu_backend.types import ForwardRequest
+from host.batching.chunks import Chunks
 from host.batching.future import CopyRequest, ForwardFuture, Job
 
 __all__ = ["JobQueue", "job_pages", "footprint"]
@@ -70,10 +72,16 @@ class JobQueue:
         return jobs
 
     def take(self, fire: bool, ahead: Sequence[ForwardFuture], page_size: int, max_tokens: int,
-             dry: bool = False) -> tuple[list[ForwardFuture], list[ForwardFuture]]:
+             dry: bool = False, chunk: int = 0) -> tuple[list[ForwardFuture], list[ForwardFuture]]:
         """The copies that may run now and, if `fire`, the queued forwards that may join a batch after
         `ahead` (the running loops' steps, which go first): nothing they touch is touched by a job
-        ahead of them, and the batch stays within `max_tokens` tokens. `dry`: leave the queue as is."""
+        ahead of them, and the batch stays within `max_tokens` tokens. `dry`: leave the queue as is.
+
+        `chunk` > 0: a forward of more new tokens runs in chunks (host/batching/chunks.py), and the
+        chunks in one batch take at most `chunk` tokens together. A chunk that is not the forward's
+        last joins the batch as a job of its own (`ForwardFuture.parent`); the forward stays queued
+        in its place, so everything behind it waits as for any job ahead. Its last chunk is the
+        forward itself (`chunks.part` is what runs)."""
         copies: list[ForwardFuture] = []
         batch: list[ForwardFuture] = []
         rest: list[ForwardFuture] = []
@@ -82,6 +90,7 @@ class JobQueue:
         behind: set[str] = set()  # owners with a job ahead that stays queued
         owners = {f.owner for f in ahead}
         tokens = len(ahead)
+        chunk_left = chunk  # tokens the chunks taken so far leave to others
         if self.jobs:  # the loops' pages count as ahead of every queued job
             for fut in ahead:
                 r, w = footprint(fut.request, page_size)
@@ -97,7 +106,23 @@ class JobQueue:
                     continue
             elif fire and fut.owner not in behind and not (r & writes or w & reads):
                 # no conflict with any job ahead (taken or staying queued): order of page access kept
-                if tokens + len(req.tokens) <= max_tokens or not (batch or ahead):
+                ch = fut.chunks
+                if chunk and (ch is not None or len(req.tokens) > chunk):
+                    left = len(req.tokens) - (ch.done if ch is not None else 0)
+                    n = min(left, chunk_left, max_tokens - tokens if batch or ahead else left)
+                    if n > 0 and not (ch is not None and ch.running):
+                        chunk_left -= n
+                        tokens += n
+                        if n == left:  # its last chunk: the forward itself runs
+                            if not dry:
+                                assert ch is not None
+                                ch.take(req, n, page_size)
+                            batch.append(fut)
+                            reads |= r
+                            writes |= w
+                            continue
+                        batch.append(fut if dry else self._chunk(fut, n, page_size))
+                elif tokens + len(req.tokens) <= max_tokens or not (batch or ahead):
                     batch.append(fut)
                     tokens += len(req.tokens)
                     reads |= r
@@ -111,3 +136,15 @@ class JobQueue:
             self.jobs = rest
             self.copies -= len(copies)
         return copies, batch
+
+    @staticmethod
+    def _chunk(fut: ForwardFuture, n: int, page_size: int) -> ForwardFuture:
+        """The next `n` tokens of `fut` (a forward that stays queued) as a job of their own."""
+        req = fut.request
+        assert isinstance(req, ForwardRequest)
+        if fut.chunks is None:
+            fut.chunks = Chunks(len(req.outputs))
+        part = ForwardFuture(fut.chunks.take(req, n, page_size), fut.owner)
+        part.parent = fut
+        fut.chunks.running = True
+        return part

@@ -44,6 +44,12 @@ class PagePins(Protocol):
     def forget_content(self, pages: Sequence[int]) -> None: ...
 
 
+def _sent(fut: ForwardFuture) -> ForwardRequest:
+    """What a forward job runs in its batch: its request, or the chunk of it taken (host/batching/chunks.py)."""
+    ch = fut.chunks
+    return fut.request if ch is None or ch.part is None else ch.part  # type: ignore[return-value]
+
+
 class _Running:
     """A launched batch: its handle and what `_settle` needs once it has run."""
 
@@ -63,9 +69,13 @@ class Scheduler:
     other than the one that loaded the model.
     """
 
-    def __init__(self, policy: BatchPolicy | None = None, max_batch_tokens: int = 10240) -> None:
+    def __init__(self, policy: BatchPolicy | None = None, max_batch_tokens: int = 10240,
+                 prefill_chunk: int = 0) -> None:
         self.policy = policy or AdaptivePolicy()
         self.max_batch_tokens = max_batch_tokens
+        # a forward of more new tokens runs in chunks of at most this many, one batch each, so the
+        # running loops step between them (host/batching/chunks.py); 0 = never split
+        self.prefill_chunk = prefill_chunk
         self.stats = SchedulerStats()
         self._forward: ForwardFn | None = None
         self._copy: CopyFn | None = None
@@ -254,7 +264,7 @@ class Scheduler:
                 self._ahead_in_batch, self._fed_rows = lp.ahead_reqs, lp.ahead_rows
                 lp.ahead, lp.ahead_reqs, lp.ahead_rows, lp.resident = [], [], [], []
                 self._loops_in_batch = len(loops)
-        copies, queued = self._queue.take(fire, loops, self._page_size, self.max_batch_tokens, dry)
+        copies, queued = self._queue.take(fire, loops, self._page_size, self.max_batch_tokens, dry, self.prefill_chunk)
         return copies, loops + queued
 
     def _run_copy(self, fut: ForwardFuture) -> None:
@@ -291,7 +301,7 @@ class Scheduler:
         fed, prev = self._fed_rows, self._running
         ahead = len(reqs)
         self._ahead_in_batch, self._loops_in_batch, self._fed_rows, self._running = [], 0, [], None
-        reqs.extend(f.request for f in batch[ahead:] if isinstance(f.request, ForwardRequest))
+        reqs.extend(_sent(f) for f in batch[ahead:] if isinstance(f.request, ForwardRequest))
         launched = self._launch(batch, reqs, loops, ahead, prev.handle if prev is not None and fed else None, fed)
         prev_ok = prev is None or self._settle(prev, fed=bool(fed))  # (the batch this one's steps read)
         if launched is None:
@@ -302,7 +312,7 @@ class Scheduler:
                 if f.done():
                     self._loops.wasted[id(f)] = (f, None)
         rest = batch[loops:]
-        tokens = loops + sum(len(f.request.tokens) for f in rest if isinstance(f.request, ForwardRequest))
+        tokens = loops + sum(len(_sent(f).tokens) for f in rest if isinstance(f.request, ForwardRequest))
         # (counted before the steps change the requests)
         waited = loops * max(start - self._loops.last_batch[1], 0.0) + sum(start - f.submitted for f in rest)
         self._loops.after_launch(batch, ahead, loops)
@@ -365,7 +375,7 @@ class Scheduler:
                 if i < len(fed):
                     del fed[i]
                 self._complete(batch.pop(i), None, e)
-                reqs = [f.request for f in batch if isinstance(f.request, ForwardRequest)]
+                reqs = [_sent(f) for f in batch if isinstance(f.request, ForwardRequest)]
                 if not batch:
                     self._loops.end_finals(hold=True)
                     return None
@@ -380,12 +390,14 @@ class Scheduler:
         """The batch has run: plain forwards finish (or queue their follow-up), the loops' drawn
         tokens go into their prepared steps (`fed`: launched already), the loops that cannot run
         ahead take their step."""
+        if self.prefill_chunk:
+            self._chunks_ran(batch, results, loops)
         rest, rest_results = batch[loops:], results[loops:]
         come_back: list[str] = []
         follow_ups: list[ForwardFuture] = []
         unpin: list[int] = []
         for f, r in zip(rest, rest_results, strict=True):
-            if f.generation is None:
+            if f.generation is None and f.parent is None:  # (a chunk, not the last: its forward stays queued)
                 nxt = self._follow_up(f, r) if f.follow is not None else None
                 if nxt is None:
                     unpin.extend(job_pages(f.request))
@@ -418,6 +430,23 @@ class Scheduler:
             self._expect(ended, start, end)
         lp.last_batch = (start, end)
 
+    def _chunks_ran(self, batch: list[ForwardFuture], results: list[list[OutputResult]], loops: int) -> None:
+        """Chunked forwards' chunks have run: each one's outputs are kept; a last chunk's row of
+        `results` becomes every output its forward's chunks produced, in the order asked. (A chunk
+        that was not the last stays in `batch`, ending nothing: its forward stays queued, pinned.)"""
+        st = self.stats
+        for i in range(loops, len(batch)):
+            f = batch[i]
+            ch = f.chunks if f.parent is None else f.parent.chunks
+            if ch is None or ch.part is None:
+                continue
+            st.prefill_chunks += 1
+            st.chunked_prefills += ch.done == 0
+            merged = ch.ran(results[i])
+            if f.parent is None:  # the last chunk
+                f.chunks = None
+                results[i] = merged
+
     def _follow_up(self, fut: ForwardFuture, outputs: list[OutputResult]) -> ForwardFuture | None:
         """The owner's next forward, if `fut.follow` makes one (on `fut`'s pages: it takes over their pins)."""
         follow, fut.follow = fut.follow, None
@@ -449,7 +478,16 @@ class Scheduler:
             self._complete(f, None, err)
 
     def _complete(self, fut: ForwardFuture, result: Any, error: BaseException | None) -> None:
-        """End a job: its pages may become free again, then its waiter wakes."""
+        """End a job: its pages may become free again, then its waiter wakes. A chunk that is not its
+        forward's last ends nothing unless it failed: then its forward fails, and leaves the queue."""
+        parent = fut.parent
+        if parent is not None:
+            fut.finish(result, error)
+            if error is not None and not parent.done():
+                with self._cv:
+                    self._queue.remove(parent)
+                self._complete(parent, None, error)
+            return
         if fut.generation is not None:  # what the loop's steps wrote is noted first
             try:
                 fut.generation.note_writes()

@@ -23,6 +23,8 @@ class SchedulerStats:
     errors: int = 0
     lookaheads: int = 0  # predicted steps queued before their owner asked (follow-ups, `submit(lookahead=True)`)
     lookaheads_withdrawn: int = 0  # follow-ups taken back before they ran
+    chunked_prefills: int = 0  # forwards split into chunks (`--prefill-chunk`, host/batching/chunks.py)
+    prefill_chunks: int = 0  # the chunks they ran as, one batch each
     # batches by size: [i] counts sizes <= BATCH_SIZE_BUCKETS[i] (and > the bound before); the last, larger ones
     batch_size_counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SIZE_BUCKETS) + 1))
 
@@ -46,5 +48,6 @@ class SchedulerStats:
             "max_batch_size": self.max_batch_size, "mean_queue_wait_ms": 1000 * self.queue_wait_s / f,
             "mean_backend_ms": 1000 * self.backend_s / b, "backend_errors": self.errors,
             "lookaheads": self.lookaheads, "lookaheads_withdrawn": self.lookaheads_withdrawn,
+            "chunked_prefills": self.chunked_prefills, "prefill_chunks": self.prefill_chunks,
             "batch_size_counts": list(self.batch_size_counts),
         }

@@ -55,6 +55,10 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=list(POLICIES), help=f"batching policy (default {_default('policy')})")
     parser.add_argument("--max-batch-tokens", type=int,
                         help=f"cap on tokens per batch (default {_default('max_batch_tokens')})")
+    parser.add_argument("--prefill-chunk", type=int, metavar="N",
+                        help="a forward of more than N new tokens runs in chunks of N, one batch each, so running "
+                             "decodes step between them instead of waiting for the whole prefill; 0 = never split "
+                             f"(default {_default('prefill_chunk')}; bench/qos.py measures it)")
     parser.add_argument("--memory-limit-mb", type=int,
                         help=f"memory limit per instance, all linear memories and tables together (default {_default('memory_limit_bytes') // MIB} MiB)")
     parser.add_argument("--wall-budget-s", type=float, help="wall-clock budget per instance in seconds (default: none)")
@@ -114,7 +118,8 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
     given: dict[str, Any] = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "page_size": args.page_size,
         "num_pages": args.num_pages, "kv_memory_bytes": _mib(args.kv_memory), "policy": args.policy,
-        "max_batch_tokens": args.max_batch_tokens, "memory_limit_bytes": _mib(args.memory_limit_mb),
+        "max_batch_tokens": args.max_batch_tokens, "prefill_chunk": args.prefill_chunk,
+        "memory_limit_bytes": _mib(args.memory_limit_mb),
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
         "max_pages_per_tenant": args.max_pages_per_tenant, "swap_memory_bytes": _mib(args.swap_memory),
         "max_inbox_bytes": None if args.max_inbox_kb is None else args.max_inbox_kb * 1024,

@@ -45,7 +45,7 @@ class _HostCollector(Collector):
         s = self._stats()
         sched: dict[str, Any] = {"batches": 0, "forwards": 0, "tokens": 0, "backend_errors": 0,
                                  "mean_batch_size": 0.0, "lookaheads": 0, "lookaheads_withdrawn": 0,
-                                 **s.get("scheduler", {})}
+                                 "chunked_prefills": 0, "prefill_chunks": 0, **s.get("scheduler", {})}
         free, total = s["free_pages"], s["total_pages"]
         yield GaugeMetricFamily("pie_instances_running", "Instances running", value=s["instances"])
         lq = {"queued": self._queued(), "queued_total": 0, "timeouts": 0, **s.get("launch_queue", {})}
@@ -64,6 +64,10 @@ class _HostCollector(Collector):
                                   "their call (host/api/lookahead.py)", value=sched["lookaheads"])
         yield CounterMetricFamily("pie_step_lookaheads_withdrawn", "Steps run ahead taken back before they ran "
                                   "(the guest's call was not the predicted one)", value=sched["lookaheads_withdrawn"])
+        yield CounterMetricFamily("pie_chunked_prefills", "Forwards run in chunks, the running decodes stepping "
+                                  "between them (--prefill-chunk)", value=sched["chunked_prefills"])
+        yield CounterMetricFamily("pie_prefill_chunks", "Chunks the chunked forwards ran as, one batch each",
+                                  value=sched["prefill_chunks"])
         yield GaugeMetricFamily("pie_batch_size_mean", "Mean forwards per batch",
                                 value=sched["mean_batch_size"])
         mem: dict[str, int] = {"suspensions": 0, "resumes": 0, "swapped_pages": 0, "swapped_bytes": 0,

@@ -1,0 +1,213 @@
+"""Chunked prefill (host/batching/chunks.py) with the stand-in: how a long forward is split, that
+the chunks run in order with the running loops in every batch, and that every output (plain
+forwards with masks and output indices, host-side loops) is what the unchunked run gives.
+The real model: tests/test_chunked_prefill_model.py."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from fakes import FakeBackend
+
+from gpu_backend.types import ForwardRequest, OutputSpec, SamplerParams
+from host.batching.chunks import chunk_request
+from host.batching.generation import Generation, StopRules
+from host.batching.policy import AdaptivePolicy
+from host.batching.scheduler import Scheduler
+from host.state.pages import InstancePages, PageManager
+from host.state.prefix_cache import PrefixCache
+
+PS = 4
+GREEDY = SamplerParams()
+
+
+def _brle(attend: list[bool]) -> list[int]:
+    runs, cur, n = [], True, 0
+    for a in attend:
+        if a == cur:
+            n += 1
+        else:
+            runs.append(n)
+            cur, n = a, 1
+    return runs + [n]
+
+
+def long_request(pages: list[int], context: int, n: int, mask: bool = False, base: int = 0) -> ForwardRequest:
+    """`n` new tokens after `context` ones, on `pages`; outputs at a few indices out of order,
+    some sampled (greedy and seeded), some distributions; with `mask`: a sliding window of 5."""
+    total = context + n
+    assert len(pages) == -(-total // PS)
+    rows = None
+    if mask:
+        rows = [_brle([j > context + i - 5 for j in range(context + i + 1)]) for i in range(n)]
+    outputs = [OutputSpec(index=n - 1, sample=GREEDY), OutputSpec(index=2, dist=3),
+               OutputSpec(index=n // 2, sample=SamplerParams(temperature=1.0, seed=5)),
+               OutputSpec(index=0, sample=GREEDY, target=base + 1)]
+    return ForwardRequest(pages=pages, last_page_len=total - (len(pages) - 1) * PS,
+                          tokens=[(base + 3 * i) % 200 + 2 for i in range(n)],
+                          positions=list(range(context, total)), mask=rows, outputs=outputs, name="long")
+
+
+def test_chunks_partition_the_request() -> None:
+    req = long_request(list(range(10)), context=5, n=33, mask=True)
+    parts, start = [], 0
+    for n in (8, 8, 8, 8, 8):
+        if start >= 33:
+            break
+        part, which = chunk_request(req, start, n, PS)
+        assert part.context_len(PS) == 5 + start  # each chunk attends to everything before it
+        assert part.pages == req.pages[:len(part.pages)] and 1 <= part.last_page_len <= PS
+        assert [req.outputs[k].index - start for k in which] == [o.index for o in part.outputs]
+        assert all(0 <= o.index < len(part.tokens) for o in part.outputs)
+        assert part.mask is not None
+        assert [sum(row) for row in part.mask] == [part.context_len(PS) + i + 1 for i in range(len(part.tokens))]
+        parts.append((part, which))
+        start += len(part.tokens)
+    assert [len(p.tokens) for p, _ in parts] == [8, 8, 8, 8, 1]
+    assert sum((p.tokens for p, _ in parts), []) == req.tokens
+    assert sum((p.positions for p, _ in parts), []) == req.positions
+    assert sum((p.mask or [] for p, _ in parts), []) == req.mask
+    assert sorted(sum((w for _, w in parts), [])) == list(range(len(req.outputs)))
+    last = parts[-1][0]
+    assert last.pages == req.pages and last.last_page_len == req.last_page_len
+
+
+class Recording(FakeBackend):
+    """The stand-in whose tokens depend on everything attended (`reads`), recording each batch as
+    (owner, new tokens) rows."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__(page_size=PS, num_pages=128, delay_s=delay_s, reads=True)
+        self.rows: list[list[tuple[str, int]]] = []
+
+    def start_forward(self, reqs: Any, feed: Any = None) -> Any:
+        self.rows.append([(r.name, len(r.tokens)) for r in reqs])
+        return super().start_forward(reqs, feed)
+
+
+def _scheduler(be: Recording, chunk: int, pm: PageManager | None = None) -> Scheduler:
+    s = Scheduler(AdaptivePolicy(), prefill_chunk=chunk)
+    s.bind(be.forward, be.copy_tokens, PS, pins=pm, start=be.start_forward, feeds=True)
+    return s
+
+
+def _plain(chunk: int, mask: bool) -> tuple[Any, Recording, dict[str, Any]]:
+    """A prefix forward of 6 tokens, then a long one after it on the same pages (the same owner),
+    then a later decode step of that owner: outputs, the backend, the stats."""
+    be = Recording()
+    s = _scheduler(be, chunk)
+    try:
+        first = ForwardRequest(pages=[0, 1], last_page_len=2, tokens=[9, 8, 7, 6, 5, 4], positions=list(range(6)),
+                               outputs=[OutputSpec(index=5, sample=GREEDY)], name="long")
+        long = long_request(list(range(10)), context=6, n=31, mask=mask)
+        step = ForwardRequest(pages=list(range(10)), last_page_len=long.last_page_len + 1, tokens=[11],
+                              positions=[37], outputs=[OutputSpec(index=0, sample=GREEDY, dist=2)], name="long")
+        other = ForwardRequest(pages=[20], last_page_len=3, tokens=[1, 2, 3], positions=[0, 1, 2],
+                               outputs=[OutputSpec(index=2, sample=GREEDY)], name="other")
+        futs = [s.submit(first, "a"), s.submit(long, "a"), s.submit(step, "a"), s.submit(other, "b")]
+        out = [f.wait(10) for f in futs]
+        slots = {k: v for k, v in be.slots.items() if k[0] < 10}
+        return (out, slots), be, s.stats.as_dict()
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_a_chunked_forward_gives_the_unchunked_outputs(mask: bool) -> None:
+    (whole, whole_slots), _be, st0 = _plain(0, mask)
+    (chunked, slots), be, st = _plain(8, mask)
+    assert chunked == whole and slots == whole_slots
+    assert st0["chunked_prefills"] == 0 and st["chunked_prefills"] == 1 and st["prefill_chunks"] == 4
+    long_rows = [n for batch in be.rows for name, n in batch if name == "long"]
+    assert long_rows == [6, 8, 8, 8, 7, 1]  # in order; the owner's next step after its last chunk
+    # the other owner's forward did not wait for the long one's chunks
+    assert any(("other", 3) in batch for batch in be.rows[:3])
+
+
+def test_a_failed_chunk_fails_its_forward_and_frees_its_pins() -> None:
+    be = Recording()
+    pm = PageManager(128, None, PrefixCache(PS))
+    table = InstancePages(owner="a")
+    pages = pm.allocate(table, 8)
+    assert isinstance(pages, list)
+    s = _scheduler(be, 8, pm)
+    calls = {"n": 0}
+    start = be.start_forward
+
+    def flaky(reqs: Any, feed: Any = None) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("CUDA fell over")
+        return start(reqs, feed)
+
+    s.bind(be.forward, be.copy_tokens, PS, pins=pm, start=flaky, feeds=True)
+    try:
+        fut = s.submit(long_request(pages, context=0, n=30), "a")
+        with pytest.raises(RuntimeError, match="CUDA fell over"):
+            fut.wait(10)
+        after = s.submit(ForwardRequest(pages=[pages[0]], last_page_len=1, tokens=[5], positions=[0],
+                                        outputs=[OutputSpec(index=0, sample=GREEDY)], name="a"), "a")
+        assert after.wait(10)[0].token is not None
+        assert all(pm.pinned(p) == 0 for p in pages)
+        assert not s.busy()
+    finally:
+        s.stop()
+
+
+def _loops(chunk: int, prompt_len: int, loops: int = 4, delay_s: float = 0.002) -> tuple[dict[str, Any], Recording]:
+    """`loops` host-side loops start, then one with a `prompt_len` prompt: every loop's result, the backend."""
+    be = Recording(delay_s=delay_s)
+    pm = PageManager(128, None, PrefixCache(PS))
+    s = _scheduler(be, chunk, pm)
+    futs = {}
+    try:
+        def start(name: str, prompt: list[int], max_tokens: int, seed: int | None = None) -> None:
+            table = InstancePages(owner=name)
+            n = -(-len(prompt) // PS)
+            pages = pm.allocate(table, n)
+            assert isinstance(pages, list)
+            sampler = SamplerParams(temperature=1.0 if seed is not None else 0.0, seed=seed)
+            req = ForwardRequest(pages=list(pages), last_page_len=len(prompt) - (n - 1) * PS, tokens=list(prompt),
+                                 positions=list(range(len(prompt))),
+                                 outputs=[OutputSpec(index=len(prompt) - 1, sample=sampler)], name=name)
+            pm.note_write(table, req, PS)
+            gen = Generation(req, sampler, StopRules(max_tokens, frozenset({0}), (), 10_000), PS, pm, table,
+                             lambda ids: "", None)
+            futs[name] = s.submit(req, name, generation=gen)
+
+        for k in range(loops):
+            start(f"loop{k}", [10 + k, 20 + k], 30, seed=k if k % 2 else None)
+        while len(be.rows) < 3:  # the loops are running
+            threading.Event().wait(0.001)
+        start("long", [(7 * i) % 190 + 3 for i in range(prompt_len)], 5)
+        results = {name: tuple(f.wait(30).tokens) for name, f in futs.items()}
+        assert all(pm.pinned(p) == 0 for p in range(128))
+        return results, be
+    finally:
+        s.stop()
+
+
+def test_running_loops_step_in_every_batch_while_a_prompt_is_chunked() -> None:
+    whole, whole_be = _loops(0, 37)
+    chunked, be = _loops(8, 37)
+    assert chunked == whole
+    long_batches = [batch for batch in be.rows if any(name == "long" and n > 1 for name, n in batch)]
+    assert [n for batch in long_batches for name, n in batch if name == "long"] == [8, 8, 8, 8, 5]
+    for batch in long_batches:  # every loop still running steps in each of them
+        assert {name for name, n in batch if name.startswith("loop")} == {f"loop{k}" for k in range(4)}
+    assert [n for b in whole_be.rows for name, n in b if name == "long"][0] == 37
+
+
+def test_chunks_in_one_batch_take_at_most_the_chunk_together() -> None:
+    be = Recording()
+    s = _scheduler(be, 8)
+    try:
+        a = s.submit(long_request(list(range(5)), context=0, n=20), "a")
+        b = s.submit(long_request(list(range(20, 25)), context=0, n=20, base=50), "b")
+        a.wait(10)
+        b.wait(10)
+        assert all(sum(n for _name, n in batch) <= 8 for batch in be.rows)
+    finally:
+        s.stop()
