@@ -34,7 +34,8 @@ class HostConfig:
     prefill_chunk: a forward of more new tokens than this runs in chunks of at most this many, one
         batch each, the running generation loops stepping in every one (docs/architecture.md,
         "Chunked prefill"); the chunks in one batch take at most this many tokens together; 0 = never
-        split. The default is measured by bench/qos.py (see the `--prefill-chunk` help).
+        split. 256: the largest power of two that met issue 52's targets in bench/qos.py (see the
+        `--prefill-chunk` help).
     launch_grace_ms: with "adaptive", how long after the last launch onto an idle host a batch waits
         for the launched instances' first forwards (it fires as soon as all have come, or blocked on
         something else). 2 ms: a burst's instances join the batches as they come, best in front of the
@@ -111,7 +112,7 @@ class HostConfig:
     gpu_memory_utilization: float = 0.9
     policy: str = "adaptive"
     max_batch_tokens: int = 10240
-    prefill_chunk: int = 512
+    prefill_chunk: int = 256
     batch_k: int = 8
     batch_t_ms: float = 16.0
     launch_grace_ms: float = 2.0

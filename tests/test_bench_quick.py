@@ -42,6 +42,7 @@ SCRIPTS: dict[str, tuple[list[pytest.MarkDecorator], str]] = {
     "load_model": ([SLOW], "results"),  # ~12 s
     "openai_load": ([SLOW, BUILD], "tools"),  # ~34 s
     "prefix_cache": ([SLOW, BUILD], "prefilled_tokens"),  # ~9 s
+    "qos": ([], "standin"),  # ~1 s (the stand-in only; --real adds the model)
     "server_load": ([SLOW, BUILD], "baseline"),  # ~21 s
     "start_path": ([BUILD], "rounds"),  # ~8 s
     # the dry run's sections but `pytest` (~24 s); tests/test_gpu_suite.py runs the whole dry run

@@ -211,3 +211,17 @@ def test_chunks_in_one_batch_take_at_most_the_chunk_together() -> None:
         assert all(sum(n for _name, n in batch) <= 8 for batch in be.rows)
     finally:
         s.stop()
+
+
+def test_the_flag_reaches_the_config_and_a_bad_value_is_refused() -> None:
+    import argparse
+
+    from host.cli.options import add_host_options, host_config_from_args
+    from host.config import HostConfig
+
+    ap = argparse.ArgumentParser()
+    add_host_options(ap)
+    assert host_config_from_args(ap.parse_args(["--prefill-chunk", "64"])).prefill_chunk == 64
+    assert host_config_from_args(ap.parse_args([])).prefill_chunk == HostConfig().prefill_chunk > 0
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        HostConfig(prefill_chunk=-1)
