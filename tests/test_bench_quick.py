@@ -43,6 +43,7 @@ SCRIPTS: dict[str, tuple[list[pytest.MarkDecorator], str]] = {
     "openai_load": ([SLOW, BUILD], "tools"),  # ~34 s
     "prefix_cache": ([SLOW, BUILD], "prefilled_tokens"),  # ~9 s
     "qos": ([], "standin"),  # ~1 s (the stand-in only; --real adds the model)
+    "revisions": ([BUILD], "revisions"),  # HEAD checked out and its text_completion built (~30 s)
     "server_load": ([SLOW, BUILD], "baseline"),  # ~21 s
     "start_path": ([BUILD], "rounds"),  # ~8 s
     # the dry run's sections but `pytest` (~24 s); tests/test_gpu_suite.py runs the whole dry run
@@ -52,8 +53,9 @@ GPU_SECTIONS = "env,parity,decode,run256,host,decode8b,qwen3"
 
 
 def test_every_bench_script_is_here() -> None:
-    """A new bench script gets its line in SCRIPTS (bench/common.py is the scripts' shared code)."""
-    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"common"}
+    """A new bench script gets its line in SCRIPTS (bench/common.py is the scripts' shared code, a
+    module named _*.py a script's own part: bench/_burst_tree.py is bench/revisions.py's)."""
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_")} - {"common"}
     assert scripts == set(SCRIPTS)
 
 
