@@ -57,7 +57,10 @@ class HostConfig:
     max_instances: instances running at once; a launch beyond it waits in the launch queue.
     launch_queue: launches that may wait for a free instance slot, in order; one more is refused
         (`HostBusy`); 0 = refuse at once. launch_queue_timeout_s: a launch that waited this long ends
-        with `out_of_resources` without having run.
+        with `out_of_resources` without having run. The queue admits by priority, tenants in turn
+        within one (host/levels.py).
+    priority_aging_s: a launch or a queued forward that has waited this long goes ahead of every
+        priority (host/levels.py), so a low-priority instance under constant load still runs.
     warm_instances: instances of each recently launched program kept started ahead of demand,
         waiting at their first host call (host/wasm/warm.py); 0 = none kept for their own sake.
     warm_auto: besides those, keep as many instances of each recent program warm as it has had
@@ -132,6 +135,7 @@ class HostConfig:
     max_instances: int = 1024
     launch_queue: int = 1024
     launch_queue_timeout_s: float = 300.0
+    priority_aging_s: float = 2.0
     warm_instances: int = 0
     warm_auto: int = 256
     warm_yield: bool = True
@@ -159,6 +163,8 @@ class HostConfig:
             raise ValueError(f"unknown batching policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:

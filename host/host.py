@@ -28,6 +28,7 @@ from host.batching.policy import make_policy
 from host.batching.scheduler import Scheduler
 from host.config import HostConfig
 from host.events import InstanceEvent
+from host.levels import LevelStats, Turns, check_priority
 from host.replicas import Replica, total_stats
 from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
@@ -98,8 +99,8 @@ class Host:
         elif backend is None and config.engine_kind == "process":
             self.engines = _start_engines(config)
             backend = self.engines[0]
-        schedulers = [Scheduler(policy(), max_batch_tokens=config.max_batch_tokens, prefill_chunk=config.prefill_chunk)
-                      for _ in range(max(1, len(self.engines)))]
+        schedulers = [Scheduler(policy(), max_batch_tokens=config.max_batch_tokens, prefill_chunk=config.prefill_chunk,
+                                aging_s=config.priority_aging_s) for _ in range(max(1, len(self.engines)))]
         if backend is None:  # loaded on the scheduler thread, where its forwards will run
             try:
                 backend = schedulers[0].call(lambda: _load_backend(config, progress))
@@ -168,6 +169,8 @@ class Host:
         self._queued: OrderedDict[str, tuple[Instance, float]] = OrderedDict()  # launch queue: (instance, deadline)
         self.launches_queued = 0  # launches that waited in the queue, ever
         self.launch_queue_timeouts = 0
+        self._turns = Turns(config.priority_aging_s)  # the launch queue's order (host/levels.py)
+        self.launch_levels = LevelStats()
         self.wasm.on_tick.append(self._admit)  # queued launches past their timeout end
         self._ended: OrderedDict[str, Instance] = OrderedDict()
         self._lock = threading.Lock()
@@ -211,10 +214,13 @@ class Host:
 
     # ---- instances ----
     def launch(self, program_hash: str, args: list[str],
-               on_event: Callable[[InstanceEvent], None] | None = None, tenant: str = "local") -> str:
+               on_event: Callable[[InstanceEvent], None] | None = None, tenant: str = "local",
+               priority: int = 0) -> str:
         """Start an instance of a compiled program; returns its id. KeyError for an unknown program.
 
         `tenant` is the client identity the instance acts for: it sees only that tenant's KV exports.
+        `priority` (host/levels.py: from -1000 to 1000, lower runs sooner; TypeError / ValueError
+        otherwise) orders the launch queue, full batches and the choice of whom to suspend.
         With `max_instances` running, the launch waits in the launch queue (its id is returned at once,
         its state is "queued" until it starts; `launch_queue_timeout_s` later it ends with
         out_of_resources); raises HostBusy when the queue is full too. A warm instance is used when
@@ -222,11 +228,12 @@ class Host:
         so this returns without waiting for it."""
         if self._closed:
             raise RuntimeError("host is shut down")
+        check_priority(priority)
         self.wasm.get(program_hash)  # KeyError with a clear message if unknown
         listener = on_event or _ignore
         with self._lock:
             if len(self._instances) - len(self._queued) >= self.config.max_instances:
-                return self._enqueue(program_hash, args, listener, tenant)
+                return self._enqueue(program_hash, args, listener, tenant, priority)
             inst = self.warm.take(program_hash)
             if inst is not None:
                 self._place(inst)  # before it resumes: its first host call may allocate pages
@@ -238,15 +245,18 @@ class Host:
                 inst = Instance(self._env, program_hash, args, listener)
                 inst.pages.tenant = tenant
                 self._place(inst)
+            inst.pages.priority = priority
             self._instances[inst.id] = inst
-        self.replicas[inst.pages.replica].scheduler.expect(inst.id)
+        sched = self.replicas[inst.pages.replica].scheduler
+        sched.set_class(inst.id, priority, tenant)
+        sched.expect(inst.id)
         if cold:  # its thread is started by the starter's: this thread waits for no GIL hand-over
             self._starter.start_soon(inst)
         return inst.id
 
-    # ---- the launch queue: launches past max_instances wait for a slot, in order ----
+    # ---- the launch queue: launches past max_instances wait for a slot, by service level ----
     def _enqueue(self, program_hash: str, args: list[str], listener: Callable[[InstanceEvent], None],
-                 tenant: str) -> str:
+                 tenant: str, priority: int = 0) -> str:
         """Queue a launch (lock held): a cold instance, started by `_admit` when a slot frees."""
         cfg = self.config
         if len(self._queued) >= cfg.launch_queue:
@@ -256,6 +266,7 @@ class Host:
                            "or --launch-queue)")
         inst = Instance(self._env, program_hash, args, listener)
         inst.pages.tenant = tenant
+        inst.pages.priority = priority
         inst.state = "queued"
         self._queued[inst.id] = (inst, time.perf_counter() + cfg.launch_queue_timeout_s)
         self._instances[inst.id] = inst
@@ -263,7 +274,8 @@ class Host:
         return inst.id
 
     def _admit(self) -> None:
-        """Start queued launches while slots are free, and end those that waited too long or were
+        """Start queued launches while slots are free, in the service levels' order (host/levels.py:
+        priority, aged first, tenants in turn), and end those that waited too long or were
         terminated (started at once: they end before running guest code, with their event)."""
         if not self._queued:
             return
@@ -279,13 +291,26 @@ class Host:
                 if inst.stop_reason is not None:
                     del self._queued[iid]
                     start.append(inst)
-            while self._queued and len(self._instances) - len(self._queued) < self.config.max_instances:
-                _iid, (inst, _deadline) = self._queued.popitem(last=False)
-                start.append(inst)
+            free = self.config.max_instances - (len(self._instances) - len(self._queued))
+            if self._queued and free > 0:
+                timeout = self.config.launch_queue_timeout_s
+                waiting = list(self._queued.values())
+                if free < len(waiting):
+                    waiting = self._turns.order(waiting, lambda w: w[0].pages.priority, lambda w: w[0].pages.tenant,
+                                                lambda w: w[1] - timeout, now)[:free]
+                    self._turns.served(w[0].pages.tenant for w in waiting)
+                    self.launch_levels.promoted(sum(1 for w in waiting if now - (w[1] - timeout) >= self._turns.aging_s))
+                self.launch_levels.waited_many((inst.pages.priority, inst.pages.tenant, now - (deadline - timeout))
+                                               for inst, deadline in waiting)
+                for inst, _deadline in waiting:
+                    del self._queued[inst.id]
+                    start.append(inst)
             for inst in start:
                 self._place(inst)
         for inst in start:
-            self.replicas[inst.pages.replica].scheduler.expect(inst.id)
+            sched = self.replicas[inst.pages.replica].scheduler
+            sched.set_class(inst.id, inst.pages.priority, inst.pages.tenant)
+            sched.expect(inst.id)
             inst.start()
 
     def _place(self, inst: Instance) -> None:
@@ -418,6 +443,7 @@ class Host:
         if rep.suspender is not None:
             rep.suspender.forget(inst)
         rep.scheduler.forget(inst.id)
+        rep.scheduler.drop_class(inst.id)
 
     def instances(self) -> list[dict[str, Any]]:
         """The running instances: id, program, arguments, state, started_at, tenant."""
@@ -443,6 +469,7 @@ class Host:
                 "instances": running, "free_pages": self.free_pages(), "total_pages": self.total_pages,
                 "launch_queue": {"queued": queued, "queued_total": self.launches_queued,
                                  "timeouts": self.launch_queue_timeouts, "limit": self.config.launch_queue},
+                "levels": self.level_stats(),
                 "model": self.model_name,
                 "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"},
                 "memory": self.memory_stats(),
@@ -451,6 +478,16 @@ class Host:
                            "replicas": [{"pid": e.pid, "alive": e.alive, "deaths": e.deaths,
                                          "instances": self._load[r], "free_pages": self.replicas[r].pages.free_count}
                                         for r, e in enumerate(self.engines)]}}
+
+    def level_stats(self) -> dict[str, Any]:
+        """Service levels (host/levels.py): per priority and per tenant, the launch queue's and the
+        batches' queue depth now and waits (count, total, mean, max seconds), and aged promotions."""
+        with self._lock:
+            depth = [(i.pages.priority, i.pages.tenant) for i, _d in self._queued.values()]
+        batches = [r.scheduler.level_stats() for r in self.replicas]
+        forwards = batches[0] if len(batches) == 1 else _merge_levels(batches)
+        return {"aging_s": self.config.priority_aging_s, "launch_queue": self.launch_levels.as_dict(depth),
+                "forwards": forwards}
 
     def memory_stats(self) -> dict[str, int]:
         """KV pressure (host/suspend.py), all replicas: suspensions, resumes, pages and bytes
@@ -500,6 +537,22 @@ _YOUNG_GC_THRESHOLD = 10_000  # net allocations between two young collections (P
 _tuning_lock = threading.Lock()  # the process-wide settings hosts change (GC, GIL switch interval)
 _gc_hosts = 0  # hosts alive with tune_gc; the first tunes the collector, the last one out restores it
 _gc_before = (700, 10, 10)
+
+
+def _merge_levels(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The replicas' forward queues' level stats as one (sums; the max of maxima)."""
+    out: dict[str, Any] = {"aged": sum(p["aged"] for p in parts), "by_priority": {}, "by_tenant": {}}
+    for part in parts:
+        for key in ("by_priority", "by_tenant"):
+            for name, row in part[key].items():
+                acc = out[key].setdefault(name, {"queued": 0, "count": 0, "wait_s_total": 0.0, "wait_s_max": 0.0})
+                for f in ("queued", "count", "wait_s_total"):
+                    acc[f] += row[f]
+                acc["wait_s_max"] = max(acc["wait_s_max"], row["wait_s_max"])
+    for key in ("by_priority", "by_tenant"):
+        for acc in out[key].values():
+            acc["wait_s_mean"] = round(acc["wait_s_total"] / acc["count"], 6) if acc["count"] else 0.0
+    return out
 
 
 def _background_threads() -> int:

@@ -4,8 +4,8 @@ When an allocation cannot be met (`kv.allocate`, `forward.generate-fresh`; a hos
 finds no page for its next step ends with `out-of-pages` and its SDK asks `kv.allocate`), the
 instance waits in line here and one `Suspender` thread per replica makes room:
 
-- **Who is suspended.** The most recently started instance (first page taken) that holds pages
-  only it holds, never the one whose allocation is being made room for (`_victim`). Pages shared
+- **Who is suspended.** The instance of the lowest priority (the highest number, host/levels.py),
+  among equals the most recently started (first page taken), that holds pages only it holds, never the one whose allocation is being made room for (`_victim`). Pages shared
   with anyone (an export, an importer, another instance's prefix-cache hit) stay where they are.
 - **How.** Its state becomes SUSPENDING under its `touch` lock (every page-touching import of its
   thread holds that lock from its check to the pins of the work it queues, so from then on its
@@ -275,11 +275,12 @@ class Suspender:
         return self._suspend(victim)
 
     def _victim(self, keep: InstancePages) -> InstancePages | None:
-        """The most recently started instance with pages of its own that fit in the swap space."""
+        """The instance of the lowest priority (the highest number: host/levels.py), the most recently
+        started among equals, with pages of its own that fit in the swap space."""
         if self.swapper is None:
             return None
         with self._lock:
-            known = sorted(self._known.values(), key=lambda k: -k.seq)
+            known = sorted(self._known.values(), key=lambda k: (-k.inst.pages.priority, -k.seq))
         per_page = self.swapper.swap_page_bytes
         for k in known:
             t = k.inst.pages

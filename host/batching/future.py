@@ -42,8 +42,8 @@ class ForwardFuture:
     wait on their own condition (woken by a done-callback), and finishing a batch is on the
     per-step critical path."""
 
-    __slots__ = ("request", "owner", "generation", "follow", "submitted", "chunks", "parent", "_done", "_event",
-                 "_result", "_error", "_callbacks")
+    __slots__ = ("request", "owner", "generation", "follow", "submitted", "chunks", "parent", "priority", "tenant",
+                 "_done", "_event", "_result", "_error", "_callbacks")
 
     def __init__(self, request: Job, owner: str, generation: Generation | None = None) -> None:
         self.request = request
@@ -58,6 +58,9 @@ class ForwardFuture:
         # (set when its first chunk is taken); `parent`: this job is a chunk of that one, not its last.
         self.chunks: Chunks | None = None
         self.parent: ForwardFuture | None = None
+        # its owner's service level when it was queued (host/levels.py): for the choice of a full batch
+        self.priority = 0
+        self.tenant = "local"
         self._done = False
         self._event: threading.Event | None = None
         self._result: Any = None

@@ -4,6 +4,11 @@ Order: a job is never run together with, or ahead of, an earlier queued job of t
 one whose pages it reads or writes; a KV copy runs between batches in that same order, before the
 batch when nothing ahead of it touches its pages. Lock-free: the scheduler holds its lock around
 every call.
+
+When the queued forwards do not all fit in the batch (`choose`), which of them join it follows the
+service levels (host/levels.py): higher priority first, aged waiters first of all, tenants in turn
+within a priority; the order rules above still hold (a forward chosen behind one of its owner's
+or a conflicting job that stays queued stays queued too).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from gpu_backend.types import ForwardRequest
 from host.batching.chunks import Chunks
 from host.batching.future import CopyRequest, ForwardFuture, Job
+from host.levels import Turns
 
 __all__ = ["JobQueue", "job_pages", "footprint"]
 
@@ -71,8 +77,35 @@ class JobQueue:
         jobs, self.jobs, self.copies = self.jobs, [], 0
         return jobs
 
+    def choose(self, ahead: int, max_tokens: int, chunk: int, turns: Turns, now: float) -> set[ForwardFuture] | None:
+        """The queued forwards a batch after `ahead` tokens should take when they do not all fit in
+        `max_tokens` (None: they do), in the service levels' order (`turns`); a forward whose owner
+        has one left out before it is left out too (its order)."""
+        costs: dict[ForwardFuture, int] = {}
+        total = ahead
+        for f in self.jobs:
+            req = f.request
+            if isinstance(req, CopyRequest):
+                continue
+            n = len(req.tokens) - (f.chunks.done if f.chunks is not None else 0)
+            costs[f] = min(n, chunk) if chunk and (f.chunks is not None or n > chunk) else n
+            total += costs[f]
+        if total <= max_tokens:
+            return None
+        chosen: set[ForwardFuture] = set()
+        left: set[str] = set()
+        tokens = ahead
+        for f in turns.order(list(costs), lambda f: f.priority, lambda f: f.tenant, lambda f: f.submitted, now):
+            if f.owner not in left and (tokens + costs[f] <= max_tokens or not (chosen or ahead)):
+                chosen.add(f)
+                tokens += costs[f]
+            else:
+                left.add(f.owner)
+        return chosen
+
     def take(self, fire: bool, ahead: Sequence[ForwardFuture], page_size: int, max_tokens: int,
-             dry: bool = False, chunk: int = 0) -> tuple[list[ForwardFuture], list[ForwardFuture]]:
+             dry: bool = False, chunk: int = 0,
+             chosen: set[ForwardFuture] | None = None) -> tuple[list[ForwardFuture], list[ForwardFuture]]:
         """The copies that may run now and, if `fire`, the queued forwards that may join a batch after
         `ahead` (the running loops' steps, which go first): nothing they touch is touched by a job
         ahead of them, and the batch stays within `max_tokens` tokens. `dry`: leave the queue as is.
@@ -81,7 +114,8 @@ class JobQueue:
         chunks in one batch take at most `chunk` tokens together. A chunk that is not the forward's
         last joins the batch as a job of its own (`ForwardFuture.parent`); the forward stays queued
         in its place, so everything behind it waits as for any job ahead. Its last chunk is the
-        forward itself (`chunks.part` is what runs)."""
+        forward itself (`chunks.part` is what runs). `chosen` (from `choose`): only these forwards
+        may join."""
         copies: list[ForwardFuture] = []
         batch: list[ForwardFuture] = []
         rest: list[ForwardFuture] = []
@@ -104,7 +138,7 @@ class JobQueue:
                 if not busy and not (r & writes or w & reads or w & writes):
                     copies.append(fut)  # runs before the batch: nothing ahead of it is affected
                     continue
-            elif fire and fut.owner not in behind and not (r & writes or w & reads):
+            elif fire and fut.owner not in behind and (chosen is None or fut in chosen) and not (r & writes or w & reads):
                 # no conflict with any job ahead (taken or staying queued): order of page access kept
                 ch = fut.chunks
                 if chunk and (ch is not None or len(req.tokens) > chunk):

@@ -24,6 +24,7 @@ from host.batching.loops import Loops
 from host.batching.policy import AdaptivePolicy, BatchPolicy
 from host.batching.queue import JobQueue, job_pages
 from host.batching.stats import BATCH_SIZE_BUCKETS, SchedulerStats
+from host.levels import DEFAULT_AGING_S, LevelStats, Turns
 
 __all__ = ["Scheduler", "SchedulerStats", "ForwardFn", "StartFn", "CopyFn", "BATCH_SIZE_BUCKETS"]
 
@@ -70,13 +71,18 @@ class Scheduler:
     """
 
     def __init__(self, policy: BatchPolicy | None = None, max_batch_tokens: int = 10240,
-                 prefill_chunk: int = 0) -> None:
+                 prefill_chunk: int = 0, aging_s: float = DEFAULT_AGING_S) -> None:
         self.policy = policy or AdaptivePolicy()
         self.max_batch_tokens = max_batch_tokens
         # a forward of more new tokens runs in chunks of at most this many, one batch each, so the
         # running loops step between them (host/batching/chunks.py); 0 = never split
         self.prefill_chunk = prefill_chunk
         self.stats = SchedulerStats()
+        # service levels (host/levels.py): each owner's (priority, tenant), set by the host; a full
+        # batch takes queued forwards in their order; waits counted per priority and tenant
+        self._classes: dict[str, tuple[int, str]] = {}
+        self.turns = Turns(aging_s)
+        self.levels = LevelStats()
         self._forward: ForwardFn | None = None
         self._copy: CopyFn | None = None
         self._pins: PagePins | None = None
@@ -126,6 +132,9 @@ class Scheduler:
         if self._forward is None:
             raise RuntimeError("scheduler has no backend yet")
         fut = ForwardFuture(request, owner, generation)
+        cls = self._classes.get(owner)
+        if cls is not None:
+            fut.priority, fut.tenant = cls
         with self._cv:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
@@ -141,6 +150,19 @@ class Scheduler:
             if idle or isinstance(request, CopyRequest) or self.policy.ready(self._pending(), time.perf_counter()):
                 self._cv.notify()
         return fut
+
+    def set_class(self, owner: str, priority: int, tenant: str) -> None:
+        """`owner`'s service level from its next job on (host/levels.py; a checked priority)."""
+        self._classes[owner] = (priority, tenant)
+
+    def drop_class(self, owner: str) -> None:
+        self._classes.pop(owner, None)
+
+    def level_stats(self) -> dict[str, Any]:
+        """Waits and aged promotions per priority and tenant, with the queue's depth now."""
+        with self._cv:
+            depth = [(f.priority, f.tenant) for f in self._queue.jobs if not isinstance(f.request, CopyRequest)]
+        return self.levels.as_dict(depth)
 
     def busy(self) -> bool:
         """Whether forwards are queued or generation loops are running (read without the lock)."""
@@ -264,8 +286,26 @@ class Scheduler:
                 self._ahead_in_batch, self._fed_rows = lp.ahead_reqs, lp.ahead_rows
                 lp.ahead, lp.ahead_reqs, lp.ahead_rows, lp.resident = [], [], [], []
                 self._loops_in_batch = len(loops)
-        copies, queued = self._queue.take(fire, loops, self._page_size, self.max_batch_tokens, dry, self.prefill_chunk)
+        now = time.perf_counter()
+        chosen = self._queue.choose(len(loops), self.max_batch_tokens, self.prefill_chunk, self.turns, now) \
+            if fire and self._queue else None
+        copies, queued = self._queue.take(fire, loops, self._page_size, self.max_batch_tokens, dry, self.prefill_chunk,
+                                          chosen)
+        if not dry and queued:
+            self._waited(queued, now, chosen is not None)
         return copies, loops + queued
+
+    def _waited(self, taken: list[ForwardFuture], now: float, full: bool) -> None:
+        """Count the waits of the queued forwards taken (a chunk: when its forward's first is); with
+        `full` (the batch was chosen by service level) the tenants served and the aged promotions."""
+        waits = [(f.priority, f.tenant, now - f.submitted) for f in taken
+                 if (ch := (f.parent or f).chunks) is None or ch.done == 0]
+        self.levels.waited_many(waits)
+        if full:
+            self.turns.served({f.tenant for f in taken})
+            aged = sum(1 for p, _t, w in waits if w >= self.turns.aging_s)
+            if aged:
+                self.levels.promoted(aged)
 
     def _run_copy(self, fut: ForwardFuture) -> None:
         c = fut.request

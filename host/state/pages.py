@@ -48,6 +48,7 @@ class InstancePages:
 
     owner: str
     tenant: str = "local"  # whose export names this instance sees (set by the host at launch)
+    priority: int = 0  # its service level (host/levels.py: lower runs sooner; set at launch, runtime.set-priority)
     held: dict[int, list] = field(default_factory=dict)
     owned_count: int = 0  # pages this instance allocated and still holds (for its cap)
     replica: int = 0  # the engine replica the instance lives on (host/replicas.py); its pages are that one's
