@@ -446,11 +446,11 @@ class Host:
         rep.scheduler.drop_class(inst.id)
 
     def instances(self) -> list[dict[str, Any]]:
-        """The running instances: id, program, arguments, state, started_at, tenant."""
+        """The running instances: id, program, arguments, state, started_at, tenant, priority."""
         with self._lock:
             insts = list(self._instances.values())
         return [{"id": i.id, "program": i.program, "arguments": i.args, "state": i.state,
-                 "started_at": i.started_at, "tenant": i.pages.tenant} for i in insts]
+                 "started_at": i.started_at, "tenant": i.pages.tenant, "priority": i.pages.priority} for i in insts]
 
     # ---- introspection ----
     def model_names(self) -> list[str]:

@@ -19,6 +19,7 @@ from host.cli.build import BuildError, resolve_inferlet
 from host.cli.file_args import expand_file_arguments
 from host.cli.options import add_host_options, host_config_from_args, split_inferlet_args
 from host.events import TERMINAL_EVENTS, InstanceEvent
+from host.levels import PRIORITY_MAX, PRIORITY_MIN, check_priority
 
 if TYPE_CHECKING:
     from host import Host
@@ -37,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("inferlet", help=".wasm file, source folder, or standard inferlet name")
     p.add_argument("--server", default=None, metavar="URL", help="run on a pie-serve server (ws://host:port)")
     p.add_argument("--token", default=os.environ.get("PIE_AUTH_TOKEN"), help="auth token for --server")
+    p.add_argument("--priority", type=_priority, default=0,
+                   help=f"the instance's priority, from {PRIORITY_MIN} to {PRIORITY_MAX}: lower runs sooner "
+                        "when the host is full (default 0)")
     add_host_options(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log host activity to stderr")
     return p
@@ -57,8 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     if opts.server:
         from host.client.remote import run_remote
 
-        return run_remote(opts.server, Path(wasm_path), inferlet_args, token=opts.token, stdin_lines=sys.stdin)
+        return run_remote(opts.server, Path(wasm_path), inferlet_args, token=opts.token, stdin_lines=sys.stdin,
+                          priority=opts.priority)
     return _run_embedded(opts, Path(wasm_path), inferlet_args)
+
+
+def _priority(text: str) -> int:
+    """--priority's value, checked (argparse reports the error as a usage error naming it)."""
+    try:
+        return check_priority(int(text), "--priority")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e) if "--priority" in str(e) else
+                                         f"--priority must be an integer, got {text!r}") from None
 
 
 def _run_embedded(opts: argparse.Namespace, wasm_path: Path, args: list[str]) -> int:
@@ -85,7 +99,7 @@ def _run_embedded(opts: argparse.Namespace, wasm_path: Path, args: list[str]) ->
         except CompileError as e:
             print(f"pie-run: {wasm_path} is not a valid inferlet component: {e}", file=sys.stderr)
             return EXIT_ERROR
-        end = _stream(host, program, args)
+        end = _stream(host, program, args, opts.priority)
     if end is None:
         return EXIT_ABORTED
     if end.event == "completed":
@@ -96,10 +110,10 @@ def _run_embedded(opts: argparse.Namespace, wasm_path: Path, args: list[str]) ->
     return EXIT_ABORTED if end.event == "aborted" else EXIT_ERROR
 
 
-def _stream(host: Host, program: str, args: list[str]) -> InstanceEvent | None:
+def _stream(host: Host, program: str, args: list[str], priority: int = 0) -> InstanceEvent | None:
     """Launch, feed it stdin and print its messages; its terminal event, or None after Ctrl-C."""
     events: queue.Queue[InstanceEvent] = queue.Queue()
-    iid = host.launch(program, args, events.put)
+    iid = host.launch(program, args, events.put, priority=priority)
     threading.Thread(target=_pump_stdin, daemon=True,
                      args=(lambda m: host.signal(iid, m), lambda: host.close_input(iid))).start()
     try:

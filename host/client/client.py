@@ -139,10 +139,15 @@ class PieClient:
             return program_hash
         return await self.upload_program(data)
 
-    async def launch(self, program_hash: str, arguments: Iterable[str] = (), *, detached: bool = False) -> str:
-        """Start an instance; returns its id. Its events are buffered until read with `events`."""
-        iid = await self._request({"type": "launch_instance", "program_hash": program_hash,
-                                   "arguments": list(arguments), "detached": detached})
+    async def launch(self, program_hash: str, arguments: Iterable[str] = (), *, detached: bool = False,
+                     priority: int = 0) -> str:
+        """Start an instance; returns its id. Its events are buffered until read with `events`.
+        `priority`: from -1000 to 1000, lower runs sooner (docs/protocol.md)."""
+        msg: dict[str, Any] = {"type": "launch_instance", "program_hash": program_hash,
+                               "arguments": list(arguments), "detached": detached}
+        if priority:
+            msg["priority"] = priority
+        iid = await self._request(msg)
         self._queue(iid)
         return str(iid)
 

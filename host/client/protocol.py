@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 
 from host.events import EVENT_KINDS, TERMINAL_EVENTS
+from host.levels import PRIORITY_MAX, PRIORITY_MIN
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -102,6 +103,7 @@ class LaunchInstance:
     program_hash: str
     arguments: tuple[str, ...]
     detached: bool = False
+    priority: int = 0  # host/levels.py: lower runs sooner
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,8 @@ _SCHEMAS: dict[str, tuple[type, tuple[_Field, ...]]] = {
         _HASH,
         _Field("arguments", _is_str_list, "a list of strings"),
         _Field("detached", lambda v: isinstance(v, bool), "a boolean", required=False),
+        _Field("priority", lambda v: _is_int(v) and PRIORITY_MIN <= v <= PRIORITY_MAX,
+               f"an integer from {PRIORITY_MIN} to {PRIORITY_MAX} (lower runs sooner)", required=False),
     )),
     "signal_instance": (SignalInstance, (
         _Field("corr_id", _is_int, "an integer", required=False),

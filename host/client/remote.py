@@ -22,7 +22,7 @@ EXIT_CLIENT_ERROR = 1
 
 
 def run_remote(url: str, wasm_path: Path, args: list[str], *, token: str | None = None,
-               stdin_lines: Iterable[str] | None = None) -> int:
+               stdin_lines: Iterable[str] | None = None, priority: int = 0) -> int:
     """Run one inferlet on a server, like `pie-run` does locally; returns the exit status.
 
     Uploads the program if the server lacks it, launches it, prints its messages to stdout and its
@@ -34,11 +34,11 @@ def run_remote(url: str, wasm_path: Path, args: list[str], *, token: str | None 
     except OSError as exc:
         print(f"pie-run: cannot read {wasm_path}: {exc}", file=sys.stderr)
         return EXIT_CLIENT_ERROR
-    return asyncio.run(_run_remote(url, data, args, token, stdin_lines))
+    return asyncio.run(_run_remote(url, data, args, token, stdin_lines, priority))
 
 
 async def _run_remote(url: str, data: bytes, args: list[str], token: str | None,
-                      stdin_lines: Iterable[str] | None) -> int:
+                      stdin_lines: Iterable[str] | None, priority: int = 0) -> int:
     try:
         client = await PieClient.connect(url, token=token)
     except (OSError, TimeoutError, PieError) as exc:
@@ -46,7 +46,7 @@ async def _run_remote(url: str, data: bytes, args: list[str], token: str | None,
         return EXIT_CLIENT_ERROR
     forwarder: asyncio.Task[None] | None = None
     try:
-        iid = await client.launch(await client.ensure_program(data), args)
+        iid = await client.launch(await client.ensure_program(data), args, priority=priority)
         if stdin_lines is not None:
             forwarder = asyncio.create_task(_forward_lines(client, iid, stdin_lines))
         async for event in client.events(iid):

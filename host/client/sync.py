@@ -53,8 +53,9 @@ class SyncPieClient:
     def ensure_program(self, data: bytes) -> str:
         return self._call(self._client.ensure_program(data))
 
-    def launch(self, program_hash: str, arguments: Iterable[str] = (), *, detached: bool = False) -> str:
-        return self._call(self._client.launch(program_hash, arguments, detached=detached))
+    def launch(self, program_hash: str, arguments: Iterable[str] = (), *, detached: bool = False,
+               priority: int = 0) -> str:
+        return self._call(self._client.launch(program_hash, arguments, detached=detached, priority=priority))
 
     def signal(self, instance_id: str, message: str) -> None:
         self._call(self._client.signal(instance_id, message))

@@ -176,7 +176,8 @@ class RequestHandlers:
         record = InstanceRecord(program=req.program_hash, detached=req.detached, owner=conn, tenant=conn.tenant)
         on_event = self.instances.sink(record, asyncio.get_running_loop())
         try:
-            iid = self.host.launch(req.program_hash, list(req.arguments), on_event, tenant=conn.tenant)
+            extra = {"priority": req.priority} if req.priority else {}
+            iid = self.host.launch(req.program_hash, list(req.arguments), on_event, tenant=conn.tenant, **extra)
         except BaseException as exc:
             self.limits.give_instance(conn.tenant)  # nothing was launched
             if isinstance(exc, KeyError):

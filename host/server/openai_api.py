@@ -200,7 +200,9 @@ def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local") -> _Run
     loop = asyncio.get_running_loop()
     run = _Run(h, asyncio.Queue(), tenant, loop)
     arg = req.handler_argument()
-    extra = {"tenant": tenant} if tenant != "local" else {}
+    extra: dict[str, Any] = {"tenant": tenant} if tenant != "local" else {}
+    if req.priority:
+        extra["priority"] = req.priority
     try:
         h.limits.take_instance(tenant)
     except TenantLimitError as e:

@@ -13,12 +13,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpu_backend.grammar import schema_error
+from host.levels import PRIORITY_MAX, PRIORITY_MIN
 
 __all__ = ["OpenAIError", "OpenAIRequest", "load_body", "parse_request", "parse_tools", "request_of", "schema_problems",
            "SERVER_ONLY_FIELDS"]
 
 # Fields of `OpenAIRequest` the server keeps to itself: not in the handler's JSON argument.
-SERVER_ONLY_FIELDS = ("max_tokens_given",)
+SERVER_ONLY_FIELDS = ("max_tokens_given", "priority")
 
 _MAX_N = 16
 _MAX_TOP_LOGPROBS = 20
@@ -73,6 +74,8 @@ class OpenAIRequest:
     # The client gave max_tokens (or max_completion_tokens); not sent to the handler. Without it
     # the server may lower `max_tokens` to what fits the context (host/server/openai_api.py).
     max_tokens_given: bool = False
+    # vLLM's: lower runs sooner (host/levels.py); the instance's priority, not the handler's business
+    priority: int = 0
 
     def handler_argument(self) -> str:
         """The JSON argument the handler instance gets (docs/openai.md, "The handler is an inferlet")."""
@@ -348,6 +351,7 @@ def request_of(body: dict[str, Any], chat: bool, max_tokens_limit: int) -> OpenA
         response_format=_response_format(body.get("response_format")),
         tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, echo=echo,
         max_tokens_given=body.get(name) is not None,
+        priority=int(_integer(body, "priority", 0, PRIORITY_MIN, PRIORITY_MAX) or 0),
     )
 
 
