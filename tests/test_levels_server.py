@@ -96,3 +96,49 @@ def test_pie_run_priority_out_of_range_is_a_usage_error(capsys: pytest.CaptureFi
             cli_run.main(["text_completion", "--priority", bad])
         assert e.value.code == 2
         assert "--priority" in capsys.readouterr().err
+
+
+def test_metrics_show_depth_waits_and_aged_promotions_per_priority_and_tenant(tmp_path: Path) -> None:
+    from test_metrics import _samples, _stats
+
+    from host.server.metrics import ServerMetrics
+
+    host = Host(HostConfig(max_instances=1, warm_auto=0, data_dir=tmp_path / "h"),
+                backend=FakeBackend(page_size=4, num_pages=64))
+    try:
+        prog = host.compile(wasm_bytes("blocked_receive"))
+        first = host.launch(prog, [])
+        host.launch(prog, [], tenant="A", priority=3)
+        levels = host.stats()["levels"]
+        assert levels["launch_queue"]["by_priority"]["3"]["queued"] == 1
+        assert set(levels["forwards"]) == {"aged", "by_priority", "by_tenant"}
+        s = _samples(ServerMetrics(lambda: {**_stats(), "levels": host.stats()["levels"]}, lambda: 0))
+        assert s["pie_level_queued{by=priority}{level=3}{queue=launch}"] == 1
+        assert s["pie_level_queued{by=tenant}{level=A}{queue=launch}"] == 1
+        host.terminate(first)
+        wait_for(lambda: host.stats()["levels"]["launch_queue"]["by_tenant"]["A"]["count"] == 1, 30)
+        s = _samples(ServerMetrics(lambda: {**_stats(), "levels": host.stats()["levels"]}, lambda: 0))
+        assert s["pie_level_waits_total{by=tenant}{level=A}{queue=launch}"] == 1
+        assert s["pie_level_aged_promotions_total{queue=forward}"] == 0
+    finally:
+        host.shutdown()
+
+
+def test_the_stats_query_shows_a_tenant_its_own_queue_row_only(tmp_path: Path) -> None:
+    host = Host(HostConfig(max_instances=1, warm_auto=0, data_dir=tmp_path / "h"),
+                backend=FakeBackend(page_size=4, num_pages=64))
+    try:
+        prog = host.compile(wasm_bytes("blocked_receive"))
+        host.launch(prog, [])
+        host.launch(prog, [], tenant="alice", priority=2)
+        host.launch(prog, [], tenant="bob")
+        with running_server(tmp_path / "s", host=host, auth_token="adm", tenants=(("alice", "tok-a"),)) as srv:
+            with SyncPieClient(srv.url, token="tok-a") as alice:
+                lq = alice.query("stats")["host"]["levels"]["launch_queue"]
+            with SyncPieClient(srv.url, token="adm") as admin:
+                everyone = admin.query("stats")["host"]["levels"]["launch_queue"]
+        assert set(lq["by_tenant"]) == {"alice"} and lq["by_tenant"]["alice"]["queued"] == 1
+        assert lq["by_priority"]["2"]["queued"] == 1
+        assert {"alice", "bob"} <= set(everyone["by_tenant"])
+    finally:
+        host.shutdown()

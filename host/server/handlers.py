@@ -119,7 +119,11 @@ class RequestHandlers:
             server = {"connections": sum(c.tenant == conn.tenant for c in self.connections),
                       "instances": sum(r.tenant == conn.tenant for r in self.instances.records.values()),
                       "programs": self.store.count(conn.tenant)}
-        return {"host": self.host.stats(), "server": server}
+        host = self.host.stats()
+        if not conn.admin and "levels" in host:  # per-tenant queues: a tenant sees its own row only
+            host["levels"] = {k: dict(v, by_tenant={t: r for t, r in v["by_tenant"].items() if t == conn.tenant})
+                              if isinstance(v, dict) else v for k, v in host["levels"].items()}
+        return {"host": host, "server": server}
 
     def _describe(self, info: dict[str, Any]) -> dict[str, Any]:
         record = self.instances.get(info["id"])

@@ -79,6 +79,9 @@ class _HostCollector(Collector):
                                   value=lq["queued_total"])
         yield CounterMetricFamily("pie_launch_queue_timeouts", "Queued launches that waited past "
                                   "--launch-queue-timeout-s", value=lq["timeouts"])
+        levels = s.get("levels")
+        if levels:
+            yield from _level_metrics(levels)
         counts = sched.get("batch_size_counts")
         if counts:  # the scheduler's batch-size histogram (forwards per batch)
             from host.batching.scheduler import BATCH_SIZE_BUCKETS
@@ -89,6 +92,31 @@ class _HostCollector(Collector):
                 buckets.append((bound, cumulative))
             yield HistogramMetricFamily("pie_batch_size", "Forward passes per batch", buckets=buckets,
                                         sum_value=sched["forwards"])
+
+
+def _level_metrics(levels: dict[str, Any]) -> Iterator[Metric]:
+    """Service levels (host/levels.py): queue depth, waits and aged promotions, for the launch queue
+    and the forwards a full batch chooses from, by priority and by tenant."""
+    depth = GaugeMetricFamily("pie_level_queued", "Waiting now, by queue (launch / forward), priority or tenant",
+                              labels=["queue", "by", "level"])
+    waits = CounterMetricFamily("pie_level_waits", "Waits ended (taken off the queue)", labels=["queue", "by", "level"])
+    wait_s = CounterMetricFamily("pie_level_wait_seconds", "Seconds waited in the queue, summed",
+                                 labels=["queue", "by", "level"])
+    wait_max = GaugeMetricFamily("pie_level_wait_seconds_max", "The longest wait so far",
+                                 labels=["queue", "by", "level"])
+    aged = CounterMetricFamily("pie_level_aged_promotions", "Waiters promoted ahead of every priority by aging",
+                               labels=["queue"])
+    for queue, key in (("launch", "launch_queue"), ("forward", "forwards")):
+        part = levels.get(key, {})
+        aged.add_metric([queue], part.get("aged", 0))
+        for by in ("priority", "tenant"):
+            for level, row in part.get(f"by_{by}", {}).items():
+                labels = [queue, by, str(level)]
+                depth.add_metric(labels, row["queued"])
+                waits.add_metric(labels, row["count"])
+                wait_s.add_metric(labels, row["wait_s_total"])
+                wait_max.add_metric(labels, row["wait_s_max"])
+    yield from (depth, waits, wait_s, wait_max, aged)
 
 
 class ServerMetrics:
