@@ -12,7 +12,15 @@ prompt's arrival to its first token the longest gap and the mean gap, both as ra
 TPOT (issue 52's targets: <= 3 and <= 1.5), and the prompt's time to first token (what chunking
 costs it). Backends: the stand-in with a step of a fixed `--step-ms` plus `--token-us` per token
 (new tokens of the batch), and with `--real` the default model on CPU (`--real-prompt` tokens: a
-4,096-token prefill there takes minutes). Writes JSON to --json.
+4,096-token prefill there takes minutes).
+
+Priorities (`priority`): `--requests` prompts of `--req-prompt` tokens, each generating
+`--req-tokens`, arrive at once (the stand-in; a batch holds `--batch-tokens`), half at priority -1
+and half at +1, alternating; the mean TTFT and TPOT of each half, against the same run with every
+priority 0 (the baseline). Tenants (`tenants`): tenant A floods `--flood` such requests at once, tenant
+B sends one every `--interval` s (`--b-requests` of them); B's mean and max TTFT against an idle
+host's (B alone, the baseline) and against the same flood with B counted as A (no turns between
+tenants). Writes JSON to --json.
 """
 
 from __future__ import annotations
@@ -47,11 +55,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--real", action="store_true", help="also the default model on CPU")
     ap.add_argument("--real-chunks", type=int, nargs="+", default=[0, 16, 64, 256], help="chunks for --real")
     ap.add_argument("--real-prompt", type=int, default=1024, help="the long prompt's tokens with --real")
+    ap.add_argument("--requests", type=int, default=64, help="priority run: requests arriving at once")
+    ap.add_argument("--req-prompt", type=int, default=256, help="priority / tenant runs: each request's prompt")
+    ap.add_argument("--req-tokens", type=int, default=16, help="priority / tenant runs: tokens each generates")
+    ap.add_argument("--batch-tokens", type=int, default=2048, help="priority / tenant runs: max_batch_tokens")
+    ap.add_argument("--flood", type=int, default=256, help="tenant run: tenant A's requests at once")
+    ap.add_argument("--interval", type=float, default=1.0, help="tenant run: seconds between B's requests")
+    ap.add_argument("--b-requests", type=int, default=5, help="tenant run: B's requests")
     ap.add_argument("--quick", action="store_true", help="a small, fast run (CI): a 512-token prompt, 4 decodes")
     opts = ap.parse_args()
     if opts.quick:  # the defaults shrink; what is given on the command line stays
         ap.set_defaults(chunks=[0, 128], prompt=512, decodes=4, step_ms=2.0, token_us=20.0,
-                        real_chunks=[0, 64], real_prompt=128)
+                        real_chunks=[0, 64], real_prompt=128, requests=16, req_prompt=128, req_tokens=4,
+                        batch_tokens=512, flood=32, interval=0.05, b_requests=3)
         opts = ap.parse_args()
     return opts
 
@@ -134,6 +150,93 @@ def one_run(backend: Any, chunk: int, prompt_len: int, decodes: int) -> dict[str
             "chunks": sched.stats.prefill_chunks}
 
 
+class Requests:
+    """Host-side loops on one scheduler, each with its owner's service level; times their first
+    token and their end."""
+
+    def __init__(self, backend: Any, batch_tokens: int) -> None:
+        self.pm = PageManager(backend.info.num_pages, None, None)
+        self.sched = Scheduler(AdaptivePolicy(), max_batch_tokens=batch_tokens)
+        self.sched.bind(backend.forward, backend.copy_tokens, PS, pins=self.pm, start=backend.start_forward,
+                        feeds=bool(getattr(backend, "feeds", False)))
+        self.vocab = backend.info.vocab_size
+        self.n = 0
+
+    def submit(self, prompt_len: int, tokens: int, priority: int = 0, tenant: str = "t") -> dict[str, Any]:
+        """One request; returns its record: arrive, first (first token), done, future."""
+        self.n += 1
+        name = f"r{self.n}"
+        self.sched.set_class(name, priority, tenant)
+        table = InstancePages(name)
+        npg = -(-prompt_len // PS)
+        pages = self.pm.allocate(table, npg)  # (the loop allocates the pages its tokens need)
+        assert isinstance(pages, list)
+        prompt = [(self.n * 7 + i) % (self.vocab - 2) + 2 for i in range(prompt_len)]
+        req = ForwardRequest(pages=list(pages), last_page_len=prompt_len - (npg - 1) * PS, tokens=prompt,
+                             positions=list(range(prompt_len)),
+                             outputs=[OutputSpec(index=prompt_len - 1, sample=SamplerParams())], name=name, checked=True)
+        rec: dict[str, Any] = {"arrive": time.perf_counter(), "first": None, "priority": priority}
+
+        def sent(_text: str) -> None:
+            if rec["first"] is None:
+                rec["first"] = time.perf_counter()
+
+        gen = Generation(req, SamplerParams(), StopRules(tokens, frozenset(), (), 1 << 30), PS, self.pm, table,
+                         lambda ids: "x", sent)
+        fut = self.sched.submit(req, name, generation=gen)
+        fut.add_done_callback(lambda _f: rec.__setitem__("done", time.perf_counter()))
+        rec["future"] = fut
+        return rec
+
+    def close(self) -> None:
+        self.sched.stop()
+
+
+def _ttft_tpot(recs: list[dict[str, Any]], tokens: int) -> dict[str, float]:
+    ttft = [r["first"] - r["arrive"] for r in recs]
+    tpot = [(r["done"] - r["first"]) / max(tokens - 1, 1) for r in recs]
+    return {"ttft_ms": round(1000 * statistics.mean(ttft), 1), "ttft_max_ms": round(1000 * max(ttft), 1),
+            "tpot_ms": round(1000 * statistics.mean(tpot), 2)}
+
+
+def priority_run(opts: argparse.Namespace, prioritized: bool) -> dict[str, Any]:
+    """`--requests` at once, alternating high / low (or all 0): each half's TTFT and TPOT."""
+    need = opts.requests * (-(-(opts.req_prompt + opts.req_tokens) // PS) + 1) + 64
+    be = StandInBackend(page_size=PS, num_pages=need, delay_s=opts.step_ms / 1000, token_s=opts.token_us / 1e6)
+    rq = Requests(be, opts.batch_tokens)
+    try:
+        recs = [rq.submit(opts.req_prompt, opts.req_tokens, (-1 if k % 2 == 0 else 1) if prioritized else 0)
+                for k in range(opts.requests)]
+        for r in recs:
+            r["future"].wait(600)
+        aged = rq.sched.levels.aged
+    finally:
+        rq.close()
+    high, low = recs[0::2], recs[1::2]
+    return {"high": _ttft_tpot(high, opts.req_tokens), "low": _ttft_tpot(low, opts.req_tokens), "aged": aged}
+
+
+def tenant_run(opts: argparse.Namespace, flood: int, b_tenant: str) -> dict[str, Any]:
+    """Tenant A floods `flood` requests; B sends one every `--interval` s: B's TTFT."""
+    need = (flood + opts.b_requests) * (-(-(opts.req_prompt + opts.req_tokens) // PS) + 1) + 64
+    be = StandInBackend(page_size=PS, num_pages=need, delay_s=opts.step_ms / 1000, token_s=opts.token_us / 1e6)
+    rq = Requests(be, opts.batch_tokens)
+    try:
+        flooded = [rq.submit(opts.req_prompt, opts.req_tokens, 0, "A") for _ in range(flood)]
+        bs = []
+        for _ in range(opts.b_requests):
+            time.sleep(opts.interval if flood else 0.0)
+            bs.append(rq.submit(opts.req_prompt, opts.req_tokens, 0, b_tenant))
+            if not flood:
+                bs[-1]["future"].wait(600)
+        for r in flooded + bs:
+            r["future"].wait(600)
+    finally:
+        rq.close()
+    ttft = [r["first"] - r["arrive"] for r in bs]
+    return {"b_ttft_ms": round(1000 * statistics.mean(ttft), 1), "b_ttft_max_ms": round(1000 * max(ttft), 1)}
+
+
 def main() -> None:
     opts = parse_args()
     results: dict[str, Any] = {"standin": {}, "meta": {"prompt": opts.prompt, "decodes": opts.decodes,
@@ -143,6 +246,19 @@ def main() -> None:
         be = StandInBackend(page_size=PS, num_pages=need, delay_s=opts.step_ms / 1000, token_s=opts.token_us / 1e6)
         results["standin"][str(chunk)] = r = one_run(be, chunk, opts.prompt, opts.decodes)
         print("standin", chunk, json.dumps(r), flush=True)
+    pr = {"baseline": priority_run(opts, False), "prioritized": priority_run(opts, True)}
+    pr["meta"] = {"requests": opts.requests, "prompt": opts.req_prompt, "tokens": opts.req_tokens,
+                  "batch_tokens": opts.batch_tokens}
+    results["priority"] = pr
+    print("priority", json.dumps(pr), flush=True)
+    idle = tenant_run(opts, 0, "B")
+    turns = tenant_run(opts, opts.flood, "B")
+    fifo = tenant_run(opts, opts.flood, "A")
+    results["tenants"] = {"idle": idle, "turns": turns, "one_tenant": fifo,
+                          "b_ttft_vs_idle": round(turns["b_ttft_ms"] / idle["b_ttft_ms"], 2),
+                          "b_ttft_max_vs_idle": round(turns["b_ttft_max_ms"] / idle["b_ttft_ms"], 2),
+                          "meta": {"flood": opts.flood, "interval_s": opts.interval, "b_requests": opts.b_requests}}
+    print("tenants", json.dumps(results["tenants"]), flush=True)
     if opts.real:
         import torch
 
