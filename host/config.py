@@ -44,6 +44,9 @@ class HostConfig:
         (bench/gpu_suite_notes.md): an A/B for a GPU machine (`bench/gpu_suite.py --host-config`).
     memory_limit_bytes: cap on all linear memories and tables of one instance together.
     wall_budget_s: wall-clock budget per instance (None = unlimited).
+    workers: instance worker processes (host/workers/): each runs guests on its own interpreter,
+        while the scheduler, the pages and the backend stay in this process; 0 runs every guest
+        here, on its instance's thread. Default: $PIE_WORKERS, else 0.
     max_pages_per_instance: KV pages one instance may own at once (None = no cap).
     max_pages_per_tenant: KV pages the instances of one tenant may own at once together (None =
         no cap): one tenant cannot take the whole cache from the others.
@@ -130,6 +133,7 @@ class HostConfig:
     max_published_messages: int = 1024  # unread pub/sub messages kept per instance (oldest dropped)
     max_published_bytes: int = 2**20
     epoch_tick_ms: float = 10.0
+    workers: int = field(default_factory=lambda: _env_int("PIE_WORKERS", 0))
     run_gate: bool = True
     run_slots: int = 2
     max_instances: int = 1024
@@ -159,6 +163,9 @@ class HostConfig:
         return "process" if self.tp > 1 or self.replicas > 1 else "inproc"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or not 0 <= self.workers <= 256:
+            raise ValueError(f"workers must be an int in [0, 256] (0: instances run in this process), "
+                             f"got {self.workers!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown batching policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -212,3 +219,14 @@ class HostConfig:
         if self.max_inbox_bytes < 1 or self.max_kv_store_bytes < 1:
             raise ValueError(f"max_inbox_bytes and max_kv_store_bytes must be >= 1, got {self.max_inbox_bytes}, "
                              f"{self.max_kv_store_bytes}")
+
+
+def _env_int(name: str, default: int) -> int:
+    """An int from the environment (a default a whole process, e.g. a test run, changes)."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"${name} must be an integer, got {raw!r}") from None

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_backend.types import Backend
-from host.api import ApiServices, build_linker
+from host.api import PACKAGE, ApiServices, build_linker, version_tables
+from host.api import grammar as grammar_api
 from host.batching.gate import RunGate
 from host.batching.policy import make_policy
 from host.batching.scheduler import Scheduler
@@ -42,6 +43,8 @@ from host.wasm.limits import InstanceLimits
 from host.wasm.pooling import PoolingConfig
 from host.wasm.starter import Starter
 from host.wasm.warm import WarmPool
+from host.workers.pool import RemoteInstance, WorkerPool
+from host.workers.worker import WorkerSpec
 
 __all__ = ["Host", "HostBusy", "InboxFull"]
 
@@ -176,7 +179,11 @@ class Host:
         self._lock = threading.Lock()
         self._starter = Starter()  # cold launches' threads are started on its thread
         self._closed = False
-        self.warm = WarmPool(lambda program: Instance(self._env, program, [], _ignore, warm=True),
+        self.workers: WorkerPool | None = None  # instances run in worker processes (HostConfig.workers)
+        if config.workers > 0:
+            self.workers = _start_workers(config, self.services, limits, slots if pooling is not None else None)
+            self.wasm.on_tick.append(self._tick_remote)
+        self.warm = WarmPool(lambda program: self._new_instance(program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
                              busy=busy, reaping=self._reaping, background=background, ramping=self.starts.active,
                              warmers=threads,
@@ -191,6 +198,24 @@ class Host:
         self._switch_set = switch_ms > 0
         if self._switch_set:
             _set_switch_interval(switch_ms)
+
+    def _new_instance(self, program: str, args: list[str], listener: Callable[[InstanceEvent], None],
+                      warm: bool = False) -> Instance:
+        """An instance, not started: its guest runs on its own thread here, or in a worker process."""
+        if self.workers is not None:
+            return RemoteInstance(self._env, program, args, listener, warm=warm, pool=self.workers)
+        return Instance(self._env, program, args, listener, warm=warm)
+
+    def _tick_remote(self) -> None:
+        """Each epoch tick: the wall budgets of instances whose guests run in workers (a worker's
+        guest computing past its budget is stopped from here)."""
+        if self.config.wall_budget_s is None:
+            return
+        with self._lock:
+            insts = list(self._instances.values())
+        for inst in insts:
+            if isinstance(inst, RemoteInstance):
+                inst.on_epoch()
 
     def _reaping(self) -> bool:
         """Stores of finished instances wait to be freed and no slot used before is free: the warm
@@ -242,7 +267,7 @@ class Host:
                     inst = None
             cold = inst is None
             if inst is None:
-                inst = Instance(self._env, program_hash, args, listener)
+                inst = self._new_instance(program_hash, args, listener)
                 inst.pages.tenant = tenant
                 self._place(inst)
             inst.pages.priority = priority
@@ -264,7 +289,7 @@ class Host:
                            f"{len(self._queued)} launches wait for a slot (the launch queue holds "
                            f"{cfg.launch_queue}); try again when some have ended (or raise --max-instances "
                            "or --launch-queue)")
-        inst = Instance(self._env, program_hash, args, listener)
+        inst = self._new_instance(program_hash, args, listener)
         inst.pages.tenant = tenant
         inst.pages.priority = priority
         inst.state = "queued"
@@ -473,6 +498,9 @@ class Host:
                 "model": self.model_name,
                 "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"},
                 "memory": self.memory_stats(),
+                "workers": {"count": 0} if self.workers is None else {
+                    "count": len(self.workers.workers), "restarts": self.workers.restarts,
+                    "per_worker": self.workers.stats()},
                 "engine": {"kind": "process" if self.engines else "inproc",
                            "tp": self.engines[0].spec.tp if self.engines else 1,
                            "replicas": [{"pid": e.pid, "alive": e.alive, "deaths": e.deaths,
@@ -511,6 +539,8 @@ class Host:
         self._admit()  # queued launches start, to end at once
         for inst in insts:
             inst.join(timeout)
+        if self.workers is not None:
+            self.workers.close()
         self._starter.close()
         for r in self.replicas:
             if r.suspender is not None:
@@ -628,6 +658,23 @@ def _restore_switch_interval() -> None:
         before = _switch_hosts.pop()
         if not _switch_hosts:
             sys.setswitchinterval(before)
+
+
+def _start_workers(config: HostConfig, services: ApiServices, limits: InstanceLimits,
+                   pool_slots: int | None) -> WorkerPool:
+    """The instance workers: every import of every WIT version, stubbed in each worker, runs here."""
+    tables = version_tables(services)
+    names = {v: {iface: sorted(t) for iface, t in ifaces.items()} for v, ifaces in tables.items()}
+    imports: dict[str, Callable[..., Any]] = {f"{iface}.{n}": fn for ifaces in tables.values()
+                                              for iface, t in ifaces.items() for n, fn in t.items()}
+    resources: dict[str, list[tuple[str, int]]] = {}
+    for res, (_ty, dtor) in grammar_api.resources(services.grammars).items():
+        resources.setdefault("grammar", []).append((res, {"grammar": grammar_api.GRAMMAR_TYPE,
+                                                          "matcher": grammar_api.MATCHER_TYPE}[res]))
+        imports[f"$drop.grammar.{res}"] = dtor
+    spec = WorkerSpec(index=0, cache_dir=config.cache_dir, epoch_tick_ms=config.epoch_tick_ms, limits=limits,
+                      pool_slots=pool_slots, imports=names, resources=resources, package=PACKAGE)
+    return WorkerPool(config.workers, spec, imports)
 
 
 def _ignore(_event: InstanceEvent) -> None:

@@ -7,6 +7,7 @@ the `backend` fixture), `build` = needs a componentize-py build, `gpu` = needs C
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,5 +40,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--workers", type=int, default=None, metavar="N",
+                     help="run every host's instances in N worker processes (HostConfig.workers, through "
+                          "$PIE_WORKERS); 0 = in-process. Tests about one mode say so and pin it.")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "build: needs a componentize-py build of an inferlet (not in make test-fast)")
+    workers = config.getoption("--workers")
+    if workers is not None:
+        os.environ["PIE_WORKERS"] = str(workers)  # HostConfig's default (host/config.py)

@@ -307,6 +307,15 @@ def fresh(tmp_path: Path) -> Iterator[Host]:
     h.shutdown()
 
 
+@pytest.fixture
+def fresh_inproc(tmp_path: Path) -> Iterator[Host]:
+    """`fresh` with its guests in this process (workers=0): for tests that patch how a store is
+    made or watched here (a worker makes its own, in its process)."""
+    h = Host(HostConfig(warm_auto=0, data_dir=tmp_path, workers=0), backend=FakeBackend(page_size=4, num_pages=64))
+    yield h
+    h.shutdown()
+
+
 def _slow_start(monkeypatch: pytest.MonkeyPatch, seconds: float) -> threading.Event:
     """Warm starts wait `seconds` while the returned event is set (it is, until the test clears it),
     without CPU, after the store's epoch deadline is set: as a thread at the lowest priority waits
@@ -339,19 +348,19 @@ def test_a_warm_start_slowed_by_a_busy_cpu_still_warms(fresh: Host, monkeypatch:
     assert Run(fresh, program, ["ok"]).finish(60).event == "completed"
 
 
-def test_a_warm_start_given_up_is_tried_again(fresh: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_warm_start_given_up_is_tried_again(fresh_inproc: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     import host.wasm.warm as warm_module
 
     monkeypatch.setattr(warm_module, "_START_TIMEOUT_S", 0.1)
     slow = _slow_start(monkeypatch, 0.5)
-    program = fresh.compile(wasm_bytes("misbehave"))
-    assert fresh.prewarm(program, 1, timeout_s=1.0) == 0  # each start given up after 0.1 s
-    assert program not in fresh.warm._cold
+    program = fresh_inproc.compile(wasm_bytes("misbehave"))
+    assert fresh_inproc.prewarm(program, 1, timeout_s=1.0) == 0  # each start given up after 0.1 s
+    assert program not in fresh_inproc.warm._cold
     slow.clear()
-    assert fresh.prewarm(program, 1, timeout_s=30) == 1
+    assert fresh_inproc.prewarm(program, 1, timeout_s=30) == 1
 
 
-def test_a_warm_start_that_failed_in_the_host_is_tried_again(fresh: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_warm_start_that_failed_in_the_host_is_tried_again(fresh_inproc: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     new_store = WasmEngine.new_store
     failures = [1]
 
@@ -362,12 +371,12 @@ def test_a_warm_start_that_failed_in_the_host_is_tried_again(fresh: Host, monkey
         return new_store(self)
 
     monkeypatch.setattr(WasmEngine, "new_store", failing)
-    program = fresh.compile(wasm_bytes("misbehave"))
-    assert fresh.prewarm(program, 1, timeout_s=30) == 1
-    assert not failures and program not in fresh.warm._cold
+    program = fresh_inproc.compile(wasm_bytes("misbehave"))
+    assert fresh_inproc.prewarm(program, 1, timeout_s=30) == 1
+    assert not failures and program not in fresh_inproc.warm._cold
 
 
-def test_warm_starts_failing_in_the_host_are_retried_at_a_pace(fresh: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warm_starts_failing_in_the_host_are_retried_at_a_pace(fresh_inproc: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     tries: list[float] = []
 
     def failing(self: WasmEngine) -> wasmtime.Store:
@@ -375,9 +384,9 @@ def test_warm_starts_failing_in_the_host_are_retried_at_a_pace(fresh: Host, monk
         raise RuntimeError("no store for now")
 
     monkeypatch.setattr(WasmEngine, "new_store", failing)
-    program = fresh.compile(wasm_bytes("misbehave"))
-    assert fresh.prewarm(program, 1, timeout_s=1.2) == 0
-    assert 1 <= len(tries) <= 4 and program not in fresh.warm._cold
+    program = fresh_inproc.compile(wasm_bytes("misbehave"))
+    assert fresh_inproc.prewarm(program, 1, timeout_s=1.2) == 0
+    assert 1 <= len(tries) <= 4 and program not in fresh_inproc.warm._cold
 
 
 @pytest.mark.build

@@ -101,6 +101,10 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
                         help="the GIL switch interval while the host runs: how long the scheduler may wait for the "
                              "GIL while instances start; 0 = Python's 5 ms (default: 0.5 on a CUDA device, where it "
                              "was measured to help, else Python's)")
+    parser.add_argument("--workers", type=_workers, metavar="N",
+                        help="run the inferlets' guests in N worker processes, each with its own interpreter (the "
+                             "scheduler, KV pages and model stay in this process); 0 = in this process "
+                             "(default: $PIE_WORKERS, else 0; docs/deployment.md, 'Workers')")
     parser.add_argument("--engine", choices=list(ENGINES),
                         help="where the model runs: inproc = in this process, on the scheduler thread; "
                              "process = in engine processes fed over pyzmq + msgpack; auto = inproc for one "
@@ -132,10 +136,21 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "gpu_memory_utilization": args.gpu_memory_utilization, "launch_queue": args.launch_queue, "launch_queue_timeout_s": args.launch_queue_timeout_s,
         "warm_instances": args.warm_instances, "warm_auto": args.warm_auto,
         "switch_interval_ms": args.switch_interval_ms,
-        "engine": args.engine, "tp": args.tp, "replicas": args.replicas,
+        "engine": args.engine, "tp": args.tp, "replicas": args.replicas, "workers": args.workers,
         "data_dir": getattr(args, "data_dir", None),
     }
     return HostConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+def _workers(text: str) -> int:
+    """--workers: an int in [0, 256]."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--workers takes a number of worker processes, got {text!r}") from None
+    if not 0 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"--workers must be in [0, 256], got {n}")
+    return n
 
 
 def _mib(value: int | None) -> int | None:

@@ -1,0 +1,290 @@
+"""Instance workers on the host's side: the worker processes, and `RemoteInstance`, an instance whose
+guest runs in one of them (`HostConfig.workers` > 0).
+
+What runs where. A worker (host/workers/worker.py) makes the guest's store, runs its wasm and
+converts the values of its host calls: the start, the guest's own code and the end of every
+instance, which on one interpreter cost ~2 ms of GIL-held work each. The host keeps everything
+the instances share and the backend sees: the scheduler (one batch per step, from every worker's
+instances), the KV pages and prefix cache, the suspender, pub/sub, the key-value store, the
+tenants' bounds, the events. Each import a guest calls is sent over (`wire.Call`) and run by the
+instance's `RemoteInstance` thread here, the same import function as an in-process instance's,
+with `current()` that instance; its result goes back (`wire.Reply`). A host-side generation loop
+(`forward.generate`) runs next to the scheduler as before: only the call that starts it and its
+result cross. Per call: one message each way.
+
+An instance lives on the least loaded worker (`place`). A worker that dies ends its instances with
+an `exception` event naming the cause, after which their pages are released as for any end; the
+pool starts a new worker in its place.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import Pipe
+from typing import Any
+
+import wasmtime
+
+from host.events import InstanceEvent
+from host.wasm import instance as instance_module
+from host.wasm.instance import Instance, InstanceEnv
+from host.workers import wire
+from host.workers.worker import WorkerSpec
+
+__all__ = ["RemoteInstance", "WorkerPool"]
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 60.0  # a worker not ready by then fails the host's start
+
+
+@dataclass(frozen=True)
+class _WorkerLost:
+    """The instance's worker died: its guest is gone."""
+
+    reason: str
+
+
+class _Worker:
+    """One worker process and the host's end of its connection. The process is started as
+    `python -m host.workers.worker FD` (not by multiprocessing's spawn, which imports the host's
+    `__main__` again in the child: a user's script without a main guard would run twice), its end
+    of a socket pair inherited as FD; the first message is its `WorkerSpec`."""
+
+    def __init__(self, index: int, spec: WorkerSpec, on_message: Callable[[_Worker, Any], None],
+                 on_exit: Callable[[_Worker], None]) -> None:
+        self.index = index
+        self.conn, child = Pipe(duplex=True)
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", "host.workers.worker", str(child.fileno())],
+                                            pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            child.close()
+        self._send_lock = threading.Lock()
+        self.instances: set[str] = set()  # ids of the instances it runs
+        self.launched = 0  # instances placed on it, ever
+        self.ready = threading.Event()  # it has sent `wire.Ready`
+        self._on_message, self._on_exit = on_message, on_exit
+        self.send(spec)
+        self._reader = threading.Thread(target=self._read, name=f"pie-worker-{index}-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send(self, msg: Any) -> None:
+        data = wire.dumps(msg)
+        with self._send_lock:
+            self.conn.send_bytes(data)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = wire.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if isinstance(msg, wire.Ready):
+                self.ready.set()
+                continue
+            self._on_message(self, msg)
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+        self._on_exit(self)
+
+
+class WorkerPool:
+    """`n` worker processes running guests for one host; `imports` by "interface.name" (and the
+    resources' destructors by "$drop.interface.resource"), as an in-process instance's linker has them."""
+
+    def __init__(self, n: int, spec: WorkerSpec, imports: dict[str, Callable[..., Any]]) -> None:
+        if n < 1:
+            raise ValueError(f"a worker pool needs at least one worker, got {n}")
+        self._spec = spec
+        self.imports = imports
+        self._lock = threading.Lock()
+        self._instances: dict[str, RemoteInstance] = {}
+        self._closed = False
+        self.restarts = 0  # workers started again after one died
+        self.workers = [self._start(i) for i in range(n)]
+        for w in self.workers:  # (a worker imports the host and builds its linker: ~1-2 s, in parallel)
+            if not w.ready.wait(_START_TIMEOUT_S):
+                self.close()
+                raise RuntimeError(f"instance worker {w.index} did not start within {_START_TIMEOUT_S:g} s "
+                                   f"(exit code {w.process.poll()}; its stderr says why)")
+
+    def _start(self, index: int) -> _Worker:
+        return _Worker(index, WorkerSpec(**{**vars(self._spec), "index": index}), self._message, self._exited)
+
+    def place(self, inst: RemoteInstance) -> _Worker:
+        """Put `inst` on the worker running the fewest instances and launch its guest there."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the host's workers are shut down")
+            worker = min(self.workers, key=lambda w: len(w.instances))
+            worker.instances.add(inst.id)
+            worker.launched += 1
+            self._instances[inst.id] = inst
+            inst.worker = worker  # (before its Launch: a launch of a warm instance sends its Unpark there)
+        worker.send(wire.Launch(inst.id, inst.program, inst.parked))
+        return worker
+
+    def release(self, inst: RemoteInstance) -> None:
+        with self._lock:
+            self._instances.pop(inst.id, None)
+            if inst.worker is not None:
+                inst.worker.instances.discard(inst.id)
+
+    def _message(self, worker: _Worker, msg: Any) -> None:
+        with self._lock:
+            inst = self._instances.get(msg.iid)
+        if inst is not None:
+            inst.inbound.put(msg)
+
+    def _exited(self, worker: _Worker) -> None:
+        """A worker's connection closed: its instances end; a new worker takes its place."""
+        code = worker.process.returncode
+        with self._lock:
+            lost = [self._instances[i] for i in worker.instances if i in self._instances]
+            # (one that never started is not started again: it would fail the same way, forever)
+            restart = not self._closed and worker.ready.is_set() and self.workers[worker.index] is worker
+        reason = f"the instance's worker process died (exit code {code})"
+        for inst in lost:
+            inst.inbound.put(_WorkerLost(reason))
+        if restart:
+            log.error("instance worker %d died (exit code %s): %d instance(s) ended; starting it again",
+                      worker.index, code, len(lost))
+            with self._lock:
+                self.workers[worker.index] = self._start(worker.index)
+                self.restarts += 1
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per worker: its pid, the instances it runs now and those placed on it ever."""
+        with self._lock:
+            return [{"worker": w.index, "pid": w.pid, "instances": len(w.instances), "launched": w.launched}
+                    for w in self.workers]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            workers = list(self.workers)
+        for w in workers:
+            try:
+                w.send(wire.Quit())
+            except (OSError, ValueError):
+                pass
+        for w in workers:
+            try:
+                w.process.wait(5)
+            except subprocess.TimeoutExpired:
+                w.process.kill()
+                w.process.wait(5)
+            w.conn.close()
+
+
+class RemoteInstance(Instance):
+    """An instance whose guest runs in a worker process (host/workers/worker.py): its thread here
+    serves the guest's host calls, one at a time, and ends with the guest. Everything else (its
+    pages, forwards, inbox, subscriptions, events, terminate, the wall budget, a warm instance's
+    parking at its first call) is an `Instance`'s."""
+
+    def __init__(self, env: InstanceEnv, program: str, args: list[str],
+                 on_event: Callable[[InstanceEvent], None], warm: bool = False,
+                 pool: WorkerPool | None = None) -> None:
+        super().__init__(env, program, args, on_event, warm)
+        if pool is None:
+            raise ValueError("a RemoteInstance needs a WorkerPool")
+        self.pool = pool
+        self.worker: _Worker | None = None
+        self.inbound: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def terminate(self, reason: str, event: str = "aborted") -> None:
+        first = self.stop_reason is None and not self.finished.is_set()
+        super().terminate(reason, event)
+        worker = self.worker
+        if first and worker is not None:  # a guest computing traps at its worker's next epoch check
+            try:
+                worker.send(wire.Stop(self.id, reason))
+            except (OSError, ValueError):  # the worker is gone: its end comes as _WorkerLost
+                pass
+
+    def launch(self, args: list[str], on_event: Callable[[InstanceEvent], None], tenant: str) -> bool:
+        if not super().launch(args, on_event, tenant):
+            return False
+        worker = self.worker
+        if worker is not None:  # (not placed yet: its Launch, sent after, says it is not warm)
+            try:
+                worker.send(wire.Unpark(self.id))
+            except (OSError, ValueError):
+                pass
+        return True
+
+    def on_epoch(self) -> str | None:
+        """The host's epoch tick (the worker checks the guest's own): the wall budget."""
+        self._enforce_budget()
+        return None
+
+    def _main(self) -> None:
+        event, message = "exception", "instance did not start"
+        instance_module._current.instance = self
+        try:
+            self.pool.place(self)
+            self.state = "warm" if self.parked else "running"
+            while True:
+                msg = self.inbound.get()
+                if isinstance(msg, wire.Call):
+                    self._serve(msg)
+                elif isinstance(msg, wire.Ended):
+                    event, message = msg.event, msg.message
+                    break
+                elif isinstance(msg, _WorkerLost):
+                    self.failed_in_host = True
+                    event, message = "exception", msg.reason
+                    break
+            if self.stop_reason is not None:
+                event, message = self.stop_event, self.stop_reason
+            elif event == "completed":
+                message = self.return_value or ""
+        except Exception as e:  # a host-side failure ends this instance only
+            log.exception("instance %s failed in the host", self.id)
+            self.failed_in_host = True
+            event, message = "exception", f"host error: {type(e).__name__}: {e}"
+        finally:
+            self._end_start()
+            self.env.gate.leave()
+            instance_module._current.instance = None
+            self.pool.release(self)
+            self._mark_ended(event)
+        self.emit(event, message)
+
+    def _serve(self, call: wire.Call) -> None:
+        """Run one import the guest called, as its own thread would in-process, and answer it."""
+        fn = self.pool.imports.get(call.name)
+        # The run gate as in-process: an import that blocks gives its slot up and takes one when it
+        # goes on (Instance.wait_until); the slot is given up when the import returns (the guest
+        # then runs in its worker, taking nothing here).
+        try:
+            if fn is None:
+                raise wasmtime.WasmtimeError(f"{call.name}: no such import on this host")
+            reply = wire.Reply(self.id, fn(None, *call.args))
+        except wasmtime.WasmtimeError as e:
+            reply = wire.Reply(self.id, trap=str(e))
+        except Exception as e:  # (the imports turn their errors into traps; this is a host bug)
+            log.exception("host import %s failed", call.name)
+            reply = wire.Reply(self.id, trap=f"{call.name}: internal host error: {type(e).__name__}: {e}")
+        finally:
+            self.env.gate.leave()
+        assert self.worker is not None
+        try:
+            self.worker.send(reply)
+        except (OSError, ValueError):  # the worker is gone: its end comes as _WorkerLost
+            pass

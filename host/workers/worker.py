@@ -1,0 +1,202 @@
+"""An instance worker: a process of its own that runs guests for the host (`HostConfig.workers`).
+
+The worker has its own interpreter, wasmtime engine and pool of instance slots; it makes each
+guest's store, instantiates its component (loaded from the host's disk cache: compiled once, by
+the host), runs it, converts the values of its host calls, and frees the store when it ends: the
+CPU-heavy part of an instance's life. Every WIT import is a stub that sends the call to the host
+(`wire.Call`) and waits for the host's answer (`wire.Reply`): the host runs the import itself, on
+that instance's thread there, against the scheduler, the pages and the shared state, which stay in
+its process. What stays here: WASI (stdout / stderr kept for the end message, clock waits), the
+memory limits and the epoch checks (a `wire.Stop` from the host traps a computing guest).
+
+Each guest runs as an `Instance` (host/wasm/instance.py) with the host's id, so its limits, its
+trap classification and `current()` work as in the host's process.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import wasmtime
+from wasmtime.component import Linker, ResourceType
+
+from host.api import wasi
+from host.api.fastcall import add_func
+from host.batching.gate import RunGate
+from host.events import InstanceEvent
+from host.wasm.engine import WasmEngine
+from host.wasm.instance import Instance, InstanceEnv, current
+from host.wasm.limits import InstanceLimits
+from host.wasm.pooling import PoolingConfig
+from host.workers import wire
+
+__all__ = ["WorkerSpec", "main"]
+
+log = logging.getLogger(__name__)
+
+_REPLY_POLL_S = 0.5  # how often a guest waiting for the host's reply looks whether it was stopped
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to serve the host: where the compiled components are, the engine's
+    settings (the same as the host's: a serialized component loads only on the same config), the
+    guests' limits, and the imports to stub (version -> interface -> names; resources by interface:
+    (name, type id))."""
+
+    index: int
+    cache_dir: Path
+    epoch_tick_ms: float
+    limits: InstanceLimits
+    pool_slots: int | None  # None: wasmtime's on-demand allocator
+    imports: dict[str, dict[str, list[str]]]
+    resources: dict[str, list[tuple[str, int]]]
+    package: str
+
+
+class _Worker:
+    def __init__(self, conn: Connection, spec: WorkerSpec) -> None:
+        self.conn, self.spec = conn, spec
+        self._send_lock = threading.Lock()
+        pooling = PoolingConfig(spec.pool_slots, spec.limits) if spec.pool_slots else None
+        self.engine = WasmEngine(spec.cache_dir, spec.epoch_tick_ms, pooling)
+        self.linker = self._linker()
+        # the host enforces the wall budget (it stops the guest); here only the memory limits apply
+        limits = InstanceLimits(**{**vars(spec.limits), "wall_budget_s": None})
+        self.env = InstanceEnv(engine=self.engine, linker=self.linker, gate=RunGate(False), limits=limits,
+                               on_block=lambda _iid: None, on_end=self._ended)
+        self.instances: dict[str, Instance] = {}
+        self.replies: dict[str, queue.SimpleQueue[wire.Reply]] = {}
+        self._unparked: set[str] = set()  # warm instances launched before their Launch came
+        self._lock = threading.Lock()
+
+    def send(self, msg: Any, store: Any = None) -> None:
+        data = wire.dumps(msg, store)
+        with self._send_lock:
+            self.conn.send_bytes(data)
+
+    def _linker(self) -> Linker:
+        linker = Linker(self.engine.engine)
+        linker.add_wasip2()
+        wasi.add_clock_waits(linker, self.engine.engine)
+        with linker.root() as root:
+            for version, tables in self.spec.imports.items():
+                for iface, names in tables.items():
+                    with root.add_instance(f"{self.spec.package}/{iface}@{version}") as li:
+                        for res, ty in self.spec.resources.get(iface, []):
+                            li.add_resource(res, ResourceType.host(ty), self._dtor(f"$drop.{iface}.{res}"))
+                        for name in names:
+                            add_func(li, name, self._stub(f"{iface}.{name}"))
+        return linker
+
+    def _stub(self, name: str) -> Any:
+        def call(store: Any, *args: Any) -> Any:
+            return self._call(current(park=False), name, args, store)
+
+        return call
+
+    def _dtor(self, name: str) -> Any:
+        def drop(store: Any, rep: int) -> None:
+            try:
+                inst = current(park=False)
+            except wasmtime.WasmtimeError:  # dropped with its store: the host releases it at the end
+                return
+            self._call(inst, name, (rep,), store)
+
+        return drop
+
+    def _call(self, inst: Instance, name: str, args: tuple[Any, ...], store: Any) -> Any:
+        """Send the call to the host and wait for its reply (the host answers every call, with a
+        value or the trap it raises; a stopped guest traps at its next epoch check after it)."""
+        replies = self.replies[inst.id]
+        self.send(wire.Call(inst.id, name, args), store)
+        while True:
+            try:
+                reply = replies.get(timeout=_REPLY_POLL_S)
+                break
+            except queue.Empty:
+                continue
+        if reply.trap is not None:
+            inst.trap_reason = reply.trap
+            raise wasmtime.WasmtimeError(reply.trap)
+        return reply.value
+
+    def launch(self, msg: wire.Launch) -> None:
+        with self._lock:
+            warm = msg.warm and msg.iid not in self._unparked
+            self._unparked.discard(msg.iid)
+        inst = Instance(self.env, msg.program, [], self._listener(msg.iid), warm=warm)
+        inst.id = msg.iid  # the host's: calls and the end name it
+        inst.label = f"instance {msg.iid[:8]}"
+        with self._lock:
+            self.instances[msg.iid] = inst
+            self.replies[msg.iid] = queue.SimpleQueue()
+        inst.start()
+
+    def _listener(self, iid: str) -> Any:
+        def on_event(ev: InstanceEvent) -> None:
+            if ev.terminal:
+                self.send(wire.Ended(iid, ev.event, ev.message))
+
+        return on_event
+
+    def _ended(self, inst: Instance) -> None:
+        with self._lock:
+            self.instances.pop(inst.id, None)
+            self.replies.pop(inst.id, None)
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = wire.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):  # the host is gone
+                return
+            if isinstance(msg, wire.Reply):
+                with self._lock:
+                    replies = self.replies.get(msg.iid)
+                if replies is not None:
+                    replies.put(msg)
+            elif isinstance(msg, wire.Launch):
+                self.launch(msg)
+            elif isinstance(msg, wire.Unpark):
+                with self._lock:
+                    inst = self.instances.get(msg.iid)
+                    if inst is None:  # (it overtook its Launch)
+                        self._unparked.add(msg.iid)
+                if inst is not None:
+                    with inst.cond:
+                        inst.parked = False
+            elif isinstance(msg, wire.Stop):
+                with self._lock:
+                    inst = self.instances.get(msg.iid)
+                if inst is not None:
+                    inst.terminate(msg.reason)
+            elif isinstance(msg, wire.Quit):
+                return
+
+
+def main(fd: int) -> None:
+    """The worker process's entry point (`python -m host.workers.worker FD`, FD its end of the
+    connection): read its `WorkerSpec`, then serve the host until it quits or goes away."""
+    conn = Connection(fd)
+    spec = wire.loads(conn.recv_bytes())
+    logging.basicConfig(level=logging.WARNING, format=f"pie worker {spec.index}: %(levelname)s %(message)s")
+    worker = _Worker(conn, spec)
+    worker.send(wire.Ready(spec.index))
+    try:
+        worker.serve()
+    finally:
+        for inst in list(worker.instances.values()):
+            inst.terminate("the host shut its workers down")
+        worker.engine.stop()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

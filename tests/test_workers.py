@@ -1,0 +1,116 @@
+"""Instance workers (HostConfig.workers, host/workers/): guests run in worker processes while the
+scheduler, the pages and the backend stay in the host's process. These tests pin workers=2
+whatever `--workers` the run has; the rest of the suite runs in either mode (`pytest --workers N`).
+
+On the fake backend (each token the last one + 1), so every output is known independently."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakes import FakeBackend
+from helpers import Run, text_completion_burst, wait_for, wasm_bytes
+
+from host import Host, HostConfig
+from host.cli.options import add_host_options, host_config_from_args
+
+
+def expected_generation(prompt: list[int], n: int) -> str:
+    return " ".join(str(prompt[-1] + 1 + i) for i in range(n))
+
+
+def make_host(tmp: Path, **config: object) -> Host:
+    cfg = HostConfig(workers=2, data_dir=tmp, **config)  # type: ignore[arg-type]
+    return Host(cfg, backend=FakeBackend(page_size=4, num_pages=256, delay_s=0.002))
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    h = make_host(tmp_path_factory.mktemp("data"), wall_budget_s=30.0)
+    yield h
+    h.shutdown()
+
+
+@pytest.mark.build
+def test_a_text_completion_burst_runs_in_both_workers_with_exact_outputs(host: Host) -> None:
+    prog = host.compile(wasm_bytes("text_completion"))
+    before = [w["launched"] for w in host.stats()["workers"]["per_worker"]]
+    got, wants = text_completion_burst(host, prog, [f"{i:02d} lighthouses" for i in range(12)], 16)
+    assert got == wants
+    stats = host.stats()["workers"]
+    assert stats["count"] == 2
+    assert all(w["launched"] - b >= 4 for w, b in zip(stats["per_worker"], before, strict=True)), stats
+    assert len({w["pid"] for w in stats["per_worker"]} | {os.getpid()}) == 3  # two processes of their own
+
+
+def test_a_guest_bug_in_a_worker_traps_that_instance_only(host: Host) -> None:
+    prog = host.compile(wasm_bytes("misbehave"))
+    good = [Run(host, prog, ["generate", "12", str(10 + 7 * i), str(11 + 7 * i)]) for i in range(4)]
+    bad = Run(host, prog, ["invalid_page"])
+    end = bad.finish(60)
+    assert end.event == "exception" and "page 1000000 is not held by this instance" in end.message
+    for i, r in enumerate(good):
+        e = r.finish(60)
+        assert (e.event, e.message) == ("completed", expected_generation([11 + 7 * i], 12))
+    wait_for(lambda: host.free_pages() == host.total_pages, what="every page back")
+
+
+def test_terminate_stops_a_guest_computing_in_its_worker(host: Host) -> None:
+    spin = Run(host, host.compile(wasm_bytes("loop")), [])
+    wait_for(lambda: any(i["id"] == spin.id and i["state"] == "running" for i in host.instances()), what="running")
+    host.terminate(spin.id, "stop spinning")
+    end = spin.finish(20)
+    assert (end.event, end.message) == ("aborted", "stop spinning")
+
+
+def test_the_wall_budget_stops_a_guest_computing_in_its_worker(tmp_path: Path) -> None:
+    h = make_host(tmp_path, wall_budget_s=0.5)
+    try:
+        end = Run(h, h.compile(wasm_bytes("loop")), []).finish(20)
+        assert end.event == "exception" and "wall-clock budget of 0.5 s exceeded" in end.message
+    finally:
+        h.shutdown()
+
+
+def test_a_killed_worker_ends_only_its_instances_and_is_replaced(tmp_path: Path) -> None:
+    h = make_host(tmp_path, wall_budget_s=60.0)
+    try:
+        prog = h.compile(wasm_bytes("misbehave"))
+        runs = [Run(h, prog, ["hog", "2"]) for _ in range(8)]  # each holds 2 pages until told to go
+        wait_for(lambda: h.free_pages() == h.total_pages - 16, what="every instance holding its pages")
+        victim = h.workers.workers[0] if h.workers is not None else None
+        assert victim is not None and len(victim.instances) == 4
+        doomed = set(victim.instances)
+        os.kill(victim.pid, signal.SIGKILL)
+        for r in runs:
+            if r.id in doomed:
+                end = r.finish(30)
+                assert end.event == "exception" and "worker process died" in end.message, end
+        for r in runs:
+            if r.id not in doomed:
+                h.signal(r.id, "go")
+                assert r.finish(30).event == "completed"
+        wait_for(lambda: h.free_pages() == h.total_pages, what="the dead worker's instances' pages back")
+        assert h.stats()["workers"]["restarts"] == 1
+        again = Run(h, prog, ["generate", "5", "3"]).finish(30)  # the host serves on, the new worker too
+        assert (again.event, again.message) == ("completed", expected_generation([3], 5))
+    finally:
+        h.shutdown()
+
+
+def test_workers_from_the_cli_and_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_host_options(p)
+    assert host_config_from_args(p.parse_args(["--workers", "3"])).workers == 3
+    for bad in ("-1", "x", "1000"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--workers", bad])
+        assert "--workers" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="workers"):
+        HostConfig(workers=-2)
