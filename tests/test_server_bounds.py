@@ -346,3 +346,76 @@ def test_finished_detached_instances_keep_a_bounded_total_of_events() -> None:
     kept = sorted(int(iid[1:]) for iid in table.records)
     assert sum(r.buffered_bytes for r in table.records.values()) <= FINISHED_DETACHED_BUFFERS * 1000
     assert kept == list(range(40 - len(kept), 40)) and 10 <= len(kept) <= 17  # the newest
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_partial_upload_budget() -> None:
+    from host.server.programs import Upload, UploadBudget, UploadError
+
+    budget = UploadBudget(8 * MIB, min_share=3 * MIB)  # share: half of 8 MiB
+    assert budget.tenant_share == 4 * MIB
+    assert UploadBudget(8 * MIB, min_share=6 * MIB).tenant_share == 6 * MIB  # one largest program fits
+    assert UploadBudget(4 * MIB, min_share=64 * MIB).tenant_share == 4 * MIB  # never past the whole
+    a1 = Upload("0" * 64, 16, 4 * MIB, budget, tenant="a")
+    for i in range(12):  # 3 MiB
+        a1.add("0" * 64, i, 16, bytes(CHUNK_SIZE))
+    a2 = Upload("1" * 64, 16, 4 * MIB, budget, tenant="a")
+    for i in range(4):  # 1 MiB more: a's whole share
+        a2.add("1" * 64, i, 16, bytes(CHUNK_SIZE))
+    with pytest.raises(UploadError, match=r"tenant 'a' holds 4194304 bytes of partial uploads, its share of the "
+                                          r"server's is 4194304"):
+        a2.add("1" * 64, 4, 16, bytes(CHUNK_SIZE))
+    b = Upload("2" * 64, 16, 4 * MIB, budget, tenant="b")
+    for i in range(16):  # b still gets its own share
+        b.add("2" * 64, i, 16, bytes(CHUNK_SIZE))
+    a2.discard()
+    assert budget.by_tenant == {"a": 3 * MIB, "b": 4 * MIB} and budget.used == 7 * MIB
+    a1.discard()
+    b.discard()
+    assert budget.by_tenant == {} and budget.used == 0
+
+
+def test_a_tenant_holding_its_share_of_partial_uploads_leaves_room_for_another(tmp_path: Path) -> None:
+    """Tenant A's four connections each hold an unfinished 3 MiB upload: past A's share (half of
+    --max-uploads-mb 8 MiB) its chunks are refused, naming its share; tenant B still uploads."""
+    chunk = b"\0asm" + bytes(CHUNK_SIZE - 4)
+    fake_hash = hashlib.sha256(b"never finished").hexdigest()
+    alice, bob = "alice-token-0123456789", "bob-token-0123456789"
+
+    def frame(i: int) -> bytes:
+        return pack({"type": "upload_program", "corr_id": i + 1, "program_hash": fake_hash, "chunk_index": i,
+                     "total_chunks": 16, "chunk_data": chunk})
+
+    with running_server(tmp_path, max_upload_bytes_in_flight=8 * MIB, max_program_bytes=4 * MIB,
+                        tenants=(("alice", alice), ("bob", bob))) as srv:
+        held = asyncio.Event()
+        refusals: list[str] = []
+
+        async def hog() -> None:
+            async with connect(srv.url) as ws:
+                await ws.send(pack({"type": "authenticate", "corr_id": 0, "token": alice}))
+                await ws.recv()
+                for i in range(12):
+                    await ws.send(frame(i))
+                    reply = await ws.recv()
+                    if b"share" in reply:
+                        refusals.append(bytes(reply).decode("utf-8", "replace") if isinstance(reply, bytes) else reply)
+                        break
+                await held.wait()  # hold the partial upload while bob uploads
+
+        async def main() -> None:
+            hogs = [asyncio.create_task(hog()) for _ in range(4)]
+            await wait_until(lambda: len(refusals) >= 2)
+            async with await PieClient.connect(srv.url, token=bob) as client:
+                assert await client.upload_program(WASM + bytes(3 * CHUNK_SIZE)) is not None
+            held.set()
+            await asyncio.gather(*hogs)
+
+        async def wait_until(cond) -> None:  # noqa: ANN001
+            for _ in range(500):
+                if cond():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"alice's uploads were never refused: {refusals}")
+
+        asyncio.run(main())
+        assert all("tenant 'alice'" in r and "its share of the server's is 4194304" in r for r in refusals), refusals

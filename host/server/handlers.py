@@ -56,7 +56,7 @@ class RequestHandlers:
         self.connections = connections
         self.counters = counters
         self.limits = limits
-        self.uploads = UploadBudget(config.max_upload_bytes_in_flight)
+        self.uploads = UploadBudget(config.max_upload_bytes_in_flight, min_share=config.max_program_bytes)
         self.stopping = False  # the server is shutting down: no more launches
         self._table: dict[type, Callable[[Connection, Any], Awaitable[Any]]] = {
             p.Authenticate: self._authenticate, p.Ping: self._ping, p.Query: self._query,
@@ -134,7 +134,8 @@ class RequestHandlers:
         try:
             if req.chunk_index == 0:
                 self.discard_upload(conn)
-                conn.upload = Upload(req.program_hash, req.total_chunks, self.config.max_program_bytes, self.uploads)
+                conn.upload = Upload(req.program_hash, req.total_chunks, self.config.max_program_bytes, self.uploads,
+                                     conn.tenant)
             elif conn.upload is None:
                 raise UploadError(f"out-of-order chunk: got chunk_index {req.chunk_index} with no upload "
                                   "in progress (start at chunk 0)")

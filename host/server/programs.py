@@ -11,7 +11,7 @@ Bounds: a tenant's programs take at most `quota_bytes` (an upload past it evicts
 least recently used programs first; one larger than the quota is refused), a program nobody
 launched or uploaded for `ttl_s` is evicted from that tenant's set, and a file no tenant owns any
 more is deleted. `Upload` assembles one chunked upload and checks its hash; `UploadBudget` bounds
-the bytes all partial uploads of a server hold.
+the bytes all partial uploads of a server hold, and each tenant's share of them.
 """
 
 from __future__ import annotations
@@ -58,20 +58,36 @@ class ProgramTooLarge(Exception):
 
 
 class UploadBudget:
-    """Bytes held by all partial uploads of one server; a chunk past `limit` is refused."""
+    """Bytes held by all partial uploads of one server; a chunk past `limit` is refused, and so is
+    one that would take its tenant past `tenant_share` (default: half of `limit`, but never less
+    than `min_share`, the largest program allowed, so one big upload still fits), so that one
+    tenant's connections cannot hold the whole budget and keep everyone else from uploading."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, tenant_share: int | None = None, min_share: int = 0) -> None:
         self.limit = limit
+        self.tenant_share = min(limit, tenant_share if tenant_share is not None else max(limit // 2, min_share))
         self.used = 0
+        self.by_tenant: dict[str, int] = {}
 
-    def take(self, n: int) -> None:
+    def take(self, n: int, tenant: str = "local") -> None:
+        held = self.by_tenant.get(tenant, 0)
+        if held + n > self.tenant_share:
+            raise UploadError(f"tenant {tenant!r} holds {held} bytes of partial uploads, its share of the "
+                              f"server's is {self.tenant_share} (half of --max-uploads-mb, at least "
+                              "--max-program-mb); finish or abandon an upload, or try again later")
         if self.used + n > self.limit:
             raise UploadError(f"the server holds {self.used} bytes of partial uploads, its limit is "
                               f"{self.limit} (--max-uploads-mb); try again later")
         self.used += n
+        self.by_tenant[tenant] = held + n
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, tenant: str = "local") -> None:
         self.used -= n
+        left = self.by_tenant.get(tenant, 0) - n
+        if left > 0:
+            self.by_tenant[tenant] = left
+        else:
+            self.by_tenant.pop(tenant, None)
 
 
 class Upload:
@@ -79,7 +95,8 @@ class Upload:
 
     Its bytes count against `budget` until `finish` or `discard`."""
 
-    def __init__(self, program_hash: str, total_chunks: int, max_bytes: int, budget: UploadBudget | None = None) -> None:
+    def __init__(self, program_hash: str, total_chunks: int, max_bytes: int, budget: UploadBudget | None = None,
+                 tenant: str = "local") -> None:
         max_chunks = -(-max_bytes // CHUNK_SIZE)
         if total_chunks > max_chunks:
             raise UploadError(f"total_chunks {total_chunks} exceeds the limit of {max_chunks} "
@@ -89,6 +106,7 @@ class Upload:
         self.next_index = 0
         self._max_bytes = max_bytes
         self._budget = budget or UploadBudget(max_bytes)
+        self.tenant = tenant  # whose share of the budget its bytes count against
         self._data = bytearray()
 
     def add(self, program_hash: str, chunk_index: int, total_chunks: int, chunk: bytes) -> bool:
@@ -105,7 +123,7 @@ class Upload:
             raise UploadError(f"chunk {chunk_index} is empty")
         if len(self._data) + len(chunk) > self._max_bytes:
             raise UploadError(f"program exceeds the size limit of {self._max_bytes} bytes")
-        self._budget.take(len(chunk))
+        self._budget.take(len(chunk), self.tenant)
         self._data += chunk
         self.next_index += 1
         return self.next_index == self.total_chunks
@@ -122,7 +140,7 @@ class Upload:
 
     def discard(self) -> None:
         """Let go of the bytes received so far (and their share of the budget)."""
-        self._budget.give(len(self._data))
+        self._budget.give(len(self._data), self.tenant)
         self._data = bytearray()
 
 
