@@ -18,6 +18,7 @@ from host.state.topics import Topics
 WIT = Path(__file__).resolve().parents[1] / "wit" / "inferlet.wit"
 WIT_0_1 = Path(__file__).resolve().parents[1] / "wit" / "v0.1.0" / "inferlet.wit"
 WIT_0_2 = Path(__file__).resolve().parents[1] / "wit" / "v0.2.0" / "inferlet.wit"
+WIT_0_3 = Path(__file__).resolve().parents[1] / "wit" / "v0.3.0" / "inferlet.wit"
 
 
 def declared(path: Path = WIT) -> dict[str, set[str]]:
@@ -54,11 +55,13 @@ def test_registered_imports_equal_the_wit_declarations(services: ApiServices) ->
 
 def test_every_version_shipped_is_served_with_exactly_its_functions(services: ApiServices) -> None:
     tables = version_tables(services)
-    assert set(tables) == set(WIT_VERSIONS) == {"0.1.0", "0.2.0", "0.3.0"}
-    for version, path in (("0.3.0", WIT), ("0.2.0", WIT_0_2), ("0.1.0", WIT_0_1)):
+    assert set(tables) == set(WIT_VERSIONS) == {"0.1.0", "0.2.0", "0.3.0", "0.4.0"}
+    for version, path in (("0.4.0", WIT), ("0.3.0", WIT_0_3), ("0.2.0", WIT_0_2), ("0.1.0", WIT_0_1)):
         head = re.search(r"^package [\w:-]+@([\d.]+);", path.read_text(), re.M)
         assert head is not None and head.group(1) == version
         assert {iface: set(t) for iface, t in tables[version].items()} == declared(path), version
+    assert {"set-priority", "priority"} <= set(tables["0.4.0"]["runtime"])
+    assert not {"set-priority", "priority"} & set(tables["0.3.0"]["runtime"])
     services.replicas[0].scheduler.stop()
 
 

@@ -151,6 +151,17 @@ def test_a_component_built_against_wit_0_2_0_still_runs(host: Host) -> None:
     assert end.event == "completed", end.message
 
 
+def test_a_component_built_against_wit_0_3_0_still_runs(host: Host) -> None:
+    end = Run(host, host.compile(wasm_bytes("v0_3_component")), []).finish(30)
+    assert end.event == "completed", end.message
+
+
+def test_set_priority_takes_a_value_in_range_and_traps_one_out_of_range(host: Host) -> None:
+    end = Run(host, host.compile(wasm_bytes("set_priority")), []).finish(30)
+    assert end.event == "exception"
+    assert end.message == "runtime.set-priority: priority must be from -1000 to 1000 (lower runs sooner), got 5000"
+
+
 def test_invalid_component_is_rejected(host: Host) -> None:
     with pytest.raises(CompileError):
         host.compile(b"\0asm not really")

@@ -177,3 +177,50 @@ def test_a_low_priority_launch_is_aged_in_under_constant_high_priority_launches(
         assert host.stats()["levels"]["launch_queue"]["aged"] >= 1
     finally:
         host.shutdown()
+
+
+def _guest(iid: str, tenant: str, priority: int):  # noqa: ANN202
+    """An instance as the imports see it (bound to this thread, as a guest's calls are)."""
+    from types import SimpleNamespace
+
+    from host.state.pages import InstancePages
+    pages = InstancePages(tenant)
+    pages.priority = priority
+    return SimpleNamespace(id=iid, pages=pages, parked=False, stepper=None, trap_reason=None)
+
+
+def test_a_guest_lowering_its_priority_runs_after_a_higher_one_in_a_full_batch() -> None:
+    import wasmtime
+
+    import host.wasm.instance as instance_mod
+    from host.api import runtime
+    from host.replicas import Replica
+    from host.state.pages import PageManager
+
+    rec = Recorder()
+    s = make(rec, max_batch_tokens=4)
+    table = runtime.imports("0.4.0", [Replica(0, PageManager(64), s)])
+    g = _guest("g", "t", -5)  # launched ahead of "o"...
+    s.set_class("g", -5, "t")
+    s.set_class("o", 0, "t")
+    instance_mod._current.instance = g
+    try:
+        assert table["priority"](None) == -5
+        table["set-priority"](None, 10)  # ...then lowers itself behind it
+        assert table["priority"](None) == 10 and g.pages.priority == 10
+        with pytest.raises(wasmtime.WasmtimeError) as e:
+            table["set-priority"](None, 1001)
+        msg = "runtime.set-priority: priority must be from -1000 to 1000 (lower runs sooner), got 1001"
+        assert str(e.value) == msg and g.trap_reason == msg
+        assert g.pages.priority == 10  # a refused value changes nothing
+    finally:
+        instance_mod._current.instance = None
+    rec.hold(s)
+    mine = [s.submit(req([i], 2, 2, tag=i), "g") for i in range(1, 3)]
+    other = [s.submit(req([10 + i], 2, 2, tag=10 + i), "o") for i in range(1, 3)]
+    rec.gate.set()
+    for f in mine + other:
+        f.wait(5)
+    assert rec.batches[1:] == [[11, 12], [1, 2]]
+    assert s.level_stats()["by_priority"]["10"]["count"] == 2
+    s.stop()

@@ -76,3 +76,15 @@ def test_fake_host_runs_passes_through_its_backend() -> None:
     assert host.kv.slots is backend.slots and host.kv.slots[page][:2] == [(60, 0), (61, 1)]
     with pytest.raises(FakeTrap, match=r"forward: .*token 999 out of range"):
         host.forward.run([page], 3, [999], [2], [], [])  # the shared validator's check
+
+
+def test_set_priority_through_the_fake_host() -> None:
+    import inferlet
+
+    host = FakeHost().install()
+    assert inferlet.priority() == 0
+    inferlet.set_priority(7)
+    assert inferlet.priority() == 7 and host.runtime.priorities == [7]
+    with pytest.raises(FakeTrap, match=r"^runtime\.set-priority: priority must be from -1000 to 1000 .*got 1001$"):
+        inferlet.set_priority(1001)
+    assert inferlet.priority() == 7

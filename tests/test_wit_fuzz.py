@@ -74,6 +74,8 @@ FRESH_ARGS = (SMALL_LIST, SAMPLER, st.integers(0, 12) | U32, SMALL_LIST, st.list
 ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "runtime.version": st.just(()), "runtime.instance-id": st.just(()), "runtime.arguments": st.just(()),
     "runtime.set-return": st.tuples(TEXT), "runtime.log": st.tuples(TEXT), "runtime.elapsed-ms": st.just(()),
+    "runtime.set-priority": st.tuples(st.integers(-1001, 1001) | st.sampled_from([-2**31, 2**31 - 1])),
+    "runtime.priority": st.just(()),
     "messaging.send": st.tuples(TEXT), "messaging.receive": st.tuples(TIMEOUT),
     "messaging.publish": st.tuples(TEXT, TEXT), "messaging.subscribe": st.tuples(TEXT),
     "messaging.unsubscribe": st.tuples(TEXT), "messaging.receive-published": st.tuples(TIMEOUT),

@@ -5,7 +5,8 @@ returns its functions by WIT name; `build_linker` registers them all, for every 
 shipped (`WIT_VERSIONS`): a component built against 0.1.0 keeps running on this host, its calls
 served by the same functions (0.2.0 adds `forward.generate` / `generate-fresh`, `kv.attach-prefix` and structured generation:
 interface `grammar` with its resources, and `forward.*-constrained`; 0.3.0 adds
-`model.apply-chat-template-json`, `model.encode-prompt` and `forward.run-scored`). One linker serves every
+`model.apply-chat-template-json`, `model.encode-prompt` and `forward.run-scored`; 0.4.0 adds
+`runtime.set-priority` and `runtime.priority`). One linker serves every
 instance: an import finds its caller with `host.wasm.instance.current()`.
 """
 
@@ -28,7 +29,7 @@ from host.state.topics import Topics
 __all__ = ["ApiServices", "PACKAGE", "WIT_VERSION", "WIT_VERSIONS", "build_linker", "import_tables", "version_tables"]
 
 PACKAGE = "pie:inferlet"
-WIT_VERSION = "0.3.0"  # the newest: what runtime.version reports and pie-build targets
+WIT_VERSION = "0.4.0"  # the newest: what runtime.version reports and pie-build targets
 # Every version served, with the functions each added (the rest exist in all versions).
 _GRAMMAR_0_2 = {f"grammar.[static]grammar.{n}" for n in ("from-json-schema", "from-regex", "from-ebnf", "from-lark",
                                                             "any-json")} | {"grammar.[method]grammar.matcher"} | {
@@ -36,7 +37,8 @@ _GRAMMAR_0_2 = {f"grammar.[static]grammar.{n}" for n in ("from-json-schema", "fr
 WIT_VERSIONS: dict[str, set[str]] = {"0.1.0": set(), "0.2.0": {
     "forward.generate", "forward.generate-fresh", "kv.attach-prefix", "forward.run-constrained", "forward.submit-constrained",
     "forward.decode-step-constrained", "forward.generate-constrained"} | _GRAMMAR_0_2,
-    "0.3.0": {"model.apply-chat-template-json", "model.encode-prompt", "forward.run-scored"}}
+    "0.3.0": {"model.apply-chat-template-json", "model.encode-prompt", "forward.run-scored"},
+    "0.4.0": {"runtime.set-priority", "runtime.priority"}}
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class ApiServices:
 def import_tables(s: ApiServices) -> dict[str, dict[str, Import]]:
     """Every import, by WIT interface and function name."""
     return {
-        "runtime": runtime.imports(WIT_VERSION),
+        "runtime": runtime.imports(WIT_VERSION, s.replicas),
         "messaging": messaging.imports(s.topics),
         "store": store.imports(s.kvstore),
         "model": model.imports(s.info, s.tokenizer),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from inferlet import _host
 
 __all__ = [
-    "args", "version", "instance_id", "set_return", "log", "elapsed_ms",
+    "args", "version", "instance_id", "set_return", "log", "elapsed_ms", "set_priority", "priority",
     "send", "receive", "publish", "subscribe", "unsubscribe", "receive_published",
     "store_get", "store_set", "store_delete", "store_exists", "store_keys",
 ]  # fmt: skip
@@ -39,6 +39,19 @@ def log(message: str) -> None:
 def elapsed_ms() -> int:
     """Milliseconds since this instance started (monotonic)."""
     return _host.runtime.elapsed_ms()
+
+
+def set_priority(priority: int) -> None:
+    """Change this instance's priority (from -1000 to 1000, lower runs sooner, default 0 or the
+    launch's): its forwards queued from now on go by it when batches are full, and so does its place
+    under KV pressure. A value out of range (or not an int) is a bug: the host traps the instance.
+    Needs a host serving WIT 0.4.0."""
+    _host.runtime.set_priority(priority)
+
+
+def priority() -> int:
+    """This instance's priority: the launch's, or the last `set_priority`."""
+    return _host.runtime.priority()
 
 
 def send(message: str) -> None:

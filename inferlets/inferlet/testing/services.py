@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from inferlet import _host
-from inferlet.testing.records import WitMessage
+from inferlet.testing.records import WitMessage, trap
 from inferlet.testing.tiny import TinyBackend
 
 __all__ = ["FakeMessaging", "FakeModel", "FakeRuntime", "FakeStore"]
@@ -16,6 +16,8 @@ class FakeRuntime:
         self.args = args
         self.returned: str | None = None
         self.logs: list[str] = []
+        self.priority_value = 0  # as launched; `set_priority` changes it
+        self.priorities: list[int] = []  # every value set, in order
 
     def version(self) -> str:
         return "0.1.0-fake"
@@ -34,6 +36,17 @@ class FakeRuntime:
 
     def elapsed_ms(self) -> int:
         return 0
+
+    def set_priority(self, priority: int) -> None:
+        # The host traps a bad value (host/levels.py check_priority), in the same words.
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+            raise trap("runtime.set-priority", f"priority must be from -1000 to 1000 (lower runs sooner), "
+                                               f"got {priority!r}")
+        self.priority_value = priority
+        self.priorities.append(priority)
+
+    def priority(self) -> int:
+        return self.priority_value
 
 
 class FakeMessaging:
