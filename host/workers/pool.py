@@ -33,7 +33,7 @@ import wasmtime
 
 from host.events import InstanceEvent
 from host.wasm import instance as instance_module
-from host.wasm.instance import Instance, InstanceEnv
+from host.wasm.instance import Instance, InstanceEnv, Terminated
 from host.workers import wire
 from host.workers.worker import WorkerSpec
 
@@ -159,7 +159,9 @@ class WorkerPool:
             restart = not self._closed and worker.ready.is_set() and self.workers[worker.index] is worker
         reason = f"the instance's worker process died (exit code {code})"
         for inst in lost:
+            inst.failed_in_host = True
             inst.inbound.put(_WorkerLost(reason))
+            inst.terminate(reason, "exception")  # (its thread may be blocked in an import here)
         if restart:
             log.error("instance worker %d died (exit code %s): %d instance(s) ended; starting it again",
                       worker.index, code, len(lost))
@@ -278,6 +280,8 @@ class RemoteInstance(Instance):
             reply = wire.Reply(self.id, fn(None, *call.args))
         except wasmtime.WasmtimeError as e:
             reply = wire.Reply(self.id, trap=str(e))
+        except Terminated as e:  # (a warm instance stopped while parked at its first call)
+            reply = wire.Reply(self.id, trap=f"{call.name}: instance terminated: {e}")
         except Exception as e:  # (the imports turn their errors into traps; this is a host bug)
             log.exception("host import %s failed", call.name)
             reply = wire.Reply(self.id, trap=f"{call.name}: internal host error: {type(e).__name__}: {e}")

@@ -1,0 +1,159 @@
+"""Completions per second with the guests in worker processes (`HostConfig.workers`) vs in the host's
+process, closed loop: issue 49's measure of whether the host uses every core.
+
+Usage: python bench/workers.py --json OUT [--workers 0 2] [--clients 64] [--tokens 16] [--step-ms 2]
+                               [--seconds 10] [--rounds 3] [--quick]
+
+`--clients` client threads each launch the standard `text_completion` (`--raw`, `--tokens` new
+tokens) and wait for its end, again and again, against a host in front of the stand-in backend
+(gpu_backend/standin.py: `--step-ms` per batch, deterministic tokens, every output checked). After
+`--warmup` seconds, the completions that end within `--seconds` are counted: `completions_s`,
+with the process tree's CPU in that window (`cpu_s`: the host's and its workers') and the
+median time per completion (`latency_ms`). Each setting runs on a fresh host, the settings
+alternate over `--rounds`; the entry is the round with the median rate and `ratio` is each
+setting's median rate over the first setting's (in-process, 0). `--quick` (CI): 0 and 1 worker,
+8 clients, 1 s windows, one round.
+Writes JSON to --json and a markdown table next to it (.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gpu_backend.standin import StandInBackend
+from host import Host, HostConfig
+from host.cli.build import resolve_inferlet
+
+PROMPT = "Write a story about a lighthouse."
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, required=True, help="where to write the results")
+    ap.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="settings of HostConfig.workers")
+    ap.add_argument("--clients", type=int, default=64, help="client threads, each one completion at a time")
+    ap.add_argument("--tokens", type=int, default=16, help="new tokens per completion")
+    ap.add_argument("--step-ms", type=float, default=2.0, help="the stand-in's time per batch")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window")
+    ap.add_argument("--seconds", type=float, default=10.0, help="the measured window")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every setting, alternated")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small, fast run (CI): 0 and 1 worker, 8 clients, 1 s windows, one round")
+    opts = ap.parse_args()
+    if opts.quick:
+        opts.workers, opts.clients, opts.warmup, opts.seconds, opts.rounds = [0, 1], 8, 1.0, 1.0, 1
+    if min(opts.workers) < 0 or opts.clients < 1 or opts.tokens < 1 or opts.rounds < 1 or opts.seconds <= 0:
+        ap.error("--workers must be >= 0; --clients, --tokens, --rounds at least 1; --seconds above 0")
+    return opts
+
+
+def _cpu_s() -> float:
+    """CPU of this process and its waited-for or running children (the workers: read from /proc)."""
+    t = os.times()
+    total = t.user + t.system
+    tick = os.sysconf("SC_CLK_TCK")
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:  # ppid: a worker of this host
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def run(opts: argparse.Namespace, workers: int) -> dict[str, Any]:
+    host = Host(HostConfig(workers=workers),
+                backend=StandInBackend(page_size=16, num_pages=16384, delay_s=opts.step_ms / 1000))
+    try:
+        program = host.compile(resolve_inferlet("text_completion", quiet=True).read_bytes())
+        tok = host.backend.tokenizer
+        last = tok.encode(PROMPT)[-1]
+        want = tok.decode([(last + 1 + i) % host.backend.info.vocab_size for i in range(opts.tokens)])
+        args = ["--prompt", PROMPT, "--max-tokens", str(opts.tokens), "--raw"]
+        ends: list[tuple[float, float]] = []  # (end time, latency) of every completion
+        errors: list[str] = []
+        stop = threading.Event()
+        lock = threading.Lock()
+
+        def client() -> None:
+            while not stop.is_set():
+                done = threading.Event()
+                out: list[Any] = []
+
+                def on_event(ev: Any, done: threading.Event = done, out: list[Any] = out) -> None:
+                    if ev.terminal:
+                        out.append(ev)
+                        done.set()
+
+                t0 = time.perf_counter()
+                host.launch(program, args, on_event)
+                done.wait(120)
+                ev = out[0] if out else None
+                if ev is None or ev.event != "completed" or ev.message != want:
+                    errors.append(f"{ev and ev.event}: {ev and ev.message[:200]!r}")
+                    stop.set()
+                    return
+                now = time.perf_counter()
+                with lock:
+                    ends.append((now, now - t0))
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(opts.clients)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        time.sleep(opts.warmup)
+        cpu0, w0 = _cpu_s(), time.perf_counter()
+        time.sleep(opts.seconds)
+        cpu1, w1 = _cpu_s(), time.perf_counter()
+        stop.set()
+        for t in threads:
+            t.join(120)
+        if errors:
+            raise RuntimeError(f"workers={workers}: a completion went wrong: {errors[0]}")
+        window = [lat for end, lat in ends if w0 <= end < w1]
+        return {"workers": workers, "completions_s": round(len(window) / (w1 - w0), 1),
+                "cpu_s": round(cpu1 - cpu0, 2), "latency_ms": round(1000 * statistics.median(window), 1) if window else None,
+                "completions": len(window), "since_start_s": round(w0 - start, 2)}
+    finally:
+        host.shutdown()
+
+
+def main() -> None:
+    opts = parse_args()
+    rounds: dict[int, list[dict[str, Any]]] = {w: [] for w in opts.workers}
+    for _ in range(opts.rounds):
+        for w in opts.workers:
+            rounds[w].append(run(opts, w))
+            print(json.dumps(rounds[w][-1]), flush=True)
+    base = statistics.median(r["completions_s"] for r in rounds[opts.workers[0]])
+    res: dict[str, Any] = {"clients": opts.clients, "tokens": opts.tokens, "step_ms": opts.step_ms,
+                           "seconds": opts.seconds, "cores": os.cpu_count(), "settings": {}}
+    for w, rs in rounds.items():
+        entry = sorted(rs, key=lambda r: r["completions_s"])[len(rs) // 2]
+        rate = statistics.median(r["completions_s"] for r in rs)
+        res["settings"][str(w)] = {**entry, "rounds": [r["completions_s"] for r in rs],
+                                   "ratio": round(rate / base, 3) if base else None}
+    opts.json.parent.mkdir(parents=True, exist_ok=True)
+    opts.json.write_text(json.dumps(res, indent=2))
+    lines = [f"# bench/workers.py: {opts.clients} clients, `text_completion --raw` {opts.tokens} tokens, "
+             f"{opts.step_ms:g} ms stand-in step, {os.cpu_count()} cores", "",
+             "| workers | completions/s (rounds) | ratio | CPU s in the window | median latency ms |",
+             "|---|---|---|---|---|"]
+    for w, e in res["settings"].items():
+        lines.append(f"| {w} | {e['completions_s']} ({e['rounds']}) | {e['ratio']} | {e['cpu_s']} | {e['latency_ms']} |")
+    md = "\n".join(lines) + "\n"
+    opts.json.with_suffix(".md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
