@@ -46,6 +46,7 @@ SCRIPTS: dict[str, tuple[list[pytest.MarkDecorator], str]] = {
     "revisions": ([BUILD], "revisions"),  # HEAD checked out and its text_completion built (~30 s)
     "server_load": ([SLOW, BUILD], "baseline"),  # ~21 s
     "start_path": ([BUILD], "rounds"),  # ~8 s
+    "workers": ([BUILD], "settings"),  # ~12 s: two hosts, 1 s windows
     # the dry run's sections but `pytest` (~24 s); tests/test_gpu_suite.py runs the whole dry run
     "gpu_suite": ([SLOW, BUILD], "host"),
 }

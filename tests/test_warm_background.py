@@ -1,6 +1,7 @@
 """Background warming (HostConfig.warm_yield, host/wasm/priority.py): the warm pool refills and the
 reaper frees while instances run, a warm instance's thread runs at the lowest CPU priority only
-until its launch, and `Host.warm_start` readies a fresh host's pools."""
+until its launch, and `Host.warm_start` readies a fresh host's pools. About guests in this process:
+every host here pins workers=0 (with workers, the stores, slots and reaper are the workers' own)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ needs_nice = pytest.mark.skipif(not priority.available(), reason="a lowered thre
 
 
 def make_host(tmp_path: Path, **config: object) -> Host:
+    config.setdefault("workers", 0)
     cfg = HostConfig(max_instances=8, warm_auto=4, data_dir=tmp_path, **config)  # type: ignore[arg-type]
     return Host(cfg, backend=FakeBackend(page_size=4, num_pages=256))
 
@@ -262,7 +264,7 @@ def test_text_completion_bursts_back_to_back_with_parallel_warmers_and_reapers(
 
     monkeypatch.setattr(host_module, "_background_threads", lambda: 2)
     fb = FakeBackend(page_size=16, num_pages=512, delay_s=0.002)
-    h = Host(HostConfig(data_dir=tmp_path, max_instances=32, warm_auto=16), backend=fb)
+    h = Host(HostConfig(data_dir=tmp_path, max_instances=32, warm_auto=16, workers=0), backend=fb)
     try:
         assert len(h.wasm.reaper._threads) == 2  # type: ignore[union-attr]
         [prog] = h.warm_start([wasm_bytes("text_completion")], per_program=8)

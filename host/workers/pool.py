@@ -239,7 +239,13 @@ class RemoteInstance(Instance):
         event, message = "exception", "instance did not start"
         instance_module._current.instance = self
         try:
+            self.check_alive()  # (terminated before it started: ends at once, as in-process)
             self.pool.place(self)
+            if self.stop_reason is not None and self.worker is not None:  # terminated while placed
+                try:  # (its own Stop may have found no worker yet)
+                    self.worker.send(wire.Stop(self.id, self.stop_reason))
+                except (OSError, ValueError):  # the worker is gone: its end comes as _WorkerLost
+                    pass
             self.state = "warm" if self.parked else "running"
             while True:
                 msg = self.inbound.get()
@@ -256,6 +262,8 @@ class RemoteInstance(Instance):
                 event, message = self.stop_event, self.stop_reason
             elif event == "completed":
                 message = self.return_value or ""
+        except Terminated:
+            event, message = self.stop_event, self.stop_reason or "terminated"
         except Exception as e:  # a host-side failure ends this instance only
             log.exception("instance %s failed in the host", self.id)
             self.failed_in_host = True
