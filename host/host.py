@@ -12,6 +12,7 @@ instances get an `InstanceEnv`, the WIT imports get `ApiServices`.
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import os
 import sys
@@ -672,8 +673,14 @@ def _start_workers(config: HostConfig, services: ApiServices, limits: InstanceLi
         resources.setdefault("grammar", []).append((res, {"grammar": grammar_api.GRAMMAR_TYPE,
                                                           "matcher": grammar_api.MATCHER_TYPE}[res]))
         imports[f"$drop.grammar.{res}"] = dtor
+    # the model's constants (imports declared `before_launch` that take no argument): the same
+    # answer for every instance, so a worker gives it without a round trip
+    constants = {name: fn.__wrapped__(None) for name, fn in imports.items()  # type: ignore[attr-defined]
+                 if getattr(fn, "before_launch", False)
+                 and len(inspect.signature(fn.__wrapped__).parameters) == 1}  # type: ignore[attr-defined]
     spec = WorkerSpec(index=0, cache_dir=config.cache_dir, epoch_tick_ms=config.epoch_tick_ms, limits=limits,
-                      pool_slots=pool_slots, imports=names, resources=resources, package=PACKAGE)
+                      pool_slots=pool_slots, imports=names, resources=resources, package=PACKAGE,
+                      constants=constants)
     return WorkerPool(config.workers, spec, imports)
 
 

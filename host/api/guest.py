@@ -63,6 +63,8 @@ def guest_import(name: str, store: bool = False, keeps_lookahead: bool = False,
                 log.exception("host import %s failed", name)
                 raise _trap(inst, f"{name}: internal host error: {type(e).__name__}: {e}") from None
 
+        # (host/workers: a worker answers such a constant itself)
+        wrapper.before_launch = before_launch  # type: ignore[attr-defined]
         return wrapper
 
     return deco

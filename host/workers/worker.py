@@ -19,7 +19,7 @@ import logging
 import queue
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ class WorkerSpec:
     imports: dict[str, dict[str, list[str]]]
     resources: dict[str, list[tuple[str, int]]]
     package: str
+    constants: dict[str, Any] = field(default_factory=dict)  # "interface.name" -> the answer (no call)
 
 
 class _Worker:
@@ -97,6 +98,10 @@ class _Worker:
         return linker
 
     def _stub(self, name: str) -> Any:
+        if name in self.spec.constants:  # the model's constants: answered here
+            value = self.spec.constants[name]
+            return lambda store: value
+
         def call(store: Any, *args: Any) -> Any:
             return self._call(current(park=False), name, args, store)
 
