@@ -29,8 +29,11 @@ lint: $(VENV)/.installed
 # ~4 s of a collection that takes ~7 s with it.
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 
+# Then every test that needs no real model again with the guests in two worker processes
+# (--workers: HostConfig.workers through $PIE_WORKERS; tests about one mode pin it): ~10 min here.
 test: $(VENV)/.installed lint
 	PIE_FUZZ_EXAMPLES=400 $(PYTEST) -q
+	$(PYTEST) -q -n 2 -m "not slow and not gpu" --workers 2
 
 # The developer's loop: every test that needs neither the real model nor a componentize-py build,
 # on two workers (pytest-xdist; 105 s -> 73 s on the 2-vCPU VM). `make test` stays on one.
