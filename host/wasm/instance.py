@@ -183,6 +183,8 @@ class Instance:
         self._cpu0 = 0.0  # its thread's CPU time when it began (time.thread_time, read on that thread)
         # it ended for the host's reasons, not its guest's (a host error, the instance pool full)
         self.failed_in_host = False
+        self._store: Store | None = None  # its guest's store, from `_run` until freed at the end
+        self._epoch_key = 0  # its store's entry in the epoch watch (host/wasm/limits.py)
 
     def launch(self, args: list[str], on_event: Callable[[InstanceEvent], None], tenant: str) -> bool:
         """Hand a warm instance its launch; False if it can no longer be used (it ended or was stopped)."""
@@ -482,35 +484,11 @@ class Instance:
         del self._stderr[:-_OUTPUT_TAIL]
 
     def _main(self) -> None:
-        env = self.env
+        """The instance's thread: run the guest (`_run`), then end with exactly one terminal event,
+        after everything it held here is released (`_release`, `Host._instance_ended`)."""
         event, message = "exception", "instance did not start"
-        epoch_key = 0
-        store: Store | None = None
-        self._cpu0 = time.thread_time()
-        if env.warm_in_background:
-            with self.cond:  # (not once launched: `launch` raises it only after this)
-                if self.parked:
-                    self._base_nice = priority.lower()
         try:
-            store = env.engine.new_store()
-            env.limits.apply(store)
-            epoch_key = watch_epochs(store, self)
-            wasi = WasiConfig()
-            wasi.stdout_custom = self._capture_stdout
-            wasi.stderr_custom = self._capture_stderr
-            store.set_wasi(wasi)
-            self.check_alive()
-            inst = env.linker.instantiate(store, env.engine.get(self.program))
-            run = inst.get_func(store, "run")
-            if run is None:
-                raise wasmtime.WasmtimeError("the component exports no `run` function")
-            self.state = "warm" if self.parked else "running"
-            _current.instance = self
-            result = run(store)
-            if isinstance(result, str):
-                event, message = "exception", f"inferlet returned an error: {result}{self._memory_note(result)}"
-            else:
-                event, message = "completed", self.return_value or ""
+            event, message = self._run()
         except wasmtime.WasmtimeError as e:
             event, message = self._classify_trap(e)
         except Terminated:
@@ -521,13 +499,45 @@ class Instance:
             event, message = "exception", f"host error: {type(e).__name__}: {e}"
         finally:
             self._end_start()
-            env.gate.leave()
+            self.env.gate.leave()
             _current.instance = None
-            unwatch_epochs(epoch_key)
+            self._release()
             self._mark_ended(event)
         self.emit(event, message)
+        store, self._store = self._store, None
         if store is not None:  # freed off this thread, when the backend is idle (host/wasm/reaper.py)
-            env.engine.free_store(store)
+            self.env.engine.free_store(store)
+
+    def _run(self) -> tuple[str, str]:
+        """Make the store, instantiate the component and run the guest here; its end (event, message)."""
+        env = self.env
+        self._cpu0 = time.thread_time()
+        if env.warm_in_background:
+            with self.cond:  # (not once launched: `launch` raises it only after this)
+                if self.parked:
+                    self._base_nice = priority.lower()
+        store = self._store = env.engine.new_store()
+        env.limits.apply(store)
+        self._epoch_key = watch_epochs(store, self)
+        wasi = WasiConfig()
+        wasi.stdout_custom = self._capture_stdout
+        wasi.stderr_custom = self._capture_stderr
+        store.set_wasi(wasi)
+        self.check_alive()
+        inst = env.linker.instantiate(store, env.engine.get(self.program))
+        run = inst.get_func(store, "run")
+        if run is None:
+            raise wasmtime.WasmtimeError("the component exports no `run` function")
+        self.state = "warm" if self.parked else "running"
+        _current.instance = self
+        result = run(store)
+        if isinstance(result, str):
+            return "exception", f"inferlet returned an error: {result}{self._memory_note(result)}"
+        return "completed", self.return_value or ""
+
+    def _release(self) -> None:
+        """The guest has ended: stop watching its store's epochs."""
+        unwatch_epochs(self._epoch_key)
 
     def _classify_trap(self, e: wasmtime.WasmtimeError) -> tuple[str, str]:
         """The end event of a guest that trapped: the host's own reason if it stopped the guest,

@@ -235,46 +235,36 @@ class RemoteInstance(Instance):
         self._enforce_budget()
         return None
 
-    def _main(self) -> None:
-        event, message = "exception", "instance did not start"
+    def _run(self) -> tuple[str, str]:
+        """Launch the guest in a worker and serve its host calls until it ends there."""
         instance_module._current.instance = self
-        try:
-            self.check_alive()  # (terminated before it started: ends at once, as in-process)
-            self.pool.place(self)
-            if self.stop_reason is not None and self.worker is not None:  # terminated while placed
-                try:  # (its own Stop may have found no worker yet)
-                    self.worker.send(wire.Stop(self.id, self.stop_reason))
-                except (OSError, ValueError):  # the worker is gone: its end comes as _WorkerLost
-                    pass
-            self.state = "warm" if self.parked else "running"
-            while True:
-                msg = self.inbound.get()
-                if isinstance(msg, wire.Call):
-                    self._serve(msg)
-                elif isinstance(msg, wire.Ended):
-                    event, message = msg.event, msg.message
-                    break
-                elif isinstance(msg, _WorkerLost):
-                    self.failed_in_host = True
-                    event, message = "exception", msg.reason
-                    break
-            if self.stop_reason is not None:
-                event, message = self.stop_event, self.stop_reason
-            elif event == "completed":
-                message = self.return_value or ""
-        except Terminated:
-            event, message = self.stop_event, self.stop_reason or "terminated"
-        except Exception as e:  # a host-side failure ends this instance only
-            log.exception("instance %s failed in the host", self.id)
-            self.failed_in_host = True
-            event, message = "exception", f"host error: {type(e).__name__}: {e}"
-        finally:
-            self._end_start()
-            self.env.gate.leave()
-            instance_module._current.instance = None
-            self.pool.release(self)
-            self._mark_ended(event)
-        self.emit(event, message)
+        self.check_alive()  # (terminated before it started: ends at once, as in-process)
+        self.pool.place(self)
+        if self.stop_reason is not None and self.worker is not None:  # terminated while placed
+            try:  # (its own Stop may have found no worker yet)
+                self.worker.send(wire.Stop(self.id, self.stop_reason))
+            except (OSError, ValueError):  # the worker is gone: its end comes as _WorkerLost
+                pass
+        self.state = "warm" if self.parked else "running"
+        while True:
+            msg = self.inbound.get()
+            if isinstance(msg, wire.Call):
+                self._serve(msg)
+            elif isinstance(msg, wire.Ended):
+                event, message = msg.event, msg.message
+                break
+            elif isinstance(msg, _WorkerLost):
+                self.failed_in_host = True
+                event, message = "exception", msg.reason
+                break
+        if self.stop_reason is not None:  # the host's reason wins over how the worker saw the end
+            return self.stop_event, self.stop_reason
+        if event == "completed":
+            return event, self.return_value or ""
+        return event, message
+
+    def _release(self) -> None:
+        self.pool.release(self)
 
     def _serve(self, call: wire.Call) -> None:
         """Run one import the guest called, as its own thread would in-process, and answer it."""

@@ -41,8 +41,6 @@ __all__ = ["WorkerSpec", "main"]
 
 log = logging.getLogger(__name__)
 
-_REPLY_POLL_S = 0.5  # how often a guest waiting for the host's reply looks whether it was stopped
-
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -122,12 +120,7 @@ class _Worker:
         value or the trap it raises; a stopped guest traps at its next epoch check after it)."""
         replies = self.replies[inst.id]
         self.send(wire.Call(inst.id, name, args), store)
-        while True:
-            try:
-                reply = replies.get(timeout=_REPLY_POLL_S)
-                break
-            except queue.Empty:
-                continue
+        reply = replies.get()
         if reply.trap is not None:
             inst.trap_reason = reply.trap
             raise wasmtime.WasmtimeError(reply.trap)
