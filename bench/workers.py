@@ -8,7 +8,8 @@ Usage: python bench/workers.py --json OUT [--workers 0 2] [--clients 64] [--toke
 tokens) and wait for its end, again and again, against a host in front of the stand-in backend
 (gpu_backend/standin.py: `--step-ms` per batch, deterministic tokens, every output checked). After
 `--warmup` seconds, the completions that end within `--seconds` are counted: `completions_s`,
-with the process tree's CPU in that window (`cpu_s`: the host's and its workers') and the
+with the process tree's CPU in that window (`cpu_s`; `host_cpu_s`: the host's process, clients
+included, `workers_cpu_s`: its workers') and the
 median time per completion (`latency_ms`). Each setting runs on a fresh host, the settings
 alternate over `--rounds`; the entry is the round with the median rate and `ratio` is each
 setting's median rate over the first setting's (in-process, 0). `--quick` (CI): 0 and 1 worker,
@@ -54,10 +55,11 @@ def parse_args() -> argparse.Namespace:
     return opts
 
 
-def _cpu_s() -> float:
-    """CPU of this process and its waited-for or running children (the workers: read from /proc)."""
+def _cpu_s() -> tuple[float, float]:
+    """CPU of this process (the host and the clients) and of its running children (the workers:
+    read from /proc)."""
     t = os.times()
-    total = t.user + t.system
+    children = 0.0
     tick = os.sysconf("SC_CLK_TCK")
     me = str(os.getpid())
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -66,8 +68,8 @@ def _cpu_s() -> float:
         except OSError:
             continue
         if fields[1] == me:  # ppid: a worker of this host
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+            children += (int(fields[11]) + int(fields[12])) / tick
+    return t.user + t.system, children
 
 
 def run(opts: argparse.Namespace, workers: int) -> dict[str, Any]:
@@ -121,7 +123,8 @@ def run(opts: argparse.Namespace, workers: int) -> dict[str, Any]:
             raise RuntimeError(f"workers={workers}: a completion went wrong: {errors[0]}")
         window = [lat for end, lat in ends if w0 <= end < w1]
         return {"workers": workers, "completions_s": round(len(window) / (w1 - w0), 1),
-                "cpu_s": round(cpu1 - cpu0, 2), "latency_ms": round(1000 * statistics.median(window), 1) if window else None,
+                "cpu_s": round(sum(cpu1) - sum(cpu0), 2), "host_cpu_s": round(cpu1[0] - cpu0[0], 2),
+                "workers_cpu_s": round(cpu1[1] - cpu0[1], 2), "latency_ms": round(1000 * statistics.median(window), 1) if window else None,
                 "completions": len(window), "since_start_s": round(w0 - start, 2)}
     finally:
         host.shutdown()

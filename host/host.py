@@ -15,6 +15,7 @@ import gc
 import inspect
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_backend.types import Backend
-from host.api import PACKAGE, ApiServices, build_linker, version_tables
+from host.api import PACKAGE, WIT_VERSION, ApiServices, build_linker, version_tables
 from host.api import grammar as grammar_api
 from host.batching.gate import RunGate
 from host.batching.policy import make_policy
@@ -678,9 +679,14 @@ def _start_workers(config: HostConfig, services: ApiServices, limits: InstanceLi
     constants = {name: fn.__wrapped__(None) for name, fn in imports.items()  # type: ignore[attr-defined]
                  if getattr(fn, "before_launch", False)
                  and len(inspect.signature(fn.__wrapped__).parameters) == 1}  # type: ignore[attr-defined]
+    try:  # the tokenizer's imports are answered in the workers, if it pickles (host/workers/worker.py)
+        tokenizer: bytes | None = pickle.dumps(services.tokenizer)
+    except Exception as e:
+        log.info("the tokenizer does not pickle (%s: %s): its imports run in the host", type(e).__name__, e)
+        tokenizer = None
     spec = WorkerSpec(index=0, cache_dir=config.cache_dir, epoch_tick_ms=config.epoch_tick_ms, limits=limits,
                       pool_slots=pool_slots, imports=names, resources=resources, package=PACKAGE,
-                      constants=constants)
+                      constants=constants, wit_version=WIT_VERSION, info=services.info, tokenizer=tokenizer)
     return WorkerPool(config.workers, spec, imports)
 
 

@@ -8,10 +8,12 @@ code has one naming scheme.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from gpu_backend.models.config import ModelConfig
+
+if TYPE_CHECKING:  # (a tokenizer alone, as in an instance worker, does not import torch)
+    import torch
 
 __all__ = [
     "CL100K_PATTERN",

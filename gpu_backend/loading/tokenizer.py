@@ -20,7 +20,7 @@ import tiktoken
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gpu_backend.loading.loader import TokenizerSpec
+from gpu_backend.loading.model_files import TokenizerSpec
 
 
 @lru_cache(maxsize=1)
@@ -89,7 +89,7 @@ class Tokenizer:
     """Encode/decode token ids and render chat prompts for one model."""
 
     def __init__(self, spec: TokenizerSpec, name: str = "model") -> None:
-        self.spec = spec
+        self.spec, self.name = spec, name
         self._template = _compile_template(spec.chat_template) if spec.chat_template else None
         self._special_ids = set(spec.special.values())
         self._sp = None
@@ -113,6 +113,10 @@ class Tokenizer:
         self.encoding = tiktoken.Encoding(
             name=f"pie-{name}", pat_str=spec.pattern, mergeable_ranks=ranks, special_tokens=dict(spec.special)
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its spec (an instance worker makes its own: host/workers/)."""
+        return Tokenizer, (self.spec, self.name)
 
     @property
     def vocab_size(self) -> int:

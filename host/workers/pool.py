@@ -135,7 +135,7 @@ class WorkerPool:
             worker.launched += 1
             self._instances[inst.id] = inst
             inst.worker = worker  # (before its Launch: a launch of a warm instance sends its Unpark there)
-        worker.send(wire.Launch(inst.id, inst.program, inst.parked))
+        worker.send(wire.Launch(inst.id, inst.program, inst.parked, tuple(inst.args)))
         return worker
 
     def release(self, inst: RemoteInstance) -> None:
@@ -208,6 +208,7 @@ class RemoteInstance(Instance):
         self.pool = pool
         self.worker: _Worker | None = None
         self.inbound: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.deferred_trap: str | None = None  # a one-way call failed: the guest traps at its next call
 
     def terminate(self, reason: str, event: str = "aborted") -> None:
         first = self.stop_reason is None and not self.finished.is_set()
@@ -225,7 +226,7 @@ class RemoteInstance(Instance):
         worker = self.worker
         if worker is not None:  # (not placed yet: its Launch, sent after, says it is not warm)
             try:
-                worker.send(wire.Unpark(self.id))
+                worker.send(wire.Unpark(self.id, tuple(self.args)))
             except (OSError, ValueError):
                 pass
         return True
@@ -259,15 +260,22 @@ class RemoteInstance(Instance):
                 break
         if self.stop_reason is not None:  # the host's reason wins over how the worker saw the end
             return self.stop_event, self.stop_reason
-        if event == "completed":
-            return event, self.return_value or ""
+        if self.deferred_trap is not None and event == "completed":  # it ended before its next call
+            return "exception", self.deferred_trap
+        if event == "completed":  # (its return value was set in the worker, or here while it was parked)
+            return event, message or self.return_value or ""
         return event, message
 
     def _release(self) -> None:
         self.pool.release(self)
 
     def _serve(self, call: wire.Call) -> None:
-        """Run one import the guest called, as its own thread would in-process, and answer it."""
+        """Run one import the guest called, as its own thread would in-process, and answer it (a
+        one-way call: no answer; its trap, if it fails, is the answer to the guest's next call)."""
+        if self.deferred_trap is not None:  # the guest is past a failed one-way call: it traps now
+            if not call.oneway:
+                self._reply(wire.Reply(self.id, trap=self.deferred_trap))
+            return
         fn = self.pool.imports.get(call.name)
         # The run gate as in-process: an import that blocks gives its slot up and takes one when it
         # goes on (Instance.wait_until); the slot is given up when the import returns (the guest
@@ -285,6 +293,12 @@ class RemoteInstance(Instance):
             reply = wire.Reply(self.id, trap=f"{call.name}: internal host error: {type(e).__name__}: {e}")
         finally:
             self.env.gate.leave()
+        if not call.oneway:
+            self._reply(reply)
+        elif reply.trap is not None:
+            self.deferred_trap = reply.trap
+
+    def _reply(self, reply: wire.Reply) -> None:
         assert self.worker is not None
         try:
             self.worker.send(reply)

@@ -28,29 +28,33 @@ __all__ = ["Call", "Ended", "Launch", "Quit", "Ready", "Unpark", "RemoteHandle",
 
 @dataclass(frozen=True)
 class Launch:
-    """Run a guest of `program` (compiled and cached on disk by the host) for instance `iid`;
-    `warm`: started ahead of demand (it must reach its first host call within
-    `Instance.WARM_DEADLINE_S` of CPU time, until `Unpark`)."""
+    """Run a guest of `program` (compiled and cached on disk by the host) for instance `iid` with
+    `args`; `warm`: started ahead of demand (it must reach its first host call within
+    `Instance.WARM_DEADLINE_S` of CPU time, until `Unpark`; no arguments yet)."""
 
     iid: str
     program: str
     warm: bool = False
+    args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Unpark:
-    """The host launched warm instance `iid`: it serves a client from now on."""
+    """The host launched warm instance `iid` with `args`: it serves a client from now on."""
 
     iid: str
+    args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Call:
-    """The guest of `iid` called import `name` (e.g. "forward.generate") with `args`."""
+    """The guest of `iid` called import `name` (e.g. "forward.generate") with `args`; `oneway`: the
+    guest does not wait for it (no `Reply`; a failure traps the guest at its next call)."""
 
     iid: str
     name: str
     args: tuple[Any, ...]
+    oneway: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,8 @@ class Stop:
 
 @dataclass(frozen=True)
 class Ended:
-    """`iid`'s guest has ended: `event` and `message` as the worker classified its end."""
+    """`iid`'s guest has ended: `event` and `message` as the worker classified its end (a completed
+    guest's message is its return value, set by `runtime.set-return` in the worker)."""
 
     iid: str
     event: str

@@ -3,11 +3,15 @@
 The worker has its own interpreter, wasmtime engine and pool of instance slots; it makes each
 guest's store, instantiates its component (loaded from the host's disk cache: compiled once, by
 the host), runs it, converts the values of its host calls, and frees the store when it ends: the
-CPU-heavy part of an instance's life. Every WIT import is a stub that sends the call to the host
-(`wire.Call`) and waits for the host's answer (`wire.Reply`): the host runs the import itself, on
-that instance's thread there, against the scheduler, the pages and the shared state, which stay in
-its process. What stays here: WASI (stdout / stderr kept for the end message, clock waits), the
-memory limits and the epoch checks (a `wire.Stop` from the host traps a computing guest).
+CPU-heavy part of an instance's life. A WIT import that touches the
+host's state is a stub that sends the call to the host (`wire.Call`) and waits for the host's
+answer (`wire.Reply`): the host runs the import itself, on that instance's thread there, against
+the scheduler, the pages and the shared state, which stay in its process. What is answered here
+(`LOCAL`, with the same import functions as the host's): the model's constants, the tokenizer's
+imports (the host's tokenizer, pickled once into the spec; forwarded when it does not pickle), and
+the instance's own identity, arguments and return value; WASI (stdout / stderr kept for the end
+message, clock waits), the memory limits and the epoch checks (a `wire.Stop` from the host traps a
+computing guest).
 
 Each guest runs as an `Instance` (host/wasm/instance.py) with the host's id, so its limits, its
 trap classification and `current()` work as in the host's process.
@@ -16,6 +20,7 @@ trap classification and `current()` work as in the host's process.
 from __future__ import annotations
 
 import logging
+import pickle
 import queue
 import sys
 import threading
@@ -27,6 +32,9 @@ from typing import Any
 import wasmtime
 from wasmtime.component import Linker, ResourceType
 
+from gpu_backend.types import BackendInfo
+from host.api import model as model_api
+from host.api import runtime as runtime_api
 from host.api import wasi
 from host.api.fastcall import add_func
 from host.batching.gate import RunGate
@@ -37,9 +45,35 @@ from host.wasm.limits import InstanceLimits
 from host.wasm.pooling import PoolingConfig
 from host.workers import wire
 
-__all__ = ["WorkerSpec", "main"]
+__all__ = ["LOCAL", "WorkerSpec", "main"]
 
 log = logging.getLogger(__name__)
+
+# Imports a worker answers itself once its instance is launched (a warm one's calls before that go to
+# the host, where it parks): they read only the instance's own arguments and the model's tokenizer.
+LOCAL_RUNTIME = frozenset({"runtime.version", "runtime.instance-id", "runtime.arguments", "runtime.set-return"})
+LOCAL_MODEL = frozenset({"model.load-model", "model.apply-chat-template", "model.apply-chat-template-json",
+                         "model.encode", "model.encode-prompt", "model.decode"})
+LOCAL = LOCAL_RUNTIME | LOCAL_MODEL
+
+# Imports that return nothing and whose only failure is a trap: sent without waiting for the host
+# (`wire.Call.oneway`), as are the resources' destructors. The host serves an instance's calls in
+# order, so the next call sees their effects; one that fails traps the guest at its next call to the
+# host (or ends it with that trap). A launched instance has at most `ONEWAY_MAX` of them unanswered:
+# the next waits for its reply, which follows every earlier call's service.
+ONEWAY = frozenset({"runtime.log", "runtime.set-priority", "kv.release", "messaging.send", "messaging.publish",
+                    "messaging.subscribe", "messaging.unsubscribe", "store.set", "store.delete"})
+ONEWAY_MAX = 32
+
+
+class _Channel:
+    """One instance's side of the connection: its replies, and its one-way calls since the last."""
+
+    __slots__ = ("replies", "unanswered")
+
+    def __init__(self) -> None:
+        self.replies: queue.SimpleQueue[wire.Reply] = queue.SimpleQueue()
+        self.unanswered = 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +92,9 @@ class WorkerSpec:
     resources: dict[str, list[tuple[str, int]]]
     package: str
     constants: dict[str, Any] = field(default_factory=dict)  # "interface.name" -> the answer (no call)
+    wit_version: str = ""  # what runtime.version answers
+    info: BackendInfo | None = None  # the model's facts (the tokenizer's imports check ids against it)
+    tokenizer: bytes | None = None  # the host's tokenizer, pickled (None: its imports go to the host)
 
 
 class _Worker:
@@ -66,20 +103,37 @@ class _Worker:
         self._send_lock = threading.Lock()
         pooling = PoolingConfig(spec.pool_slots, spec.limits) if spec.pool_slots else None
         self.engine = WasmEngine(spec.cache_dir, spec.epoch_tick_ms, pooling)
+        self.local = self._local_imports()
         self.linker = self._linker()
         # the host enforces the wall budget (it stops the guest); here only the memory limits apply
         limits = InstanceLimits(**{**vars(spec.limits), "wall_budget_s": None})
         self.env = InstanceEnv(engine=self.engine, linker=self.linker, gate=RunGate(False), limits=limits,
                                on_block=lambda _iid: None, on_end=self._ended)
         self.instances: dict[str, Instance] = {}
-        self.replies: dict[str, queue.SimpleQueue[wire.Reply]] = {}
-        self._unparked: set[str] = set()  # warm instances launched before their Launch came
+        self.channels: dict[str, _Channel] = {}
+        self._unparked: dict[str, tuple[str, ...]] = {}  # warm instances launched before their Launch came: their args
         self._lock = threading.Lock()
 
     def send(self, msg: Any, store: Any = None) -> None:
         data = wire.dumps(msg, store)
         with self._send_lock:
             self.conn.send_bytes(data)
+
+    def _local_imports(self) -> dict[str, Any]:
+        """The imports answered here (`LOCAL`), by "interface.name": the host's own functions."""
+        spec = self.spec
+        table = {f"runtime.{n}": fn for n, fn in runtime_api.imports(spec.wit_version, []).items()}
+        local = {n: table[n] for n in LOCAL_RUNTIME}
+        if spec.tokenizer is not None and spec.info is not None:
+            try:
+                tok = pickle.loads(spec.tokenizer)
+            except Exception as e:  # (a class this process cannot import): the host answers them
+                log.warning("the tokenizer does not load here (%s: %s); its imports go to the host",
+                            type(e).__name__, e)
+            else:
+                table = {f"model.{n}": fn for n, fn in model_api.imports(spec.info, tok).items()}
+                local.update({n: table[n] for n in LOCAL_MODEL})
+        return local
 
     def _linker(self) -> Linker:
         linker = Linker(self.engine.engine)
@@ -92,16 +146,25 @@ class _Worker:
                         for res, ty in self.spec.resources.get(iface, []):
                             li.add_resource(res, ResourceType.host(ty), self._dtor(f"$drop.{iface}.{res}"))
                         for name in names:
-                            add_func(li, name, self._stub(f"{iface}.{name}"))
+                            add_func(li, name, self._stub(f"{iface}.{name}", f"{iface}.{name}" in ONEWAY))
         return linker
 
-    def _stub(self, name: str) -> Any:
+    def _stub(self, name: str, oneway: bool = False) -> Any:
         if name in self.spec.constants:  # the model's constants: answered here
             value = self.spec.constants[name]
             return lambda store: value
+        fn = self.local.get(name)
+        if fn is not None:
+            def local(store: Any, *args: Any) -> Any:
+                inst = current(park=False)
+                if inst.parked:  # a warm instance not launched yet: it parks at the host
+                    return self._call(inst, name, args, store)
+                return fn(store, *args)
+
+            return local
 
         def call(store: Any, *args: Any) -> Any:
-            return self._call(current(park=False), name, args, store)
+            return self._call(current(park=False), name, args, store, oneway)
 
         return call
 
@@ -111,16 +174,22 @@ class _Worker:
                 inst = current(park=False)
             except wasmtime.WasmtimeError:  # dropped with its store: the host releases it at the end
                 return
-            self._call(inst, name, (rep,), store)
+            self._call(inst, name, (rep,), store, oneway=True)
 
         return drop
 
-    def _call(self, inst: Instance, name: str, args: tuple[Any, ...], store: Any) -> Any:
+    def _call(self, inst: Instance, name: str, args: tuple[Any, ...], store: Any, oneway: bool = False) -> Any:
         """Send the call to the host and wait for its reply (the host answers every call, with a
-        value or the trap it raises; a stopped guest traps at its next epoch check after it)."""
-        replies = self.replies[inst.id]
+        value or the trap it raises; a stopped guest traps at its next epoch check after it); a
+        `oneway` call of a launched instance is not waited for (`ONEWAY`)."""
+        channel = self.channels[inst.id]
+        if oneway and not inst.parked and channel.unanswered < ONEWAY_MAX:
+            channel.unanswered += 1
+            self.send(wire.Call(inst.id, name, args, oneway=True), store)
+            return None
+        channel.unanswered = 0  # (its reply comes after every earlier call is served)
         self.send(wire.Call(inst.id, name, args), store)
-        reply = replies.get()
+        reply = channel.replies.get()
         if reply.trap is not None:
             inst.trap_reason = reply.trap
             raise wasmtime.WasmtimeError(reply.trap)
@@ -128,14 +197,15 @@ class _Worker:
 
     def launch(self, msg: wire.Launch) -> None:
         with self._lock:
-            warm = msg.warm and msg.iid not in self._unparked
-            self._unparked.discard(msg.iid)
-        inst = Instance(self.env, msg.program, [], self._listener(msg.iid), warm=warm)
+            args = self._unparked.pop(msg.iid, None) if msg.warm else None
+        warm = msg.warm and args is None
+        inst = Instance(self.env, msg.program, list(msg.args if args is None else args), self._listener(msg.iid),
+                        warm=warm)
         inst.id = msg.iid  # the host's: calls and the end name it
         inst.label = f"instance {msg.iid[:8]}"
         with self._lock:
             self.instances[msg.iid] = inst
-            self.replies[msg.iid] = queue.SimpleQueue()
+            self.channels[msg.iid] = _Channel()
         inst.start()
 
     def _listener(self, iid: str) -> Any:
@@ -148,7 +218,7 @@ class _Worker:
     def _ended(self, inst: Instance) -> None:
         with self._lock:
             self.instances.pop(inst.id, None)
-            self.replies.pop(inst.id, None)
+            self.channels.pop(inst.id, None)
 
     def serve(self) -> None:
         while True:
@@ -158,18 +228,19 @@ class _Worker:
                 return
             if isinstance(msg, wire.Reply):
                 with self._lock:
-                    replies = self.replies.get(msg.iid)
-                if replies is not None:
-                    replies.put(msg)
+                    channel = self.channels.get(msg.iid)
+                if channel is not None:
+                    channel.replies.put(msg)
             elif isinstance(msg, wire.Launch):
                 self.launch(msg)
             elif isinstance(msg, wire.Unpark):
                 with self._lock:
                     inst = self.instances.get(msg.iid)
                     if inst is None:  # (it overtook its Launch)
-                        self._unparked.add(msg.iid)
+                        self._unparked[msg.iid] = msg.args
                 if inst is not None:
                     with inst.cond:
+                        inst.args = list(msg.args)
                         inst.parked = False
             elif isinstance(msg, wire.Stop):
                 with self._lock:
