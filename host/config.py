@@ -46,7 +46,9 @@ class HostConfig:
     wall_budget_s: wall-clock budget per instance (None = unlimited).
     workers: instance worker processes (host/workers/): each runs guests on its own interpreter,
         while the scheduler, the pages and the backend stay in this process; 0 runs every guest
-        here, on its instance's thread. Default: $PIE_WORKERS, else 0.
+        here, on its instance's thread; "auto" (the default, or $PIE_WORKERS) = `auto_workers()` of
+        the cores this process may use: as many as the cores, at most 8 (measured on 2 cores:
+        bench/workers.py; docs/deployment.md, "Workers"). `worker_count` is what it resolves to.
     max_pages_per_instance: KV pages one instance may own at once (None = no cap).
     max_pages_per_tenant: KV pages the instances of one tenant may own at once together (None =
         no cap): one tenant cannot take the whole cache from the others.
@@ -133,7 +135,7 @@ class HostConfig:
     max_published_messages: int = 1024  # unread pub/sub messages kept per instance (oldest dropped)
     max_published_bytes: int = 2**20
     epoch_tick_ms: float = 10.0
-    workers: int = field(default_factory=lambda: _env_int("PIE_WORKERS", 0))
+    workers: int | str = field(default_factory=lambda: _env_workers("PIE_WORKERS"))
     run_gate: bool = True
     run_slots: int = 2
     max_instances: int = 1024
@@ -156,6 +158,11 @@ class HostConfig:
     run_ahead: bool = True
 
     @property
+    def worker_count(self) -> int:
+        """The number of instance worker processes: `workers`, with "auto" resolved."""
+        return auto_workers() if self.workers == "auto" else int(self.workers)
+
+    @property
     def engine_kind(self) -> str:
         """"inproc" or "process": what `engine` resolves to."""
         if self.engine != "auto":
@@ -163,9 +170,10 @@ class HostConfig:
         return "process" if self.tp > 1 or self.replicas > 1 else "inproc"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or not 0 <= self.workers <= 256:
-            raise ValueError(f"workers must be an int in [0, 256] (0: instances run in this process), "
-                             f"got {self.workers!r}")
+        if self.workers != "auto" and (not isinstance(self.workers, int) or isinstance(self.workers, bool)
+                                       or not 0 <= self.workers <= 256):
+            raise ValueError(f"workers must be \"auto\" or an int in [0, 256] (0: instances run in this "
+                             f"process), got {self.workers!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown batching policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -219,6 +227,30 @@ class HostConfig:
         if self.max_inbox_bytes < 1 or self.max_kv_store_bytes < 1:
             raise ValueError(f"max_inbox_bytes and max_kv_store_bytes must be >= 1, got {self.max_inbox_bytes}, "
                              f"{self.max_kv_store_bytes}")
+
+
+AUTO_WORKERS_MAX = 8
+
+
+def auto_workers(cores: int | None = None) -> int:
+    """`workers="auto"`: one instance worker per core this process may use, at most
+    `AUTO_WORKERS_MAX`; 0 on one core (a worker there only adds its messages). Measured with
+    bench/workers.py (64 clients of `text_completion` behind a 2 ms step): on 2 cores, 2 workers
+    ran the most completions per second (above 1 and 3; bench/workers.md)."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # (not Linux)
+            cores = os.cpu_count() or 1
+    return 0 if cores < 2 else min(cores, AUTO_WORKERS_MAX)
+
+
+def _env_workers(name: str) -> int | str:
+    """$PIE_WORKERS: "auto" (also when unset) or a number."""
+    raw = os.environ.get(name, "").strip()
+    if raw in ("", "auto"):
+        return "auto"
+    return _env_int(name, 0)
 
 
 def _env_int(name: str, default: int) -> int:

@@ -182,7 +182,7 @@ class Host:
         self._starter = Starter()  # cold launches' threads are started on its thread
         self._closed = False
         self.workers: WorkerPool | None = None  # instances run in worker processes (HostConfig.workers)
-        if config.workers > 0:
+        if config.worker_count > 0:
             self.workers = _start_workers(config, self.services, limits, slots if pooling is not None else None)
             self.wasm.on_tick.append(self._tick_remote)
         self.warm = WarmPool(lambda program: self._new_instance(program, [], _ignore, warm=True),
@@ -687,7 +687,7 @@ def _start_workers(config: HostConfig, services: ApiServices, limits: InstanceLi
     spec = WorkerSpec(index=0, cache_dir=config.cache_dir, epoch_tick_ms=config.epoch_tick_ms, limits=limits,
                       pool_slots=pool_slots, imports=names, resources=resources, package=PACKAGE,
                       constants=constants, wit_version=WIT_VERSION, info=services.info, tokenizer=tokenizer)
-    return WorkerPool(config.workers, spec, imports)
+    return WorkerPool(config.worker_count, spec, imports)
 
 
 def _ignore(_event: InstanceEvent) -> None:

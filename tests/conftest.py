@@ -41,13 +41,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--workers", type=int, default=None, metavar="N",
+    parser.addoption("--workers", default=None, metavar="N",
                      help="run every host's instances in N worker processes (HostConfig.workers, through "
-                          "$PIE_WORKERS); 0 = in-process. Tests about one mode say so and pin it.")
+                          "$PIE_WORKERS; N or auto); without it, 0 = in-process. Tests about one mode say so "
+                          "and pin it.")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "build: needs a componentize-py build of an inferlet (not in make test-fast)")
     workers = config.getoption("--workers")
-    if workers is not None:
-        os.environ["PIE_WORKERS"] = str(workers)  # HostConfig's default (host/config.py)
+    # HostConfig's default (host/config.py: "auto" where unset); the suite's own default is in-process
+    os.environ["PIE_WORKERS"] = "0" if workers is None else str(workers)

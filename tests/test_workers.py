@@ -16,6 +16,7 @@ from fakes import FakeBackend
 from helpers import Run, text_completion_burst, wait_for, wasm_bytes
 
 from host import Host, HostConfig
+from host.config import auto_workers
 from host.cli.options import add_host_options, host_config_from_args
 
 
@@ -108,9 +109,43 @@ def test_workers_from_the_cli_and_bad_values(capsys: pytest.CaptureFixture[str])
     p = argparse.ArgumentParser()
     add_host_options(p)
     assert host_config_from_args(p.parse_args(["--workers", "3"])).workers == 3
+    auto = host_config_from_args(p.parse_args(["--workers", "auto"]))
+    assert auto.workers == "auto" and auto.worker_count == auto_workers()
     for bad in ("-1", "x", "1000"):
         with pytest.raises(SystemExit):
             p.parse_args(["--workers", bad])
         assert "--workers" in capsys.readouterr().err
     with pytest.raises(ValueError, match="workers"):
         HostConfig(workers=-2)
+    with pytest.raises(ValueError, match="workers"):
+        HostConfig(workers="many")  # type: ignore[arg-type]
+
+
+def test_auto_is_one_worker_per_core_up_to_eight_and_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [auto_workers(c) for c in (1, 2, 3, 8, 16, 64)] == [0, 2, 3, 8, 8, 8]
+    monkeypatch.delenv("PIE_WORKERS")
+    assert HostConfig().workers == "auto"
+    monkeypatch.setenv("PIE_WORKERS", "auto")
+    assert HostConfig().worker_count == auto_workers(len(os.sched_getaffinity(0)))
+    monkeypatch.setenv("PIE_WORKERS", "3")
+    assert HostConfig().workers == 3
+    monkeypatch.setenv("PIE_WORKERS", "lots")
+    with pytest.raises(ValueError, match="PIE_WORKERS"):
+        HostConfig()
+
+
+@pytest.mark.build
+def test_streamed_pieces_sent_one_way_arrive_in_order_and_complete(host: Host) -> None:
+    """`messaging.send` returns nothing: a worker sends it without waiting (host/workers/worker.py,
+    ONEWAY), at most 32 unanswered at once. 48 streamed pieces arrive in order, before the end,
+    and join into the return value; the arguments, the tokenizer and the return value are answered
+    in the worker."""
+    prog = host.compile(wasm_bytes("text_completion"))
+    prompt = "one way"
+    run = Run(host, prog, ["--prompt", prompt, "--max-tokens", "48", "--raw", "--stream"])
+    end = run.finish(60)
+    tok = host.backend.tokenizer
+    last = tok.encode(prompt)[-1]
+    want = tok.decode([(last + 1 + i) % host.backend.info.vocab_size for i in range(48)])
+    assert (end.event, end.message) == ("completed", want)
+    assert len(run.messages) > 32 and "".join(run.messages) == want

@@ -103,8 +103,9 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
                              "was measured to help, else Python's)")
     parser.add_argument("--workers", type=_workers, metavar="N",
                         help="run the inferlets' guests in N worker processes, each with its own interpreter (the "
-                             "scheduler, KV pages and model stay in this process); 0 = in this process "
-                             "(default: $PIE_WORKERS, else 0; docs/deployment.md, 'Workers')")
+                             "scheduler, KV pages and model stay in this process); 0 = in this process; auto = one "
+                             "per core, at most 8, none on one core (default: $PIE_WORKERS, else auto; "
+                             "docs/deployment.md, 'Workers')")
     parser.add_argument("--engine", choices=list(ENGINES),
                         help="where the model runs: inproc = in this process, on the scheduler thread; "
                              "process = in engine processes fed over pyzmq + msgpack; auto = inproc for one "
@@ -142,12 +143,14 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
     return HostConfig(**{k: v for k, v in given.items() if v is not None})
 
 
-def _workers(text: str) -> int:
-    """--workers: an int in [0, 256]."""
+def _workers(text: str) -> int | str:
+    """--workers: "auto" or an int in [0, 256]."""
+    if text == "auto":
+        return text
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--workers takes a number of worker processes, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--workers takes a number of worker processes or auto, got {text!r}") from None
     if not 0 <= n <= 256:
         raise argparse.ArgumentTypeError(f"--workers must be in [0, 256], got {n}")
     return n
