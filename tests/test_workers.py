@@ -46,6 +46,9 @@ def test_a_text_completion_burst_runs_in_both_workers_with_exact_outputs(host: H
     assert stats["count"] == 2
     assert all(w["launched"] - b >= 4 for w, b in zip(stats["per_worker"], before, strict=True)), stats
     assert len({w["pid"] for w in stats["per_worker"]} | {os.getpid()}) == 3  # two processes of their own
+    # every completion made host calls (generate-fresh, release) and the workers ran its guest
+    assert sum(w["calls"] for w in stats["per_worker"]) >= 2 * 12
+    assert all(w["cpu_s"] is None or w["cpu_s"] > 0 for w in stats["per_worker"])
 
 
 def test_a_guest_bug_in_a_worker_traps_that_instance_only(host: Host) -> None:

@@ -82,6 +82,9 @@ class _HostCollector(Collector):
         levels = s.get("levels")
         if levels:
             yield from _level_metrics(levels)
+        workers = s.get("workers")
+        if workers:
+            yield from _worker_metrics(workers)
         counts = sched.get("batch_size_counts")
         if counts:  # the scheduler's batch-size histogram (forwards per batch)
             from host.batching.scheduler import BATCH_SIZE_BUCKETS
@@ -92,6 +95,27 @@ class _HostCollector(Collector):
                 buckets.append((bound, cumulative))
             yield HistogramMetricFamily("pie_batch_size", "Forward passes per batch", buckets=buckets,
                                         sum_value=sched["forwards"])
+
+
+def _worker_metrics(workers: dict[str, Any]) -> Iterator[Metric]:
+    """Instance workers (host/workers/): how many, restarts, and per worker its instances, launches,
+    host calls and CPU."""
+    yield GaugeMetricFamily("pie_workers", "Instance worker processes (--workers; 0: instances run in the host)",
+                            value=workers.get("count", 0))
+    yield CounterMetricFamily("pie_worker_restarts", "Instance workers started again after one died",
+                              value=workers.get("restarts", 0))
+    running = GaugeMetricFamily("pie_worker_instances", "Instances running in the worker", labels=["worker"])
+    launched = CounterMetricFamily("pie_worker_launches", "Instances placed on the worker", labels=["worker"])
+    calls = CounterMetricFamily("pie_worker_calls", "Host calls the worker's guests made", labels=["worker"])
+    cpu = CounterMetricFamily("pie_worker_cpu_seconds", "CPU seconds of the worker process", labels=["worker"])
+    for w in workers.get("per_worker", []):
+        label = [str(w["worker"])]
+        running.add_metric(label, w["instances"])
+        launched.add_metric(label, w["launched"])
+        calls.add_metric(label, w["calls"])
+        if w.get("cpu_s") is not None:
+            cpu.add_metric(label, w["cpu_s"])
+    yield from (running, launched, calls, cpu)
 
 
 def _level_metrics(levels: dict[str, Any]) -> Iterator[Metric]:

@@ -20,6 +20,7 @@ pool starts a new worker in its place.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import subprocess
 import sys
@@ -69,6 +70,7 @@ class _Worker:
         self._send_lock = threading.Lock()
         self.instances: set[str] = set()  # ids of the instances it runs
         self.launched = 0  # instances placed on it, ever
+        self.calls = 0  # host calls its guests made, ever (counted by its reader thread)
         self.ready = threading.Event()  # it has sent `wire.Ready`
         self._on_message, self._on_exit = on_message, on_exit
         self.send(spec)
@@ -93,6 +95,8 @@ class _Worker:
             if isinstance(msg, wire.Ready):
                 self.ready.set()
                 continue
+            if isinstance(msg, wire.Call):
+                self.calls += 1
             self._on_message(self, msg)
         try:
             self.process.wait(5)
@@ -170,10 +174,12 @@ class WorkerPool:
                 self.restarts += 1
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per worker: its pid, the instances it runs now and those placed on it ever."""
+        """Per worker: its pid, the instances it runs now, those placed on it ever, the host calls
+        its guests made and its process's CPU seconds (None where /proc cannot tell)."""
         with self._lock:
-            return [{"worker": w.index, "pid": w.pid, "instances": len(w.instances), "launched": w.launched}
-                    for w in self.workers]
+            workers = list(self.workers)
+        return [{"worker": w.index, "pid": w.pid, "instances": len(w.instances), "launched": w.launched,
+                 "calls": w.calls, "cpu_s": _cpu_seconds(w.pid)} for w in workers]
 
     def close(self) -> None:
         with self._lock:
@@ -191,6 +197,16 @@ class WorkerPool:
                 w.process.kill()
                 w.process.wait(5)
             w.conn.close()
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (Linux's /proc; None elsewhere or once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class RemoteInstance(Instance):
