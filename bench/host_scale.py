@@ -46,7 +46,9 @@ host/wasm/instance.py's `Starts`), `prime_once` (`Host.warm_start` primes one sl
 instance instead of two), `on_demand` (`HostConfig.instance_pool=False`: wasmtime's on-demand allocator)
 `wasmtime_values` (host calls' lists and records converted element by element, as wasmtime-py
 does, instead of host/api/fastcall.py's paths) and `reap_first` (the warm pool waits for every
-finished store to be freed before it refills, even into slots used before that are free).
+finished store to be freed before it refills, even into slots used before that are free), and
+`workers0` / `workers2` (the guests in the host's process, or in 2 worker processes; `default` runs
+`HostConfig.workers`' default, auto).
 Every burst also reports the process's CPU, kernel CPU and page faults per instance
 (`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`), the launching thread's time
 for its N launches (`launch_ms`: a launch that finds no parked instance makes one cold, its thread
@@ -122,6 +124,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "reap_first": {"warm_start": ("text_completion",), "patch": {"reuse_slots": False}},
     # the GIL switch interval at 0.5 ms whatever the backend (the default before issue 56; now only on CUDA)
     "switch05": {"warm_start": ("text_completion",), "config": {"switch_interval_ms": 0.5}},
+    # the guests in the host's process, or in 2 worker processes (HostConfig.workers; `default` is
+    # its default, "auto")
+    "workers0": {"warm_start": ("text_completion",), "config": {"workers": 0}},
+    "workers2": {"warm_start": ("text_completion",), "config": {"workers": 2}},
 }
 
 

@@ -139,7 +139,11 @@ class WorkerPool:
             worker.launched += 1
             self._instances[inst.id] = inst
             inst.worker = worker  # (before its Launch: a launch of a warm instance sends its Unpark there)
-        worker.send(wire.Launch(inst.id, inst.program, inst.parked, tuple(inst.args)))
+        with inst.cond:
+            warm = inst.parked
+            if not warm:  # (launched before it was placed: its Launch says so)
+                inst._worker_unparked = True
+        worker.send(wire.Launch(inst.id, inst.program, warm, tuple(inst.args)))
         return worker
 
     def release(self, inst: RemoteInstance) -> None:
@@ -225,6 +229,7 @@ class RemoteInstance(Instance):
         self.worker: _Worker | None = None
         self.inbound: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.deferred_trap: str | None = None  # a one-way call failed: the guest traps at its next call
+        self._worker_unparked = not warm  # its worker knows it was launched (guarded by cond)
 
     def terminate(self, reason: str, event: str = "aborted") -> None:
         first = self.stop_reason is None and not self.finished.is_set()
@@ -239,13 +244,21 @@ class RemoteInstance(Instance):
     def launch(self, args: list[str], on_event: Callable[[InstanceEvent], None], tenant: str) -> bool:
         if not super().launch(args, on_event, tenant):
             return False
-        worker = self.worker
-        if worker is not None:  # (not placed yet: its Launch, sent after, says it is not warm)
-            try:
-                worker.send(wire.Unpark(self.id, tuple(self.args)))
-            except (OSError, ValueError):
-                pass
+        if not self.at_first_call:  # (parked at its first call: its thread tells the worker, off this one)
+            self._unpark_worker()
         return True
+
+    def _unpark_worker(self) -> None:
+        """Tell the worker, once, that this warm instance was launched (its arguments with it)."""
+        with self.cond:
+            worker = self.worker
+            if self._worker_unparked or self.parked or worker is None:
+                return  # (not placed yet: its Launch, sent after, says it is not warm)
+            self._worker_unparked = True
+        try:
+            worker.send(wire.Unpark(self.id, tuple(self.args)))
+        except (OSError, ValueError):
+            pass
 
     def on_epoch(self) -> str | None:
         """The host's epoch tick (the worker checks the guest's own): the wall budget."""
@@ -309,6 +322,8 @@ class RemoteInstance(Instance):
             reply = wire.Reply(self.id, trap=f"{call.name}: internal host error: {type(e).__name__}: {e}")
         finally:
             self.env.gate.leave()
+        if not self._worker_unparked:  # a launched warm one: before the answer to the call it parked at
+            self._unpark_worker()
         if not call.oneway:
             self._reply(reply)
         elif reply.trap is not None:

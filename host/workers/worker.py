@@ -39,6 +39,7 @@ from host.api import wasi
 from host.api.fastcall import add_func
 from host.batching.gate import RunGate
 from host.events import InstanceEvent
+from host.wasm import priority
 from host.wasm.engine import WasmEngine
 from host.wasm.instance import Instance, InstanceEnv, current
 from host.wasm.limits import InstanceLimits
@@ -102,7 +103,11 @@ class _Worker:
         self.conn, self.spec = conn, spec
         self._send_lock = threading.Lock()
         pooling = PoolingConfig(spec.pool_slots, spec.limits) if spec.pool_slots else None
-        self.engine = WasmEngine(spec.cache_dir, spec.epoch_tick_ms, pooling)
+        # Ended guests' stores are freed by a reaper (host/wasm/reaper.py): at the lowest CPU priority
+        # where threads can be lowered, else while no guest runs here (within its delay): a burst's
+        # ends and next starts are not made to wait for the frees (a slot's reset is ~1 ms of CPU).
+        self.engine = WasmEngine(spec.cache_dir, spec.epoch_tick_ms, pooling, busy=lambda: bool(self.instances),
+                                 background=priority.available())
         self.local = self._local_imports()
         self.linker = self._linker()
         # the host enforces the wall budget (it stops the guest); here only the memory limits apply
