@@ -68,3 +68,24 @@ def test_a_device_that_is_not_there_is_a_clear_error(tmp_path, capsys: pytest.Ca
     assert "needs 99 GPUs" in err or "no CUDA GPU is visible" in err
     assert serve.main(["--device", "cuda:99", "--port", "0", "--openai-handler", "none"]) == serve.EXIT_ERROR
     assert "pie-serve: cannot load the model: device 'cuda:99'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "env", "want"), [([], "auto", 0), (["--workers", "auto"], "0", "auto"),
+                                                    (["--workers", "3"], "auto", 3), ([], "2", 2)])
+def test_pie_run_takes_no_workers_for_auto_unless_asked(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                        flags: list[str], env: str, want: object) -> None:
+    """pie-run runs one instance: `auto` (the default) means in-process there, unless --workers says."""
+    import host
+
+    seen: list[HostConfig] = []
+
+    def fake_host(config: HostConfig) -> None:
+        seen.append(config)
+        raise ValueError("stop here")
+
+    monkeypatch.setenv("PIE_WORKERS", env)
+    monkeypatch.setattr(host, "Host", fake_host)
+    wasm = tmp_path / "x.wasm"
+    wasm.write_bytes(b"\0asm")
+    assert run.main([*flags, str(wasm)]) == run.EXIT_ERROR
+    assert len(seen) == 1 and seen[0].workers == want

@@ -104,8 +104,8 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=_workers, metavar="N",
                         help="run the inferlets' guests in N worker processes, each with its own interpreter (the "
                              "scheduler, KV pages and model stay in this process); 0 = in this process; auto = one "
-                             "per core, at most 8, none on one core (default: $PIE_WORKERS, else auto; "
-                             "docs/deployment.md, 'Workers')")
+                             "per core, at most 8, none on one core (default: $PIE_WORKERS, else auto; pie-run, which runs "
+                             "one instance, takes 0 for auto unless --workers is given; docs/deployment.md, 'Workers')")
     parser.add_argument("--engine", choices=list(ENGINES),
                         help="where the model runs: inproc = in this process, on the scheduler thread; "
                              "process = in engine processes fed over pyzmq + msgpack; auto = inproc for one "
