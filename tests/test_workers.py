@@ -16,8 +16,8 @@ from fakes import FakeBackend
 from helpers import Run, text_completion_burst, wait_for, wasm_bytes
 
 from host import Host, HostConfig
-from host.config import auto_workers
 from host.cli.options import add_host_options, host_config_from_args
+from host.config import auto_workers
 
 
 def expected_generation(prompt: list[int], n: int) -> str:
