@@ -128,6 +128,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # its default, "auto")
     "workers0": {"warm_start": ("text_completion",), "config": {"workers": 0}},
     "workers2": {"warm_start": ("text_completion",), "config": {"workers": 2}},
+    "workers2_switch05": {"warm_start": ("text_completion",), "config": {"workers": 2, "switch_interval_ms": 0.5}},
 }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import subprocess
 import sys
@@ -73,7 +74,7 @@ class _Worker:
         self.calls = 0  # host calls its guests made, ever (counted by its reader thread)
         self.ready = threading.Event()  # it has sent `wire.Ready`
         self._on_message, self._on_exit = on_message, on_exit
-        self.send(spec)
+        self.conn.send_bytes(pickle.dumps(spec))  # (its settings, from us: the only pickle that crosses)
         self._reader = threading.Thread(target=self._read, name=f"pie-worker-{index}-reader", daemon=True)
         self._reader.start()
 
@@ -91,6 +92,10 @@ class _Worker:
             try:
                 msg = wire.loads(self.conn.recv_bytes())
             except (EOFError, OSError):
+                break
+            except wire.WireError as e:  # not one of our messages: the worker is not ours any more
+                log.error("instance worker %d sent a malformed message (%s): stopping it", self.index, e)
+                self.process.kill()
                 break
             if isinstance(msg, wire.Ready):
                 self.ready.set()
@@ -332,6 +337,10 @@ class RemoteInstance(Instance):
     def _reply(self, reply: wire.Reply) -> None:
         assert self.worker is not None
         try:
-            self.worker.send(reply)
+            try:
+                self.worker.send(reply)
+            except wire.WireError as e:  # (an import's result of a type that cannot cross: a host bug)
+                log.error("the result of a host call of %s cannot cross to its worker: %s", self.label, e)
+                self.worker.send(wire.Reply(self.id, trap=f"internal host error: {e}"))
         except (OSError, ValueError):  # the worker is gone: its end comes as _WorkerLost
             pass

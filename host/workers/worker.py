@@ -190,10 +190,18 @@ class _Worker:
         channel = self.channels[inst.id]
         if oneway and not inst.parked and channel.unanswered < ONEWAY_MAX:
             channel.unanswered += 1
-            self.send(wire.Call(inst.id, name, args, oneway=True), store)
+            try:
+                self.send(wire.Call(inst.id, name, args, oneway=True), store)
+            except wire.WireError as e:
+                inst.trap_reason = f"{name}: {e}"
+                raise wasmtime.WasmtimeError(inst.trap_reason) from None
             return None
         channel.unanswered = 0  # (its reply comes after every earlier call is served)
-        self.send(wire.Call(inst.id, name, args), store)
+        try:
+            self.send(wire.Call(inst.id, name, args), store)
+        except wire.WireError as e:
+            inst.trap_reason = f"{name}: {e}"
+            raise wasmtime.WasmtimeError(inst.trap_reason) from None
         reply = channel.replies.get()
         if reply.trap is not None:
             inst.trap_reason = reply.trap
@@ -260,7 +268,7 @@ def main(fd: int) -> None:
     """The worker process's entry point (`python -m host.workers.worker FD`, FD its end of the
     connection): read its `WorkerSpec`, then serve the host until it quits or goes away."""
     conn = Connection(fd)
-    spec = wire.loads(conn.recv_bytes())
+    spec = pickle.loads(conn.recv_bytes())  # (from the host that started this process)
     logging.basicConfig(level=logging.WARNING, format=f"pie worker {spec.index}: %(levelname)s %(message)s")
     worker = _Worker(conn, spec)
     worker.send(wire.Ready(spec.index))

@@ -1,0 +1,70 @@
+"""The messages between the host and its instance workers (host/workers/wire.py): msgpack, every
+value kind an import takes or returns round-trips, and bytes that are not one of our messages
+(a pickle above all: it could make the host run code) are refused without being run."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import pytest
+from wasmtime.component import Record, ResourceHost, Variant
+
+from gpu_backend.types import OutputResult
+from host.workers import wire
+
+
+def _record(**fields: object) -> Record:
+    r = Record()
+    r.__dict__.update(fields)
+    return r
+
+
+def test_messages_and_values_round_trip() -> None:
+    sampler = _record(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0, seed=None)
+    call = wire.loads(wire.dumps(wire.Call("i1", "forward.decode-step", ([3, 4], 2, 77, 9, sampler), oneway=True)))
+    assert isinstance(call, wire.Call) and (call.iid, call.name, call.oneway) == ("i1", "forward.decode-step", True)
+    assert call.args[:4] == ([3, 4], 2, 77, 9) and isinstance(call.args, tuple)
+    assert isinstance(call.args[4], Record) and vars(call.args[4]) == vars(sampler)
+    value = (7, Variant("err", "bad"), {"a", "b"}, bytearray(b"\x00\xff"), True, None, 1.5, "é", b"raw")
+    reply = wire.loads(wire.dumps(wire.Reply("i2", value)))
+    assert reply.value == (7, Variant("err", "bad"), {"a", "b"}, b"\x00\xff", True, None, 1.5, "é", b"raw")
+    # a dataclass an import returns (forward.wait's OutputResult) crosses as a record of its fields
+    out = wire.loads(wire.dumps(wire.Reply("i3", [OutputResult(token=5, ids=[1, 2], probs=[0.5, 0.25])])))
+    assert vars(out.value[0]) == {"token": 5, "ids": [1, 2], "probs": [0.5, 0.25], "logprob": None}
+    handle = wire.loads(wire.dumps(wire.Reply("i4", ResourceHost.own(3, 9)))).value
+    assert isinstance(handle, ResourceHost) and (handle.rep, handle.type, handle.owned) == (3, 9, True)
+    guest = wire.loads(wire.dumps(wire.Call("i5", "$drop.grammar.matcher", (wire.RemoteHandle(12),)))).args[0]
+    assert isinstance(guest, wire.RemoteHandle) and guest.remote_rep == 12
+    for msg in (wire.Launch("i6", "prog", True, ("--a", "b")), wire.Unpark("i6", ("x",)), wire.Stop("i6", "why"),
+                wire.Ended("i6", "completed", "done"), wire.Ready(3), wire.Quit()):
+        assert wire.loads(wire.dumps(msg)) == msg
+
+
+def test_a_pickle_or_garbage_from_a_worker_is_refused_and_not_run(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+
+    @dataclass
+    class Evil:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (Path.touch, (marker,))
+
+    for data in (pickle.dumps(Evil()), pickle.dumps(wire.Ended("i", "completed", "x")), b"", b"\xc1",
+                 msgpack.packb([1, 2]), msgpack.packb({"iid": "x"}),
+                 msgpack.packb(msgpack.ExtType(99, msgpack.packb([]))),
+                 msgpack.packb(msgpack.ExtType(16 + 3, msgpack.packb(["too", "many", "fields", 1, 2])))):
+        with pytest.raises(wire.WireError):
+            wire.loads(data)
+    assert not marker.exists()
+
+
+def test_a_value_that_cannot_cross_is_an_error_not_a_crash() -> None:
+    class Opaque:
+        __slots__ = ("x",)
+
+    with pytest.raises(wire.WireError, match="Opaque"):
+        wire.dumps(wire.Reply("i", [Opaque()]))
+    # the encoder is usable after a failure (its packers are per thread and depth)
+    assert wire.loads(wire.dumps(wire.Reply("i", (1, [2])))).value == (1, [2])
