@@ -179,8 +179,8 @@ class WorkerPool:
             log.error("instance worker %d died (exit code %s): %d instance(s) ended; starting it again",
                       worker.index, code, len(lost))
             with self._lock:
-                self.workers[worker.index] = self._start(worker.index)
                 self.restarts += 1
+                self.workers[worker.index] = self._start(worker.index)
 
     def stats(self) -> list[dict[str, Any]]:
         """Per worker: its pid, the instances it runs now, those placed on it ever, the host calls

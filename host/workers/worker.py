@@ -112,7 +112,7 @@ class _Worker:
         self.linker = self._linker()
         # the host enforces the wall budget (it stops the guest); here only the memory limits apply
         limits = InstanceLimits(**{**vars(spec.limits), "wall_budget_s": None})
-        self.env = InstanceEnv(engine=self.engine, linker=self.linker, gate=RunGate(False), limits=limits,
+        self.env = InstanceEnv(engine=self.engine, linker=self.linker, gate=RunGate(True), limits=limits,
                                on_block=lambda _iid: None, on_end=self._ended)
         self.instances: dict[str, Instance] = {}
         self.channels: dict[str, _Channel] = {}
@@ -202,7 +202,10 @@ class _Worker:
         except wire.WireError as e:
             inst.trap_reason = f"{name}: {e}"
             raise wasmtime.WasmtimeError(inst.trap_reason) from None
+        gate = self.env.gate
+        gate.leave()  # (while it waits, another guest runs)
         reply = channel.replies.get()
+        gate.enter()
         if reply.trap is not None:
             inst.trap_reason = reply.trap
             raise wasmtime.WasmtimeError(reply.trap)
