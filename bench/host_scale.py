@@ -47,8 +47,8 @@ instance instead of two), `on_demand` (`HostConfig.instance_pool=False`: wasmtim
 `wasmtime_values` (host calls' lists and records converted element by element, as wasmtime-py
 does, instead of host/api/fastcall.py's paths) and `reap_first` (the warm pool waits for every
 finished store to be freed before it refills, even into slots used before that are free), and
-`workers0` / `workers2` (the guests in the host's process, or in 2 worker processes; `default` runs
-`HostConfig.workers`' default, auto).
+`workers0` / `workers2` / `workers2_switch05` (the guests in the host's process, or in 2 worker
+processes, the last with a 0.5 ms GIL switch interval; `default` runs `HostConfig.workers`' default, auto).
 Every burst also reports the process's CPU, kernel CPU and page faults per instance
 (`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`), the launching thread's time
 for its N launches (`launch_ms`: a launch that finds no parked instance makes one cold, its thread
@@ -128,6 +128,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # its default, "auto")
     "workers0": {"warm_start": ("text_completion",), "config": {"workers": 0}},
     "workers2": {"warm_start": ("text_completion",), "config": {"workers": 2}},
+    # and with the GIL switch interval at 0.5 ms (tried for the stepping guest: no change, bench/README.md)
     "workers2_switch05": {"warm_start": ("text_completion",), "config": {"workers": 2, "switch_interval_ms": 0.5}},
 }
 
