@@ -152,3 +152,27 @@ def test_streamed_pieces_sent_one_way_arrive_in_order_and_complete(host: Host) -
     want = tok.decode([(last + 1 + i) % host.backend.info.vocab_size for i in range(48)])
     assert (end.event, end.message) == ("completed", want)
     assert len(run.messages) > 32 and "".join(run.messages) == want
+
+
+def test_a_worker_naming_another_workers_instance_is_stopped_and_that_instance_untouched(tmp_path: Path) -> None:
+    """A worker only speaks for its own instances (another tenant's may run in the other): a
+    message naming an instance it does not run stops that worker; the instance runs on."""
+    from host.workers import wire
+
+    h = make_host(tmp_path, wall_budget_s=60.0)
+    try:
+        assert h.workers is not None
+        prog = h.compile(wasm_bytes("misbehave"))
+        runs = [Run(h, prog, ["hog", "1"]) for _ in range(2)]  # one on each worker
+        wait_for(lambda: all(len(w.instances) == 1 for w in h.workers.workers), what="one instance per worker")
+        victim_worker, liar = h.workers.workers
+        (victim,) = victim_worker.instances
+        h.workers._message(liar, wire.Call(victim, "kv.release", ([0],)))  # as if the liar had sent it
+        liar_run = next(r for r in runs if r.id != victim)
+        end = liar_run.finish(30)
+        assert end.event == "exception" and "worker process died" in end.message
+        victim_run = next(r for r in runs if r.id == victim)
+        h.signal(victim, "go")
+        assert victim_run.finish(30).event == "completed"
+    finally:
+        h.shutdown()

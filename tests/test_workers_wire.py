@@ -29,17 +29,20 @@ def test_messages_and_values_round_trip() -> None:
     assert call.args[:4] == ([3, 4], 2, 77, 9) and isinstance(call.args, tuple)
     assert isinstance(call.args[4], Record) and vars(call.args[4]) == vars(sampler)
     value = (7, Variant("err", "bad"), {"a", "b"}, bytearray(b"\x00\xff"), True, None, 1.5, "é", b"raw")
-    reply = wire.loads(wire.dumps(wire.Reply("i2", value)))
+    reply = wire.loads(wire.dumps(wire.Reply("i2", value)), wire.FROM_HOST)
     assert reply.value == (7, Variant("err", "bad"), {"a", "b"}, b"\x00\xff", True, None, 1.5, "é", b"raw")
     # a dataclass an import returns (forward.wait's OutputResult) crosses as a record of its fields
-    out = wire.loads(wire.dumps(wire.Reply("i3", [OutputResult(token=5, ids=[1, 2], probs=[0.5, 0.25])])))
+    out = wire.loads(wire.dumps(wire.Reply("i3", [OutputResult(token=5, ids=[1, 2], probs=[0.5, 0.25])])),
+                     wire.FROM_HOST)
     assert vars(out.value[0]) == {"token": 5, "ids": [1, 2], "probs": [0.5, 0.25], "logprob": None}
-    handle = wire.loads(wire.dumps(wire.Reply("i4", ResourceHost.own(3, 9)))).value
+    handle = wire.loads(wire.dumps(wire.Reply("i4", ResourceHost.own(3, 9))), wire.FROM_HOST).value
     assert isinstance(handle, ResourceHost) and (handle.rep, handle.type, handle.owned) == (3, 9, True)
     guest = wire.loads(wire.dumps(wire.Call("i5", "$drop.grammar.matcher", (wire.RemoteHandle(12),)))).args[0]
     assert isinstance(guest, wire.RemoteHandle) and guest.remote_rep == 12
     for msg in (wire.Launch("i6", "prog", True, ("--a", "b")), wire.Unpark("i6", ("x",)), wire.Stop("i6", "why"),
-                wire.Ended("i6", "completed", "done"), wire.Ready(3), wire.Quit()):
+                wire.Quit()):
+        assert wire.loads(wire.dumps(msg), wire.FROM_HOST) == msg
+    for msg in (wire.Ended("i6", "completed", "done"), wire.Ready(3)):
         assert wire.loads(wire.dumps(msg)) == msg
 
 
@@ -60,6 +63,20 @@ def test_a_pickle_or_garbage_from_a_worker_is_refused_and_not_run(tmp_path: Path
     assert not marker.exists()
 
 
+def test_a_worker_sends_only_its_own_kinds_with_fields_of_their_types() -> None:
+    """From a worker: Call, Ended, Ready; an id that is not a string (the host looks it up in a
+    dict), a host's resource handle (only the host makes those) or a host's message is refused."""
+    for msg in (wire.Call(["not", "a", "str"], "kv.release", ()),  # type: ignore[arg-type]
+                wire.Call("i", "kv.release", [1, 2]),  # type: ignore[arg-type]
+                wire.Ended("i", "completed", 5),  # type: ignore[arg-type]
+                wire.Reply("i", ResourceHost.own(1, 2)), wire.Launch("i", "p"), wire.Stop("i", "x"),
+                wire.Call("i", "x", (ResourceHost.own(1, 2),))):
+        with pytest.raises(wire.WireError):
+            wire.loads(wire.dumps(msg))
+    with pytest.raises(wire.WireError):  # and the host's kinds only, the other way
+        wire.loads(wire.dumps(wire.Call("i", "x", ())), wire.FROM_HOST)
+
+
 def test_a_value_that_cannot_cross_is_an_error_not_a_crash() -> None:
     class Opaque:
         __slots__ = ("x",)
@@ -67,4 +84,4 @@ def test_a_value_that_cannot_cross_is_an_error_not_a_crash() -> None:
     with pytest.raises(wire.WireError, match="Opaque"):
         wire.dumps(wire.Reply("i", [Opaque()]))
     # the encoder is usable after a failure (its packers are per thread and depth)
-    assert wire.loads(wire.dumps(wire.Reply("i", (1, [2])))).value == (1, [2])
+    assert wire.loads(wire.dumps(wire.Reply("i", (1, [2]))), wire.FROM_HOST).value == (1, [2])

@@ -33,7 +33,7 @@ from typing import Any
 
 import wasmtime
 
-from host.events import InstanceEvent
+from host.events import TERMINAL_EVENTS, InstanceEvent
 from host.wasm import instance as instance_module
 from host.wasm.instance import Instance, InstanceEnv, Terminated
 from host.workers import wire
@@ -160,8 +160,13 @@ class WorkerPool:
     def _message(self, worker: _Worker, msg: Any) -> None:
         with self._lock:
             inst = self._instances.get(msg.iid)
-        if inst is not None:
-            inst.inbound.put(msg)
+        if inst is None:
+            return
+        if inst.worker is not worker:  # (only a worker not ours any more names another's instance)
+            log.error("instance worker %d sent a message for an instance it does not run: stopping it", worker.index)
+            worker.process.kill()
+            return
+        inst.inbound.put(msg)
 
     def _exited(self, worker: _Worker) -> None:
         """A worker's connection closed: its instances end; a new worker takes its place."""
@@ -287,6 +292,8 @@ class RemoteInstance(Instance):
                 self._serve(msg)
             elif isinstance(msg, wire.Ended):
                 event, message = msg.event, msg.message
+                if event not in TERMINAL_EVENTS:  # (the worker classifies as Instance does)
+                    event, message = "exception", f"the worker ended the instance with {event!r}: {message}"
                 break
             elif isinstance(msg, _WorkerLost):
                 self.failed_in_host = True

@@ -29,8 +29,8 @@ from typing import Any
 import msgpack
 from wasmtime.component import Record, ResourceAny, ResourceHost, Variant
 
-__all__ = ["Call", "Ended", "Launch", "Quit", "Ready", "Unpark", "RemoteHandle", "Reply", "Stop", "WireError",
-           "dumps", "loads"]
+__all__ = ["FROM_HOST", "FROM_WORKER", "Call", "Ended", "Launch", "Quit", "Ready", "Unpark", "RemoteHandle", "Reply",
+           "Stop", "WireError", "dumps", "loads"]
 
 
 class WireError(ValueError):
@@ -175,7 +175,7 @@ def _default(obj: Any) -> Any:
         return msgpack.ExtType(_TUPLE, _pack(list(obj)))
     if ty is Record:
         return msgpack.ExtType(_RECORD, _pack(obj.__dict__))
-    return _other(obj, _packers.store, _pack)
+    return _other(obj)
 
 
 def dumps(msg: Any, store: Any = None) -> bytes:
@@ -192,8 +192,9 @@ def dumps(msg: Any, store: Any = None) -> bytes:
         _packers.store = None
 
 
-def _other(obj: Any, store: Any, pack: Any) -> Any:
+def _other(obj: Any) -> Any:
     """`dumps`'s encoding of the less common values (the common: messages, tuples, `Record`s)."""
+    pack, store = _pack, _packers.store
     if isinstance(obj, tuple):
         return msgpack.ExtType(_TUPLE, pack(list(obj)))
     if isinstance(obj, Variant):
@@ -238,8 +239,18 @@ def _record(fields: dict[str, Any]) -> Record:
     return rec
 
 
-def loads(data: bytes) -> Any:
-    """A message from bytes; WireError if it is not one of ours (a worker's bytes are not trusted)."""
+_STR_OR_NONE = (str, type(None))
+# What each side takes from the other, and the types of each message's fields: a worker's bytes are
+# not trusted (the host would route a `Call` with a list for an id into a dict lookup, and fail).
+FROM_WORKER: dict[type, tuple[Any, ...]] = {Call: (str, str, tuple, bool), Ended: (str, str, str), Ready: (int,)}
+FROM_HOST: dict[type, tuple[Any, ...]] = {Launch: (str, str, bool, tuple), Unpark: (str, tuple),
+                                          Reply: (str, object, _STR_OR_NONE), Stop: (str, str), Quit: ()}
+
+
+def loads(data: bytes, accept: dict[type, tuple[Any, ...]] = FROM_WORKER) -> Any:
+    """A message from bytes, one of the kinds in `accept` with fields of its types; WireError if
+    not. From a worker (the default), a host's resource handle is refused too: only the host
+    makes those."""
 
     def ext(code: int, data: bytes) -> Any:
         value = unpack(data)
@@ -259,6 +270,8 @@ def loads(data: bytes) -> Any:
                 raise WireError("a handle's rep must be an int")
             return RemoteHandle(value)
         if code == _HOST_HANDLE:
+            if accept is FROM_WORKER:
+                raise WireError("a worker cannot send a host's resource handle")
             rep, ty, owned = value
             if not (isinstance(rep, int) and isinstance(ty, int)):
                 raise WireError("a host handle is (rep, type, owned)")
@@ -276,6 +289,10 @@ def loads(data: bytes) -> Any:
         raise
     except Exception as e:  # malformed bytes, a wrong arity, a bad tag
         raise WireError(f"malformed message: {type(e).__name__}: {e}") from None
-    if type(msg) not in _MESSAGE_CODE:
-        raise WireError(f"not a message: {type(msg).__name__}")
+    types = accept.get(type(msg))
+    if types is None:
+        raise WireError(f"not a message this side takes: {type(msg).__name__}")
+    for name, want in zip(_FIELDS[type(msg)], types, strict=True):
+        if not isinstance(getattr(msg, name), want):
+            raise WireError(f"{type(msg).__name__}.{name} has the wrong type")
     return msg

@@ -188,20 +188,16 @@ class _Worker:
         value or the trap it raises; a stopped guest traps at its next epoch check after it); a
         `oneway` call of a launched instance is not waited for (`ONEWAY`)."""
         channel = self.channels[inst.id]
-        if oneway and not inst.parked and channel.unanswered < ONEWAY_MAX:
-            channel.unanswered += 1
-            try:
-                self.send(wire.Call(inst.id, name, args, oneway=True), store)
-            except wire.WireError as e:
-                inst.trap_reason = f"{name}: {e}"
-                raise wasmtime.WasmtimeError(inst.trap_reason) from None
-            return None
-        channel.unanswered = 0  # (its reply comes after every earlier call is served)
+        oneway = oneway and not inst.parked and channel.unanswered < ONEWAY_MAX
+        # (a two-way call's reply comes after every earlier call is served)
+        channel.unanswered = channel.unanswered + 1 if oneway else 0
         try:
-            self.send(wire.Call(inst.id, name, args), store)
-        except wire.WireError as e:
+            self.send(wire.Call(inst.id, name, args, oneway), store)
+        except wire.WireError as e:  # (an argument of a type that cannot cross)
             inst.trap_reason = f"{name}: {e}"
             raise wasmtime.WasmtimeError(inst.trap_reason) from None
+        if oneway:
+            return None
         gate = self.env.gate
         gate.leave()  # (while it waits, another guest runs)
         reply = channel.replies.get()
@@ -239,7 +235,7 @@ class _Worker:
     def serve(self) -> None:
         while True:
             try:
-                msg = wire.loads(self.conn.recv_bytes())
+                msg = wire.loads(self.conn.recv_bytes(), wire.FROM_HOST)
             except (EOFError, OSError):  # the host is gone
                 return
             if isinstance(msg, wire.Reply):
