@@ -90,6 +90,7 @@ class Plan:
     run_slots: int | None = None  # the host section's HostConfig.run_slots (None: its default)
     host_no_ahead: bool = True  # the host section also measures run_ahead off (the baseline of the feed)
     host_config: dict[str, Any] = field(default_factory=dict)  # more HostConfig fields for the host section
+    host_workers: tuple[str, ...] = ()  # the host section once per HostConfig.workers value ("0", "auto", ...)
 
     @classmethod
     def make(cls, dry: bool) -> Plan:
@@ -535,23 +536,32 @@ def sec_host(s: Suite) -> dict[str, Any]:
     log = BatchLog(be)  # before the host binds the backend's methods: every backend call is timed
     runs = [(True, "concurrency", plan.host_tokens), (True, "concurrency_long", plan.host_tokens_long),
             (False, "concurrency", plan.host_tokens)]
-    for ahead in (True, False) if plan.host_no_ahead else (True,):
-        with tempfile.TemporaryDirectory() as data:
-            host = Host(HostConfig(data_dir=Path(data), run_ahead=ahead, prefix_cache="off", **switch), backend=be)
-            out["switch_interval_ms"] = round(sys.getswitchinterval() * 1000, 3)
-            out["run_slots"] = host.config.run_slots
-            try:
-                program = host.compile(wasm.read_bytes())
-                for _, table, tokens in [r for r in runs if r[0] == ahead]:
-                    for n in plan.host_conc:
-                        if s.left() < 30:
-                            break
-                        row = out[table].setdefault(str(n), {})
-                        row.update(host_tax(be, log, host, program, seq, n, tokens, "host_ahead" if ahead
-                                            else "host_no_ahead"))
-                        s.write()
-            finally:
-                host.shutdown()
+    # --workers: the whole section once per value, each in `by_workers` (the first also as the tables
+    # above); without it, the host's default
+    for i, workers in enumerate(plan.host_workers or (None,)):
+        config = dict(switch) if workers is None else {**switch, "workers": _workers_value(workers)}
+        tables = out if i == 0 else {"concurrency": {}, "concurrency_long": {}}
+        for ahead in (True, False) if plan.host_no_ahead else (True,):
+            with tempfile.TemporaryDirectory() as data:
+                host = Host(HostConfig(data_dir=Path(data), run_ahead=ahead, prefix_cache="off", **config),
+                            backend=be)
+                out["switch_interval_ms"] = round(sys.getswitchinterval() * 1000, 3)
+                out["run_slots"] = host.config.run_slots
+                tables["workers"] = host.config.worker_count
+                if workers is not None:
+                    out.setdefault("by_workers", {})[workers] = tables
+                try:
+                    program = host.compile(wasm.read_bytes())
+                    for _, table, tokens in [r for r in runs if r[0] == ahead]:
+                        for n in plan.host_conc:
+                            if s.left() < 30:
+                                break
+                            row = tables[table].setdefault(str(n), {})
+                            row.update(host_tax(be, log, host, program, seq, n, tokens, "host_ahead" if ahead
+                                                else "host_no_ahead"))
+                            s.write()
+                finally:
+                    host.shutdown()
     del be
     free()
     return out
@@ -723,6 +733,17 @@ def markdown(res: dict[str, Any]) -> str:
             long = h.get("concurrency_long", {}).get(n, {})
             lines.append(" | ".join([f"| {n}"] + [str(r.get(f"host_ahead_{c}")) for r in (row, long)
                                                   for c in ("tax", "step_tax", "step_ms")]) + " |")
+    if isinstance(h, dict) and h.get("by_workers"):
+        lines += ["", "## host tax by HostConfig.workers (default host: run ahead)", "",
+                  "| workers | processes | concurrent | own tok/s | host tok/s | tax | step tax | tax, long |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for w, t in h["by_workers"].items():
+            for n, row in t.get("concurrency", {}).items():
+                long = t.get("concurrency_long", {}).get(n, {})
+                lines.append(" | ".join([f"| {w}", str(t.get("workers")), n]
+                                        + [str(row.get(f"host_ahead_{c}")) for c in ("own_tokens_per_s", "tokens_per_s",
+                                                                                     "tax", "step_tax")]
+                                        + [str(long.get("host_ahead_tax"))]) + " |")
     for key in ("parity", "pytest"):
         if key in res:
             lines += ["", f"## {key}", "", "```", json.dumps(res[key], indent=1, default=str)[:4000], "```"]
@@ -730,6 +751,11 @@ def markdown(res: dict[str, Any]) -> str:
     if errs:
         lines += ["", "## errors", ""] + [f"- {k}: {v['error']}" for k, v in errs.items()]
     return "\n".join(lines) + "\n"
+
+
+def _workers_value(text: str) -> int | str:
+    """A --workers value as HostConfig.workers takes it: a count, or "auto"."""
+    return text if text == "auto" else int(text)
 
 
 def _config_field(kv: str) -> tuple[str, Any]:
@@ -761,6 +787,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the host section's instance threads running at once (HostConfig.run_slots; default: the host's)")
     ap.add_argument("--host-config", action="append", default=[], metavar="FIELD=VALUE",
                     help="a HostConfig field for the host section (repeatable), e.g. run_slots=8")
+    ap.add_argument("--workers", nargs="+", default=[], metavar="N|auto",
+                    help="the host section once per value of HostConfig.workers (instance worker processes), "
+                         "e.g. --workers 0 auto: in-process against the default; results in host.by_workers")
     ap.add_argument("--host-ahead-only", action="store_true",
                     help="the host section measures the default host only, not also with run_ahead off")
     a = ap.parse_args(argv)
@@ -771,6 +800,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out is required (or --prepare KIT)")
     try:
         host_config = dict(_config_field(kv) for kv in a.host_config)
+        for w in a.workers:
+            if w != "auto" and int(w) < 0:
+                raise ValueError(f"--workers {w}: a count >= 0, or auto")
     except ValueError as e:
         ap.error(str(e))
     names = [n for n in a.sections.split(",") if n]
@@ -789,7 +821,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no CUDA device: run on the GPU machine, or use --dry-run on CPU")
     suite = Suite(out=a.out, kit=kit, plan=replace(Plan.make(a.dry_run), pytest_timeout_s=a.pytest_timeout_s,
                                                       switch_ms=a.host_switch_ms, run_slots=a.host_run_slots,
-                                                      host_no_ahead=not a.host_ahead_only, host_config=host_config),
+                                                      host_no_ahead=not a.host_ahead_only, host_config=host_config,
+                                                      host_workers=tuple(a.workers)),
                   budget_s=a.budget_s, device=device)
     if a.dry_run:
         suite.plan = replace(suite.plan, attentions=("sdpa",) if "PIE_KIT_NO_FLEX" in os.environ else ("sdpa", "flex"))

@@ -241,6 +241,7 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
     before = host.scheduler.stats.as_dict()
     logged = len(log.calls) if log is not None else 0
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    w0 = workers_cpu_s(host)
     t0 = time.perf_counter()
     runs = [Run(host, program, args) for _ in range(n)]
     launched = time.perf_counter()
@@ -250,6 +251,7 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
             raise RuntimeError(f"wrong result: {end.event}: {end.message[:200]!r} (expected {want[:80]!r})")
     wall = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    w1 = workers_cpu_s(host)
     after = host.scheduler.stats.as_dict()
     mean_batch = (after["forwards"] - before["forwards"]) / max(after["batches"] - before["batches"], 1)
     tok_s = n * tokens / wall
@@ -269,7 +271,17 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
             # and what the warm pool and the reaper did meanwhile)
             "cpu_ms_per_instance": round(1000 * (ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime) / n, 2),
             "sys_ms_per_instance": round(1000 * (ru1.ru_stime - ru0.ru_stime) / n, 2),
-            "faults_per_instance": round((ru1.ru_minflt - ru0.ru_minflt) / n, 1)}
+            "faults_per_instance": round((ru1.ru_minflt - ru0.ru_minflt) / n, 1),
+            **({} if w0 is None or w1 is None else {"workers_cpu_ms_per_instance": round(1000 * (w1 - w0) / n, 2)})}
+
+
+def workers_cpu_s(host: Host) -> float | None:
+    """CPU seconds of the host's instance workers so far (None without workers, or where /proc
+    cannot tell): with `cpu_ms_per_instance`, the whole cost of an instance."""
+    if host.workers is None:
+        return None
+    cpus = [w["cpu_s"] for w in host.workers.stats()]
+    return None if any(c is None for c in cpus) else sum(cpus)
 
 
 def measure(host: Host, step_s: float, program: str, args: list[str], n: int, want: str,

@@ -44,6 +44,14 @@ class Replica:
         while the instance is suspended (`Suspender.gate`)."""
         return _NO_GATE if self.suspender is None else self.suspender.gate(inst)
 
+    def gate_now(self, inst: Instance) -> AbstractContextManager[Any] | None:
+        """`gate(inst)`, entered, if that needs no wait; None while the instance is (being) suspended.
+        For a caller that must not block (host/workers/pool.py serves a decode step on its reader)."""
+        if self.suspender is None:
+            return _NO_GATE
+        g = self.suspender.gate(inst)
+        return g if g.try_enter() else None
+
 
 class ExportNames:
     """Export names, unique per tenant across replicas: the one place that looks past an instance's

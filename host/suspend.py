@@ -107,6 +107,15 @@ class _Gate:
     def __exit__(self, *exc: Any) -> None:
         self.lock.release()
 
+    def try_enter(self) -> bool:
+        """Enter only if that needs no wait: False while the instance is (being) suspended."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        if self.table.state is ACTIVE:
+            return True
+        self.lock.release()
+        return False
+
 
 @dataclass
 class Suspender:

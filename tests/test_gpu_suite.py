@@ -44,6 +44,9 @@ def test_bad_arguments_are_refused():
     r = subprocess.run([sys.executable, "bench/gpu_suite.py", "--dry-run", "--out", "x", "--host-config", "nope=1"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "expected FIELD=VALUE with a HostConfig field" in r.stderr
+    r = subprocess.run([sys.executable, "bench/gpu_suite.py", "--dry-run", "--out", "x", "--workers", "0", "many"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--workers" in r.stderr
 
 
 def test_host_section_takes_host_config_and_ahead_only(tmp_path):
@@ -57,3 +60,20 @@ def test_host_section_takes_host_config_and_ahead_only(tmp_path):
     assert host["host_config"] == {"run_slots": 3} and host["run_slots"] == 3
     row = host["concurrency"]["4"]
     assert row["host_ahead_tokens_per_s"] > 0 and "host_no_ahead_tokens_per_s" not in row
+
+
+def test_host_section_once_per_workers_value(tmp_path):
+    """`--workers 0 2`: the host section runs in-process and with 2 instance workers, the same texts
+    as the backend's own loop in both (item 6 of issue 49: the H200 compares 0 with auto)."""
+    r = subprocess.run([sys.executable, "bench/gpu_suite.py", "--dry-run", "--out", str(tmp_path), "--sections", "host",
+                        "--workers", "0", "2", "--host-ahead-only"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    host = json.loads((tmp_path / "gpu_suite.json").read_text())["host"]
+    assert set(host["by_workers"]) == {"0", "2"}
+    assert [host["by_workers"][w]["workers"] for w in ("0", "2")] == [0, 2]
+    for w in ("0", "2"):
+        for table in ("concurrency", "concurrency_long"):
+            row = host["by_workers"][w][table]["4"]
+            assert row["host_ahead_tokens_per_s"] > 0 and row["host_ahead_texts_equal_own"] == 1.0, (w, table, row)
+    assert "## host tax by HostConfig.workers" in (tmp_path / "gpu_suite.md").read_text()

@@ -17,7 +17,7 @@ import wasmtime
 from host.state.pages import PageError
 from host.wasm.instance import Instance, Terminated, current
 
-__all__ = ["GuestError", "Import", "guest_import", "U32_MAX"]
+__all__ = ["GuestError", "Import", "as_trap", "guest_import", "U32_MAX"]
 
 log = logging.getLogger(__name__)
 
@@ -53,21 +53,29 @@ def guest_import(name: str, store: bool = False, keeps_lookahead: bool = False,
                 if drops and inst.stepper is not None:  # its view of its pages may change: no lookahead
                     inst.stepper.drop()
                 return fn(inst, _store, *args) if store else fn(inst, *args)
-            except Terminated as e:
-                raise wasmtime.WasmtimeError(f"{name}: instance terminated: {e}") from None
-            except (GuestError, PageError, ValueError, TypeError, OverflowError) as e:
-                raise _trap(inst, f"{name}: {e}") from None
             except wasmtime.WasmtimeError:
                 raise
             except Exception as e:
-                log.exception("host import %s failed", name)
-                raise _trap(inst, f"{name}: internal host error: {type(e).__name__}: {e}") from None
+                raise as_trap(inst, name, e) from None
 
         # (host/workers: a worker answers such a constant itself)
         wrapper.before_launch = before_launch  # type: ignore[attr-defined]
         return wrapper
 
     return deco
+
+
+def as_trap(inst: Instance, name: str, e: Exception) -> wasmtime.WasmtimeError:
+    """The trap an import `name` that raised `e` ends its guest with (a guest's bug: the reason, kept
+    as the instance's `trap_reason`; a host bug: logged, and said to be one)."""
+    if isinstance(e, wasmtime.WasmtimeError):
+        return e
+    if isinstance(e, Terminated):
+        return wasmtime.WasmtimeError(f"{name}: instance terminated: {e}")
+    if isinstance(e, (GuestError, PageError, ValueError, TypeError, OverflowError)):
+        return _trap(inst, f"{name}: {e}")
+    log.error("host import %s failed", name, exc_info=e)
+    return _trap(inst, f"{name}: internal host error: {type(e).__name__}: {e}")
 
 
 def _trap(inst: Instance, reason: str) -> wasmtime.WasmtimeError:

@@ -68,49 +68,69 @@ class Stepper:
 
     def step(self, pages: list[int], last_len: int, token: int, position: int, sampler: Any) -> int:
         """forward.decode-step: claim the prediction if these are its arguments, else submit."""
+        with self.passes.gate(self.inst):  # (waits while the instance is suspended)
+            fut, trusted = self.begin(pages, last_len, token, position, sampler)
+        # (terminated or out of budget: nothing more ahead)
+        out: int | None = self.inst.wait_for(fut, lambda: setattr(fut, "follow", None))[0].token
+        assert out is not None  # the spec asked for a sampled token
+        return self.end(fut, trusted, out, pages, last_len, position)
+
+    def begin(self, pages: list[int], last_len: int, token: int, position: int,
+              sampler: Any) -> tuple[ForwardFuture, bool]:
+        """The step's job (the claimed prediction or a new submit) and whether its prediction
+        follows it; run in the instance's `Passes.gate`."""
         inst, passes = self.inst, self.passes
         key = tuple(sampler.__dict__.values())
-        with passes.gate(inst):  # (waits while the instance is suspended)
-            if inst.pages.moves != self.moves:  # suspended since: what was predicted is stale
-                self.moves = inst.pages.moves
-                self.drop()
-            fut = self.pending
-            if fut is not None:
-                self.pending = None
-                req = fut.request
-                assert isinstance(req, ForwardRequest)
-                # (the prediction continues the last step, on its pages: `e_pages`, the guest's ids)
-                if (token == req.tokens[0] and position == req.positions[0] and last_len == req.last_page_len
-                        and key == self.key and pages == self.e_pages):
-                    ctx, _phys = passes.check_pages(inst, pages, last_len, 1, step=True)  # as for any step
-                    passes.pm(inst).note_write(inst.pages, req, passes.page_size, context_len=ctx)
-                    self.trust += 1
-                else:
-                    if not passes.scheduler(inst).withdraw(fut):  # if still queued; else its result is dropped
-                        self.dropped = fut
-                    self.trust = 0
-                    fut = None
-            elif (token == self.e_token and position == self.e_pos and key == self.key
-                  and self._expected(pages, last_len)):
+        if inst.pages.moves != self.moves:  # suspended since: what was predicted is stale
+            self.moves = inst.pages.moves
+            self.drop()
+        fut = self.pending
+        if fut is not None:
+            self.pending = None
+            req = fut.request
+            assert isinstance(req, ForwardRequest)
+            # (the prediction continues the last step, on its pages: `e_pages`, the guest's ids)
+            if (token == req.tokens[0] and position == req.positions[0] and last_len == req.last_page_len
+                    and key == self.key and pages == self.e_pages):
+                ctx, _phys = passes.check_pages(inst, pages, last_len, 1, step=True)  # as for any step
+                passes.pm(inst).note_write(inst.pages, req, passes.page_size, context_len=ctx)
                 self.trust += 1
             else:
+                if not passes.scheduler(inst).withdraw(fut):  # if still queued; else its result is dropped
+                    self.dropped = fut
                 self.trust = 0
-            if fut is None:
-                fut = passes.scheduler(inst).submit(
-                    passes.decode_request(inst, pages, last_len, token, position, sampler, key), inst.id)
-            self.key = key
-            trusted = self.trust >= TRUST and passes.lookahead
-            if trusted:
-                fut.follow = self.follow
-        # (terminated or out of budget: nothing more ahead)
-        out: int | None = inst.wait_for(fut, lambda: setattr(fut, "follow", None))[0].token
-        assert out is not None  # the spec asked for a sampled token
-        if trusted and fut.follow is not None:  # done before this thread set it: queue the prediction here
+                fut = None
+        elif (token == self.e_token and position == self.e_pos and key == self.key
+              and self._expected(pages, last_len)):
+            self.trust += 1
+        else:
+            self.trust = 0
+        if fut is None:
+            fut = passes.scheduler(inst).submit(
+                passes.decode_request(inst, pages, last_len, token, position, sampler, key), inst.id)
+        self.key = key
+        trusted = self.trust >= TRUST and passes.lookahead
+        if trusted:
+            fut.follow = self.follow
+        return fut, trusted
+
+    def end(self, fut: ForwardFuture, trusted: bool, out: int, pages: list[int], last_len: int, position: int,
+            wait: bool = True) -> int:
+        """After the step's job drew `out`: what the next call is expected to be. A trusted step done
+        before its follow-up was set queues the prediction here (not `wait`: only if the instance's
+        gate is free now; else there is none)."""
+        if trusted and fut.follow is not None:  # done before the follow-up was set: queue the prediction here
             fut.follow = None
-            with passes.gate(inst):
-                self._queue(fut, out)
+            gate = self.passes.gate(self.inst) if wait else self.passes.gate_now(self.inst)
+            if gate is not None:
+                if wait:
+                    gate.__enter__()
+                try:
+                    self._queue(fut, out)
+                finally:
+                    gate.__exit__(None, None, None)
         self.e_pages, self.e_token, self.e_pos = pages, out, position + 1
-        self.e_len = last_len + 1 if last_len < passes.page_size else 0
+        self.e_len = last_len + 1 if last_len < self.passes.page_size else 0
         return out
 
     def _expected(self, pages: list[int], last_len: int) -> bool:

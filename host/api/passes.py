@@ -60,6 +60,10 @@ class Passes:
         """What a call that checks pages and queues work on them runs in (host/suspend.py)."""
         return self.replicas[inst.pages.replica].gate(inst)
 
+    def gate_now(self, inst: Instance) -> AbstractContextManager[Any] | None:
+        """`gate(inst)` entered without waiting (leave it with `__exit__`), or None if that would wait."""
+        return self.replicas[inst.pages.replica].gate_now(inst)
+
     def check_pages(self, inst: Instance, pages: list[int], last_len: int, n_tokens: int,
                     step: bool = False) -> tuple[int, list[int]]:
         """The page list of a pass of `n_tokens` new tokens: held by the instance, long enough, written

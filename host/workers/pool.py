@@ -19,6 +19,7 @@ pool starts a new worker in its place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -33,6 +34,9 @@ from typing import Any
 
 import wasmtime
 
+from host.api.guest import as_trap
+from host.api.lookahead import Stepper
+from host.batching.future import ForwardFuture
 from host.events import TERMINAL_EVENTS, InstanceEvent
 from host.wasm import instance as instance_module
 from host.wasm.instance import Instance, InstanceEnv, Terminated
@@ -44,6 +48,7 @@ __all__ = ["RemoteInstance", "WorkerPool"]
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0  # a worker not ready by then fails the host's start
+_STEP = "forward.decode-step"  # served on the reader thread when it can be (`RemoteInstance.serve_now`)
 
 
 @dataclass(frozen=True)
@@ -77,38 +82,90 @@ class _Worker:
         self.conn.send_bytes(pickle.dumps(spec))  # (its settings, from us: the only pickle that crosses)
         self._reader = threading.Thread(target=self._read, name=f"pie-worker-{index}-reader", daemon=True)
         self._reader.start()
+        # Answers made off the instances' threads (decode steps served on the reader): one thread sends
+        # a step's answers, so the scheduler thread that finished the step only queues them.
+        self._answers: queue.SimpleQueue[Callable[[], wire.Reply | None] | None] = queue.SimpleQueue()
+        self._answerer = threading.Thread(target=self._answer, name=f"pie-worker-{index}-answers", daemon=True)
+        self._answerer.start()
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def send(self, msg: Any) -> None:
-        data = wire.dumps(msg)
+        self.write([wire.dumps(msg)])
+
+    def write(self, datas: list[bytes]) -> None:
+        """Send encoded messages, in one write."""
         with self._send_lock:
-            self.conn.send_bytes(data)
+            wire.send_frames(self.conn.fileno(), datas)
+
+    def answer(self, fn: Callable[[], wire.Reply | None]) -> None:
+        """Make an answer with `fn` on this worker's answering thread, and send it."""
+        self._answers.put(fn)
+
+    def _answer(self) -> None:
+        """The answering thread: the answers made at once (a step's) go in one write."""
+        answers, end = self._answers, False
+        while not end:
+            fns = [answers.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    fns.append(answers.get_nowait())
+            datas = []
+            for fn in fns:
+                if fn is None:  # (the end: after the answers before it)
+                    end = True
+                    continue
+                try:
+                    reply = fn()
+                    if reply is not None:
+                        datas.append(_encode(reply))
+                except Exception:  # (a host bug: that instance's guest waits until it is stopped)
+                    log.exception("answering a call of instance worker %d failed", self.index)
+            if datas:
+                try:
+                    self.write(datas)
+                except (OSError, ValueError):  # the worker is gone: its instances end as _WorkerLost
+                    pass
 
     def _read(self) -> None:
+        frames = wire.Frames(self.conn.fileno())
         while True:
             try:
-                msg = wire.loads(self.conn.recv_bytes())
+                batch = frames.read()
             except (EOFError, OSError):
                 break
-            except wire.WireError as e:  # not one of our messages: the worker is not ours any more
-                log.error("instance worker %d sent a malformed message (%s): stopping it", self.index, e)
+            except wire.WireError as e:
+                log.error("instance worker %d sent a malformed frame (%s): stopping it", self.index, e)
                 self.process.kill()
                 break
-            if isinstance(msg, wire.Ready):
-                self.ready.set()
-                continue
-            if isinstance(msg, wire.Call):
-                self.calls += 1
-            self._on_message(self, msg)
+            if not self._dispatch(batch):
+                break
         try:
             self.process.wait(5)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(5)
         self._on_exit(self)
+        self._answers.put(None)
+
+    def _dispatch(self, frames: list[bytes]) -> bool:
+        """Hand the messages on; False (the worker is stopped) at one that is not ours."""
+        for data in frames:
+            try:
+                msg = wire.loads(data)
+            except wire.WireError as e:  # not one of our messages: the worker is not ours any more
+                log.error("instance worker %d sent a malformed message (%s): stopping it", self.index, e)
+                self.process.kill()
+                return False
+            if isinstance(msg, wire.Ready):
+                self.ready.set()
+                continue
+            if isinstance(msg, wire.Call):
+                self.calls += 1
+            self._on_message(self, msg)
+        return True
 
 
 class WorkerPool:
@@ -166,6 +223,10 @@ class WorkerPool:
             log.error("instance worker %d sent a message for an instance it does not run: stopping it", worker.index)
             worker.process.kill()
             return
+        if isinstance(msg, wire.Call):
+            if inst.serve_now(msg):
+                return
+            inst.queued += 1
         inst.inbound.put(msg)
 
     def _exited(self, worker: _Worker) -> None:
@@ -213,6 +274,15 @@ class WorkerPool:
             w.conn.close()
 
 
+def _encode(reply: wire.Reply) -> bytes:
+    """`reply` as bytes; a result that cannot cross (a host bug) becomes the guest's trap."""
+    try:
+        return wire.dumps(reply)
+    except wire.WireError as e:
+        log.error("the result of a host call of instance %s cannot cross to its worker: %s", reply.iid[:8], e)
+        return wire.dumps(wire.Reply(reply.iid, trap=f"internal host error: {e}"))
+
+
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process `pid` (Linux's /proc; None elsewhere or once it is gone)."""
     try:
@@ -240,10 +310,21 @@ class RemoteInstance(Instance):
         self.inbound: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.deferred_trap: str | None = None  # a one-way call failed: the guest traps at its next call
         self._worker_unparked = not warm  # its worker knows it was launched (guarded by cond)
+        # Calls put in `inbound` (counted by the worker's reader thread) and of those served by this
+        # instance's thread (counted by it): equal when it has none to serve.
+        self.queued = 0
+        self.served = 0
+        self._fast_lock = threading.Lock()
+        self._fast: ForwardFuture | None = None  # the job of a decode step served on the reader, not answered
 
     def terminate(self, reason: str, event: str = "aborted") -> None:
         first = self.stop_reason is None and not self.finished.is_set()
         super().terminate(reason, event)
+        with self._fast_lock:  # (after stop_reason is set: `serve_now` answers a step it starts after this)
+            fut, self._fast = self._fast, None
+        if fut is not None:  # a decode step served on the reader: its answer is the trap, now
+            fut.follow = None
+            self._reply(wire.Reply(self.id, trap=f"{_STEP}: instance terminated: {self.stop_reason}"))
         worker = self.worker
         if first and worker is not None:  # a guest computing traps at its worker's next epoch check
             try:
@@ -289,7 +370,10 @@ class RemoteInstance(Instance):
         while True:
             msg = self.inbound.get()
             if isinstance(msg, wire.Call):
-                self._serve(msg)
+                reply = self._serve(msg)
+                self.served += 1  # (before the answer: the guest's next call may be served on the reader)
+                if reply is not None:
+                    self._reply(reply)
             elif isinstance(msg, wire.Ended):
                 event, message = msg.event, msg.message
                 if event not in TERMINAL_EVENTS:  # (the worker classifies as Instance does)
@@ -310,13 +394,11 @@ class RemoteInstance(Instance):
     def _release(self) -> None:
         self.pool.release(self)
 
-    def _serve(self, call: wire.Call) -> None:
-        """Run one import the guest called, as its own thread would in-process, and answer it (a
-        one-way call: no answer; its trap, if it fails, is the answer to the guest's next call)."""
+    def _serve(self, call: wire.Call) -> wire.Reply | None:
+        """Run one import the guest called, as its own thread would in-process; its answer (a
+        one-way call: none; its trap, if it fails, is the answer to the guest's next call)."""
         if self.deferred_trap is not None:  # the guest is past a failed one-way call: it traps now
-            if not call.oneway:
-                self._reply(wire.Reply(self.id, trap=self.deferred_trap))
-            return
+            return None if call.oneway else wire.Reply(self.id, trap=self.deferred_trap)
         fn = self.pool.imports.get(call.name)
         # The run gate as in-process: an import that blocks gives its slot up and takes one when it
         # goes on (Instance.wait_until); the slot is given up when the import returns (the guest
@@ -337,17 +419,65 @@ class RemoteInstance(Instance):
         if not self._worker_unparked:  # a launched warm one: before the answer to the call it parked at
             self._unpark_worker()
         if not call.oneway:
-            self._reply(reply)
-        elif reply.trap is not None:
+            return reply
+        if reply.trap is not None:
             self.deferred_trap = reply.trap
+        return None
+
+    def serve_now(self, call: wire.Call) -> bool:
+        """The worker's reader thread serves a decode step itself when it can do so without waiting:
+        the instance's thread has nothing to serve, the guest steps with lookahead (its `Stepper`
+        is made at its first step, on its thread), and its pages are not being suspended. The step's
+        job is queued from here and its answer sent from the worker's answering thread when the job
+        is done, so a step costs no wake-up of this instance's thread (two per step otherwise, each a
+        GIL hand-over among the host's threads). Returns False when the call must go to the thread."""
+        stepper = self.stepper
+        if (call.name != _STEP or call.oneway or self.queued != self.served or self.deferred_trap is not None
+                or self.stop_reason is not None or not self._worker_unparked or not isinstance(stepper, Stepper)):
+            return False
+        gate = stepper.passes.gate_now(self)
+        if gate is None:  # (suspended, or being suspended: the thread waits for its resume)
+            return False
+        try:
+            try:
+                fut, trusted = stepper.begin(*call.args)
+            finally:
+                gate.__exit__(None, None, None)
+            pages, last_len, _token, position, _sampler = call.args
+        except Exception as e:
+            self._reply(wire.Reply(self.id, trap=str(as_trap(self, _STEP, e))))
+            return True
+        with self._fast_lock:
+            stopped = self.stop_reason is not None  # (terminated meanwhile: `terminate` saw no job)
+            if not stopped:
+                self._fast = fut
+        if stopped:
+            fut.follow = None
+            self._reply(wire.Reply(self.id, trap=f"{_STEP}: instance terminated: {self.stop_reason}"))
+            return True
+        worker = self.worker
+        assert worker is not None
+
+        def answer() -> wire.Reply | None:
+            with self._fast_lock:
+                if self._fast is not fut:  # answered by `terminate`
+                    return None
+                self._fast = None
+            try:
+                out = fut.wait()[0].token
+                if out is None:
+                    raise RuntimeError("the step drew no token")
+                reply = wire.Reply(self.id, stepper.end(fut, trusted, out, pages, last_len, position, wait=False))
+            except Exception as e:
+                reply = wire.Reply(self.id, trap=str(as_trap(self, _STEP, e)))
+            return reply
+
+        fut.add_done_callback(lambda _f: worker.answer(answer))
+        return True
 
     def _reply(self, reply: wire.Reply) -> None:
         assert self.worker is not None
         try:
-            try:
-                self.worker.send(reply)
-            except wire.WireError as e:  # (an import's result of a type that cannot cross: a host bug)
-                log.error("the result of a host call of %s cannot cross to its worker: %s", self.label, e)
-                self.worker.send(wire.Reply(self.id, trap=f"internal host error: {e}"))
+            self.worker.write([_encode(reply)])
         except (OSError, ValueError):  # the worker is gone: its end comes as _WorkerLost
             pass

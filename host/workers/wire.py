@@ -22,6 +22,8 @@ guest made), `Ended` (the guest's run is over: its end event as the worker class
 from __future__ import annotations
 
 import dataclasses
+import os
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,7 @@ import msgpack
 from wasmtime.component import Record, ResourceAny, ResourceHost, Variant
 
 __all__ = ["FROM_HOST", "FROM_WORKER", "Call", "Ended", "Launch", "Quit", "Ready", "Unpark", "RemoteHandle", "Reply",
-           "Stop", "WireError", "dumps", "loads"]
+           "Stop", "WireError", "Frames", "dumps", "loads", "send_frames"]
 
 
 class WireError(ValueError):
@@ -247,10 +249,8 @@ FROM_HOST: dict[type, tuple[Any, ...]] = {Launch: (str, str, bool, tuple), Unpar
                                           Reply: (str, object, _STR_OR_NONE), Stop: (str, str), Quit: ()}
 
 
-def loads(data: bytes, accept: dict[type, tuple[Any, ...]] = FROM_WORKER) -> Any:
-    """A message from bytes, one of the kinds in `accept` with fields of its types; WireError if
-    not. From a worker (the default), a host's resource handle is refused too: only the host
-    makes those."""
+def _unpacker(from_worker: bool) -> Any:
+    """The msgpack decoder of one side's messages (made once per side: `loads`)."""
 
     def ext(code: int, data: bytes) -> Any:
         value = unpack(data)
@@ -270,7 +270,7 @@ def loads(data: bytes, accept: dict[type, tuple[Any, ...]] = FROM_WORKER) -> Any
                 raise WireError("a handle's rep must be an int")
             return RemoteHandle(value)
         if code == _HOST_HANDLE:
-            if accept is FROM_WORKER:
+            if from_worker:
                 raise WireError("a worker cannot send a host's resource handle")
             rep, ty, owned = value
             if not (isinstance(rep, int) and isinstance(ty, int)):
@@ -283,6 +283,19 @@ def loads(data: bytes, accept: dict[type, tuple[Any, ...]] = FROM_WORKER) -> Any
     def unpack(data: bytes) -> Any:
         return msgpack.unpackb(data, ext_hook=ext, raw=False, strict_map_key=True, use_list=True)
 
+    return unpack
+
+
+_unpackers: dict[int, Any] = {}
+
+
+def loads(data: bytes, accept: dict[type, tuple[Any, ...]] = FROM_WORKER) -> Any:
+    """A message from bytes, one of the kinds in `accept` with fields of its types; WireError if
+    not. From a worker (the default), a host's resource handle is refused too: only the host
+    makes those."""
+    unpack = _unpackers.get(id(accept))
+    if unpack is None:
+        unpack = _unpackers[id(accept)] = _unpacker(accept is FROM_WORKER)
     try:
         msg = unpack(data)
     except WireError:
@@ -296,3 +309,55 @@ def loads(data: bytes, accept: dict[type, tuple[Any, ...]] = FROM_WORKER) -> Any
         if not isinstance(getattr(msg, name), want):
             raise WireError(f"{type(msg).__name__}.{name} has the wrong type")
     return msg
+
+
+# ---- frames: multiprocessing.connection's (a 4-byte big-endian signed length, then the bytes) ----
+_HEADER = struct.Struct("!i")
+
+
+class Frames:
+    """The frames arriving on a connection's file descriptor, as many as one read brings: a burst
+    of messages (a step's answers) costs one read instead of `Connection.recv_bytes`' two each.
+    Reads only: it must be the descriptor's only reader. The frames are those `send_bytes` and
+    `send_frames` write."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._buf = bytearray()
+
+    def read(self) -> list[bytes]:
+        """The next frames (at least one; blocks until then); EOFError when the other side is gone."""
+        buf = self._buf
+        while True:
+            frames, used, want = [], 0, _HEADER.size
+            while len(buf) - used >= _HEADER.size:
+                (n,) = _HEADER.unpack_from(buf, used)
+                if n < 0:  # (multiprocessing's 8-byte length of a frame over 2 GiB: never ours)
+                    raise WireError("a frame over 2 GiB")
+                if len(buf) - used - _HEADER.size < n:
+                    want = n + _HEADER.size
+                    break
+                frames.append(bytes(buf[used + _HEADER.size:used + _HEADER.size + n]))
+                used += _HEADER.size + n
+            if used:
+                del buf[:used]
+            if frames:
+                return frames
+            chunk = os.read(self.fd, max(want - len(buf), 1 << 16))
+            if not chunk:
+                raise EOFError
+            buf += chunk
+
+
+def send_frames(fd: int, datas: list[bytes]) -> None:
+    """Write `datas` as frames in one write (a step's answers: one system call, one wake-up on the
+    other side). The caller holds the connection's send lock."""
+    out = bytearray()
+    for d in datas:
+        if len(d) > 0x7FFFFFFF:
+            raise WireError("a message over 2 GiB")
+        out += _HEADER.pack(len(d))
+        out += d
+    view = memoryview(out)
+    while view:
+        view = view[os.write(fd, view):]

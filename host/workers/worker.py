@@ -19,6 +19,7 @@ trap classification and `current()` work as in the host's process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import queue
@@ -65,6 +66,12 @@ LOCAL = LOCAL_RUNTIME | LOCAL_MODEL
 ONEWAY = frozenset({"runtime.log", "runtime.set-priority", "kv.release", "messaging.send", "messaging.publish",
                     "messaging.subscribe", "messaging.unsubscribe", "store.set", "store.delete"})
 ONEWAY_MAX = 32
+
+
+def _deliver(replies: queue.SimpleQueue[wire.Reply], reply: wire.Reply) -> bool:
+    """The run gate's wake-up of a guest waiting for `reply` (it waits for every reply it is sent)."""
+    replies.put(reply)
+    return True
 
 
 class _Channel:
@@ -114,6 +121,7 @@ class _Worker:
         limits = InstanceLimits(**{**vars(spec.limits), "wall_budget_s": None})
         self.env = InstanceEnv(engine=self.engine, linker=self.linker, gate=RunGate(True), limits=limits,
                                on_block=lambda _iid: None, on_end=self._ended)
+        self.engine.on_tick.append(self.env.gate.poll)  # queued wake-ups go out even if holders stall
         self.instances: dict[str, Instance] = {}
         self.channels: dict[str, _Channel] = {}
         self._unparked: dict[str, tuple[str, ...]] = {}  # warm instances launched before their Launch came: their args
@@ -233,34 +241,42 @@ class _Worker:
             self.channels.pop(inst.id, None)
 
     def serve(self) -> None:
+        frames = wire.Frames(self.conn.fileno())  # (a step's answers come in one read)
         while True:
             try:
-                msg = wire.loads(self.conn.recv_bytes(), wire.FROM_HOST)
+                batch = frames.read()
             except (EOFError, OSError):  # the host is gone
                 return
-            if isinstance(msg, wire.Reply):
-                with self._lock:
-                    channel = self.channels.get(msg.iid)
-                if channel is not None:
-                    channel.replies.put(msg)
-            elif isinstance(msg, wire.Launch):
-                self.launch(msg)
-            elif isinstance(msg, wire.Unpark):
-                with self._lock:
-                    inst = self.instances.get(msg.iid)
-                    if inst is None:  # (it overtook its Launch)
-                        self._unparked[msg.iid] = msg.args
-                if inst is not None:
-                    with inst.cond:
-                        inst.args = list(msg.args)
-                        inst.parked = False
-            elif isinstance(msg, wire.Stop):
-                with self._lock:
-                    inst = self.instances.get(msg.iid)
-                if inst is not None:
-                    inst.terminate(msg.reason)
-            elif isinstance(msg, wire.Quit):
-                return
+            for data in batch:
+                if not self._handle(wire.loads(data, wire.FROM_HOST)):
+                    return
+
+    def _handle(self, msg: Any) -> bool:
+        """Act on one message from the host; False at its `Quit`."""
+        if isinstance(msg, wire.Reply):
+            with self._lock:
+                channel = self.channels.get(msg.iid)
+            if channel is not None:  # its guest wakes in its turn (a step's answers arrive together)
+                self.env.gate.wake(functools.partial(_deliver, channel.replies, msg))
+        elif isinstance(msg, wire.Launch):
+            self.launch(msg)
+        elif isinstance(msg, wire.Unpark):
+            with self._lock:
+                inst = self.instances.get(msg.iid)
+                if inst is None:  # (it overtook its Launch)
+                    self._unparked[msg.iid] = msg.args
+            if inst is not None:
+                with inst.cond:
+                    inst.args = list(msg.args)
+                    inst.parked = False
+        elif isinstance(msg, wire.Stop):
+            with self._lock:
+                inst = self.instances.get(msg.iid)
+            if inst is not None:
+                inst.terminate(msg.reason)
+        elif isinstance(msg, wire.Quit):
+            return False
+        return True
 
 
 def main(fd: int) -> None:
