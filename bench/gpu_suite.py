@@ -540,14 +540,17 @@ def sec_host(s: Suite) -> dict[str, Any]:
     # above); without it, the host's default
     for i, workers in enumerate(plan.host_workers or (None,)):
         config = dict(switch) if workers is None else {**switch, "workers": _workers_value(workers)}
-        tables = out if i == 0 else {"concurrency": {}, "concurrency_long": {}}
+        tables = out if workers is None else {"concurrency": {}, "concurrency_long": {}}
+        if i == 0 and workers is not None:  # (the same tables: the JSON repeats them)
+            out["concurrency"], out["concurrency_long"] = tables["concurrency"], tables["concurrency_long"]
         for ahead in (True, False) if plan.host_no_ahead else (True,):
             with tempfile.TemporaryDirectory() as data:
                 host = Host(HostConfig(data_dir=Path(data), run_ahead=ahead, prefix_cache="off", **config),
                             backend=be)
                 out["switch_interval_ms"] = round(sys.getswitchinterval() * 1000, 3)
                 out["run_slots"] = host.config.run_slots
-                tables["workers"] = host.config.worker_count
+                if workers is not None:
+                    tables["workers"] = host.config.worker_count
                 if workers is not None:
                     out.setdefault("by_workers", {})[workers] = tables
                 try:
