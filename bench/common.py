@@ -126,6 +126,19 @@ def settle(host: Host, program: str, n: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while reaper is not None and reaper.pending() and time.monotonic() < deadline:
         time.sleep(0.05)
+    # Instance workers (HostConfig.workers) free their guests' stores with reapers of their own, which
+    # the host does not see: wait until the workers are idle (under 10% of a core over 0.2 s).
+    pool = getattr(host, "workers", None)
+    last = None
+    while pool is not None and time.monotonic() < deadline:
+        cpus = [w["cpu_s"] for w in pool.stats()]
+        if any(c is None for c in cpus):
+            break
+        now = sum(cpus)
+        if last is not None and now - last < 0.02:
+            break
+        last = now
+        time.sleep(0.2)
 
 
 def percentile(values: list[float], q: float) -> float:
