@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,5 +175,41 @@ def test_a_worker_naming_another_workers_instance_is_stopped_and_that_instance_u
         victim_run = next(r for r in runs if r.id == victim)
         h.signal(victim, "go")
         assert victim_run.finish(30).event == "completed"
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.build
+def test_a_stepping_guests_steps_are_served_on_the_reader_thread_with_exact_tokens(host: Host) -> None:
+    """`Context.decode_step` x 24 from a worker: after its first step (which makes its lookahead
+    state on its host thread) the host's reader thread of that worker serves every step itself
+    (`RemoteInstance.serve_now`); the tokens are the fake's (each the last + 1)."""
+    prog = host.compile(wasm_bytes("misbehave"))
+    before = sum(w["steps_on_reader"] for w in host.stats()["workers"]["per_worker"])
+    end = Run(host, prog, ["generate", "24", "3", "1", "4"]).finish(60)
+    assert (end.event, end.message) == ("completed", expected_generation([4], 24))
+    after = sum(w["steps_on_reader"] for w in host.stats()["workers"]["per_worker"])
+    assert after - before >= 22, (before, after)
+
+
+@pytest.mark.build
+def test_terminate_answers_a_step_served_on_the_reader_and_frees_its_pages(tmp_path: Path) -> None:
+    """A guest stepping behind 1 s steps is terminated while its step, served from the reader thread,
+    is queued or running: it ends `aborted` with the reason well before that step is done, every page
+    comes back, and the worker goes on serving the next guest."""
+    h = Host(HostConfig(workers=2, data_dir=tmp_path), backend=FakeBackend(page_size=4, num_pages=256, delay_s=1.0))
+    try:
+        prog = h.compile(wasm_bytes("misbehave"))
+        run = Run(h, prog, ["generate", "800", "7"])
+        wait_for(lambda: sum(w["steps_on_reader"] for w in h.stats()["workers"]["per_worker"]) >= 1,
+                 what="a step served on the reader")
+        t0 = time.monotonic()
+        h.terminate(run.id, "enough steps")
+        end = run.finish(5)
+        assert (end.event, end.message) == ("aborted", "enough steps")
+        assert time.monotonic() - t0 < 0.7  # (answered by terminate, not by the step's end)
+        wait_for(lambda: h.free_pages() == h.total_pages, what="every page back")
+        end = Run(h, prog, ["generate", "2", "9"]).finish(30)
+        assert (end.event, end.message) == ("completed", expected_generation([9], 2))
     finally:
         h.shutdown()

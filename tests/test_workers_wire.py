@@ -85,3 +85,38 @@ def test_a_value_that_cannot_cross_is_an_error_not_a_crash() -> None:
         wire.dumps(wire.Reply("i", [Opaque()]))
     # the encoder is usable after a failure (its packers are per thread and depth)
     assert wire.loads(wire.dumps(wire.Reply("i", (1, [2]))), wire.FROM_HOST).value == (1, [2])
+
+
+def test_frames_come_as_one_read_brings_them_split_or_whole_and_interoperate_with_connection() -> None:
+    """`wire.Frames` reads multiprocessing.connection's framing: several frames from one write, a
+    frame split across writes, a frame larger than one read, frames from `Connection.send_bytes`;
+    `send_frames` writes frames `Connection.recv_bytes` reads; the other side gone is EOFError."""
+    import os
+    import threading
+    from multiprocessing import Pipe
+
+    ours, theirs = Pipe(duplex=True)
+    frames = wire.Frames(ours.fileno())
+    wire.send_frames(theirs.fileno(), [b"a", b"", b"ccc"])
+    assert frames.read() == [b"a", b"", b"ccc"]
+    whole = b"\x00\x00\x00\x05hello"
+    os.write(theirs.fileno(), whole[:6])
+    got: list[list[bytes]] = []
+    reader = threading.Thread(target=lambda: got.append(frames.read()))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive()  # half a frame is not a frame
+    os.write(theirs.fileno(), whole[6:])
+    reader.join(5)
+    assert got == [[b"hello"]]
+    big = bytes(range(256)) * 8192  # 2 MiB: many reads
+    writer = threading.Thread(target=theirs.send_bytes, args=(big,))
+    writer.start()
+    assert frames.read() == [big]
+    writer.join(5)
+    wire.send_frames(ours.fileno(), [b"x", b"yz"])
+    assert theirs.recv_bytes() == b"x" and theirs.recv_bytes() == b"yz"
+    theirs.close()
+    with pytest.raises(EOFError):
+        frames.read()
+    ours.close()

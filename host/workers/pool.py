@@ -77,6 +77,7 @@ class _Worker:
         self.instances: set[str] = set()  # ids of the instances it runs
         self.launched = 0  # instances placed on it, ever
         self.calls = 0  # host calls its guests made, ever (counted by its reader thread)
+        self.steps_on_reader = 0  # of those, decode steps its reader thread served (`RemoteInstance.serve_now`)
         self.ready = threading.Event()  # it has sent `wire.Ready`
         self._on_message, self._on_exit = on_message, on_exit
         self.conn.send_bytes(pickle.dumps(spec))  # (its settings, from us: the only pickle that crosses)
@@ -225,6 +226,7 @@ class WorkerPool:
             return
         if isinstance(msg, wire.Call):
             if inst.serve_now(msg):
+                worker.steps_on_reader += 1
                 return
             inst.queued += 1
         inst.inbound.put(msg)
@@ -250,11 +252,13 @@ class WorkerPool:
 
     def stats(self) -> list[dict[str, Any]]:
         """Per worker: its pid, the instances it runs now, those placed on it ever, the host calls
-        its guests made and its process's CPU seconds (None where /proc cannot tell)."""
+        its guests made (and of those the decode steps served on its reader thread) and its
+        process's CPU seconds (None where /proc cannot tell)."""
         with self._lock:
             workers = list(self.workers)
         return [{"worker": w.index, "pid": w.pid, "instances": len(w.instances), "launched": w.launched,
-                 "calls": w.calls, "cpu_s": _cpu_seconds(w.pid)} for w in workers]
+                 "calls": w.calls, "steps_on_reader": w.steps_on_reader, "cpu_s": _cpu_seconds(w.pid)}
+                for w in workers]
 
     def close(self) -> None:
         with self._lock:
