@@ -10,7 +10,9 @@ tenants' bounds, the events. Each import a guest calls is sent over (`wire.Call`
 instance's `RemoteInstance` thread here, the same import function as an in-process instance's,
 with `current()` that instance; its result goes back (`wire.Reply`). A host-side generation loop
 (`forward.generate`) runs next to the scheduler as before: only the call that starts it and its
-result cross. Per call: one message each way.
+result cross. Per call: one message each way. A stepping guest's `decode-step` is served by the
+worker's reader thread here instead (`RemoteInstance.serve_now`) and answered, with the other
+steps of its batch in one write, by the worker's answering thread when the step is done.
 
 An instance lives on the least loaded worker (`place`). A worker that dies ends its instances with
 an `exception` event naming the cause, after which their pages are released as for any end; the
@@ -28,19 +30,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing import Pipe
 from typing import Any
 
-import wasmtime
-
-from host.api.guest import as_trap
-from host.api.lookahead import Stepper
-from host.batching.future import ForwardFuture
-from host.events import TERMINAL_EVENTS, InstanceEvent
-from host.wasm import instance as instance_module
-from host.wasm.instance import Instance, InstanceEnv, Terminated
 from host.workers import wire
+from host.workers.remote import RemoteInstance, WorkerLost, encode_reply
 from host.workers.worker import WorkerSpec
 
 __all__ = ["RemoteInstance", "WorkerPool"]
@@ -48,14 +42,6 @@ __all__ = ["RemoteInstance", "WorkerPool"]
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0  # a worker not ready by then fails the host's start
-_STEP = "forward.decode-step"  # served on the reader thread when it can be (`RemoteInstance.serve_now`)
-
-
-@dataclass(frozen=True)
-class _WorkerLost:
-    """The instance's worker died: its guest is gone."""
-
-    reason: str
 
 
 class _Worker:
@@ -121,13 +107,13 @@ class _Worker:
                 try:
                     reply = fn()
                     if reply is not None:
-                        datas.append(_encode(reply))
+                        datas.append(encode_reply(reply))
                 except Exception:  # (a host bug: that instance's guest waits until it is stopped)
                     log.exception("answering a call of instance worker %d failed", self.index)
             if datas:
                 try:
                     self.write(datas)
-                except (OSError, ValueError):  # the worker is gone: its instances end as _WorkerLost
+                except (OSError, ValueError):  # the worker is gone: its instances end as WorkerLost
                     pass
 
     def _read(self) -> None:
@@ -241,7 +227,7 @@ class WorkerPool:
         reason = f"the instance's worker process died (exit code {code})"
         for inst in lost:
             inst.failed_in_host = True
-            inst.inbound.put(_WorkerLost(reason))
+            inst.inbound.put(WorkerLost(reason))
             inst.terminate(reason, "exception")  # (its thread may be blocked in an import here)
         if restart:
             log.error("instance worker %d died (exit code %s): %d instance(s) ended; starting it again",
@@ -278,15 +264,6 @@ class WorkerPool:
             w.conn.close()
 
 
-def _encode(reply: wire.Reply) -> bytes:
-    """`reply` as bytes; a result that cannot cross (a host bug) becomes the guest's trap."""
-    try:
-        return wire.dumps(reply)
-    except wire.WireError as e:
-        log.error("the result of a host call of instance %s cannot cross to its worker: %s", reply.iid[:8], e)
-        return wire.dumps(wire.Reply(reply.iid, trap=f"internal host error: {e}"))
-
-
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process `pid` (Linux's /proc; None elsewhere or once it is gone)."""
     try:
@@ -295,193 +272,3 @@ def _cpu_seconds(pid: int) -> float | None:
         return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
     except (OSError, ValueError, IndexError):
         return None
-
-
-class RemoteInstance(Instance):
-    """An instance whose guest runs in a worker process (host/workers/worker.py): its thread here
-    serves the guest's host calls, one at a time, and ends with the guest. Everything else (its
-    pages, forwards, inbox, subscriptions, events, terminate, the wall budget, a warm instance's
-    parking at its first call) is an `Instance`'s."""
-
-    def __init__(self, env: InstanceEnv, program: str, args: list[str],
-                 on_event: Callable[[InstanceEvent], None], warm: bool = False,
-                 pool: WorkerPool | None = None) -> None:
-        super().__init__(env, program, args, on_event, warm)
-        if pool is None:
-            raise ValueError("a RemoteInstance needs a WorkerPool")
-        self.pool = pool
-        self.worker: _Worker | None = None
-        self.inbound: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.deferred_trap: str | None = None  # a one-way call failed: the guest traps at its next call
-        self._worker_unparked = not warm  # its worker knows it was launched (guarded by cond)
-        # Calls put in `inbound` (counted by the worker's reader thread) and of those served by this
-        # instance's thread (counted by it): equal when it has none to serve.
-        self.queued = 0
-        self.served = 0
-        self._fast_lock = threading.Lock()
-        self._fast: ForwardFuture | None = None  # the job of a decode step served on the reader, not answered
-
-    def terminate(self, reason: str, event: str = "aborted") -> None:
-        first = self.stop_reason is None and not self.finished.is_set()
-        super().terminate(reason, event)
-        with self._fast_lock:  # (after stop_reason is set: `serve_now` answers a step it starts after this)
-            fut, self._fast = self._fast, None
-        if fut is not None:  # a decode step served on the reader: its answer is the trap, now
-            fut.follow = None
-            self._reply(wire.Reply(self.id, trap=f"{_STEP}: instance terminated: {self.stop_reason}"))
-        worker = self.worker
-        if first and worker is not None:  # a guest computing traps at its worker's next epoch check
-            try:
-                worker.send(wire.Stop(self.id, reason))
-            except (OSError, ValueError):  # the worker is gone: its end comes as _WorkerLost
-                pass
-
-    def launch(self, args: list[str], on_event: Callable[[InstanceEvent], None], tenant: str) -> bool:
-        if not super().launch(args, on_event, tenant):
-            return False
-        if not self.at_first_call:  # (parked at its first call: its thread tells the worker, off this one)
-            self._unpark_worker()
-        return True
-
-    def _unpark_worker(self) -> None:
-        """Tell the worker, once, that this warm instance was launched (its arguments with it)."""
-        with self.cond:
-            worker = self.worker
-            if self._worker_unparked or self.parked or worker is None:
-                return  # (not placed yet: its Launch, sent after, says it is not warm)
-            self._worker_unparked = True
-        try:
-            worker.send(wire.Unpark(self.id, tuple(self.args)))
-        except (OSError, ValueError):
-            pass
-
-    def on_epoch(self) -> str | None:
-        """The host's epoch tick (the worker checks the guest's own): the wall budget."""
-        self._enforce_budget()
-        return None
-
-    def _run(self) -> tuple[str, str]:
-        """Launch the guest in a worker and serve its host calls until it ends there."""
-        instance_module._current.instance = self
-        self.check_alive()  # (terminated before it started: ends at once, as in-process)
-        self.pool.place(self)
-        if self.stop_reason is not None and self.worker is not None:  # terminated while placed
-            try:  # (its own Stop may have found no worker yet)
-                self.worker.send(wire.Stop(self.id, self.stop_reason))
-            except (OSError, ValueError):  # the worker is gone: its end comes as _WorkerLost
-                pass
-        self.state = "warm" if self.parked else "running"
-        while True:
-            msg = self.inbound.get()
-            if isinstance(msg, wire.Call):
-                reply = self._serve(msg)
-                self.served += 1  # (before the answer: the guest's next call may be served on the reader)
-                if reply is not None:
-                    self._reply(reply)
-            elif isinstance(msg, wire.Ended):
-                event, message = msg.event, msg.message
-                if event not in TERMINAL_EVENTS:  # (the worker classifies as Instance does)
-                    event, message = "exception", f"the worker ended the instance with {event!r}: {message}"
-                break
-            elif isinstance(msg, _WorkerLost):
-                self.failed_in_host = True
-                event, message = "exception", msg.reason
-                break
-        if self.stop_reason is not None:  # the host's reason wins over how the worker saw the end
-            return self.stop_event, self.stop_reason
-        if self.deferred_trap is not None and event == "completed":  # it ended before its next call
-            return "exception", self.deferred_trap
-        if event == "completed":  # (its return value was set in the worker, or here while it was parked)
-            return event, message or self.return_value or ""
-        return event, message
-
-    def _release(self) -> None:
-        self.pool.release(self)
-
-    def _serve(self, call: wire.Call) -> wire.Reply | None:
-        """Run one import the guest called, as its own thread would in-process; its answer (a
-        one-way call: none; its trap, if it fails, is the answer to the guest's next call)."""
-        if self.deferred_trap is not None:  # the guest is past a failed one-way call: it traps now
-            return None if call.oneway else wire.Reply(self.id, trap=self.deferred_trap)
-        fn = self.pool.imports.get(call.name)
-        # The run gate as in-process: an import that blocks gives its slot up and takes one when it
-        # goes on (Instance.wait_until); the slot is given up when the import returns (the guest
-        # then runs in its worker, taking nothing here).
-        try:
-            if fn is None:
-                raise wasmtime.WasmtimeError(f"{call.name}: no such import on this host")
-            reply = wire.Reply(self.id, fn(None, *call.args))
-        except wasmtime.WasmtimeError as e:
-            reply = wire.Reply(self.id, trap=str(e))
-        except Terminated as e:  # (a warm instance stopped while parked at its first call)
-            reply = wire.Reply(self.id, trap=f"{call.name}: instance terminated: {e}")
-        except Exception as e:  # (the imports turn their errors into traps; this is a host bug)
-            log.exception("host import %s failed", call.name)
-            reply = wire.Reply(self.id, trap=f"{call.name}: internal host error: {type(e).__name__}: {e}")
-        finally:
-            self.env.gate.leave()
-        if not self._worker_unparked:  # a launched warm one: before the answer to the call it parked at
-            self._unpark_worker()
-        if not call.oneway:
-            return reply
-        if reply.trap is not None:
-            self.deferred_trap = reply.trap
-        return None
-
-    def serve_now(self, call: wire.Call) -> bool:
-        """The worker's reader thread serves a decode step itself when it can do so without waiting:
-        the instance's thread has nothing to serve, the guest steps with lookahead (its `Stepper`
-        is made at its first step, on its thread), and its pages are not being suspended. The step's
-        job is queued from here and its answer sent from the worker's answering thread when the job
-        is done, so a step costs no wake-up of this instance's thread (two per step otherwise, each a
-        GIL hand-over among the host's threads). Returns False when the call must go to the thread."""
-        stepper = self.stepper
-        if (call.name != _STEP or call.oneway or self.queued != self.served or self.deferred_trap is not None
-                or self.stop_reason is not None or not self._worker_unparked or not isinstance(stepper, Stepper)):
-            return False
-        gate = stepper.passes.gate_now(self)
-        if gate is None:  # (suspended, or being suspended: the thread waits for its resume)
-            return False
-        try:
-            try:
-                fut, trusted = stepper.begin(*call.args)
-            finally:
-                gate.__exit__(None, None, None)
-            pages, last_len, _token, position, _sampler = call.args
-        except Exception as e:
-            self._reply(wire.Reply(self.id, trap=str(as_trap(self, _STEP, e))))
-            return True
-        with self._fast_lock:
-            stopped = self.stop_reason is not None  # (terminated meanwhile: `terminate` saw no job)
-            if not stopped:
-                self._fast = fut
-        if stopped:
-            fut.follow = None
-            self._reply(wire.Reply(self.id, trap=f"{_STEP}: instance terminated: {self.stop_reason}"))
-            return True
-        worker = self.worker
-        assert worker is not None
-
-        def answer() -> wire.Reply | None:
-            with self._fast_lock:
-                if self._fast is not fut:  # answered by `terminate`
-                    return None
-                self._fast = None
-            try:
-                out = fut.wait()[0].token
-                if out is None:
-                    raise RuntimeError("the step drew no token")
-                reply = wire.Reply(self.id, stepper.end(fut, trusted, out, pages, last_len, position, wait=False))
-            except Exception as e:
-                reply = wire.Reply(self.id, trap=str(as_trap(self, _STEP, e)))
-            return reply
-
-        fut.add_done_callback(lambda _f: worker.answer(answer))
-        return True
-
-    def _reply(self, reply: wire.Reply) -> None:
-        assert self.worker is not None
-        try:
-            self.worker.write([_encode(reply)])
-        except (OSError, ValueError):  # the worker is gone: its end comes as _WorkerLost
-            pass
