@@ -88,8 +88,10 @@ def test_a_killed_worker_ends_only_its_instances_and_is_replaced(tmp_path: Path)
         runs = [Run(h, prog, ["hog", "2"]) for _ in range(8)]  # each holds 2 pages until told to go
         wait_for(lambda: h.free_pages() == h.total_pages - 16, what="every instance holding its pages")
         victim = h.workers.workers[0] if h.workers is not None else None
-        assert victim is not None and len(victim.instances) == 4
-        doomed = set(victim.instances)
+        assert victim is not None
+        # (the least loaded worker takes each launch; a warm instance the pool started counts too)
+        doomed = set(victim.instances) & {r.id for r in runs}
+        assert 2 <= len(doomed) <= 6, (len(doomed), len(victim.instances))
         os.kill(victim.pid, signal.SIGKILL)
         for r in runs:
             if r.id in doomed:
