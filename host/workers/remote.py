@@ -228,6 +228,12 @@ class RemoteInstance(Instance):
                 reply = wire.Reply(self.id, trap=str(as_trap(self, _STEP, e)))
             return reply
 
+        if fut.done():  # (a prediction that ran before the guest claimed it: answered from here, and
+            # its successor queued from here, without a hand-off, before the batch after it starts)
+            reply = answer()
+            if reply is not None:
+                self._reply(reply)
+            return True
         fut.add_done_callback(lambda _f: worker.answer(answer))
         return True
 
