@@ -120,3 +120,18 @@ def test_frames_come_as_one_read_brings_them_split_or_whole_and_interoperate_wit
     with pytest.raises(EOFError):
         frames.read()
     ours.close()
+
+
+def test_a_frame_longer_than_allowed_is_refused_before_it_is_read() -> None:
+    """A worker announcing a frame past `max_frame` (the host's: twice the guest memory cap) gets a
+    WireError at its header, without the host allocating or waiting for the announced bytes."""
+    import os
+    from multiprocessing import Pipe
+
+    ours, theirs = Pipe(duplex=True)
+    frames = wire.Frames(ours.fileno(), max_frame=1000)
+    os.write(theirs.fileno(), (0x7FFFFFF0).to_bytes(4, "big"))
+    with pytest.raises(wire.WireError, match="over the 1000 allowed"):
+        frames.read()
+    ours.close()
+    theirs.close()

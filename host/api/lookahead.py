@@ -121,10 +121,10 @@ class Stepper:
         gate is free now; else there is none)."""
         if trusted and fut.follow is not None:  # done before the follow-up was set: queue the prediction here
             fut.follow = None
-            gate = self.passes.gate(self.inst) if wait else self.passes.gate_now(self.inst)
-            if gate is not None:
-                if wait:
-                    gate.__enter__()
+            if wait:
+                with self.passes.gate(self.inst):
+                    self._queue(fut, out)
+            elif (gate := self.passes.gate_now(self.inst)) is not None:
                 try:
                     self._queue(fut, out)
                 finally:

@@ -53,6 +53,7 @@ class _Worker:
     def __init__(self, index: int, spec: WorkerSpec, on_message: Callable[[_Worker, Any], None],
                  on_exit: Callable[[_Worker], None]) -> None:
         self.index = index
+        self._memory_bytes = spec.limits.memory_bytes
         self.conn, child = Pipe(duplex=True)
         try:
             self.process = subprocess.Popen([sys.executable, "-m", "host.workers.worker", str(child.fileno())],
@@ -117,7 +118,8 @@ class _Worker:
                     pass
 
     def _read(self) -> None:
-        frames = wire.Frames(self.conn.fileno())
+        # (what a guest sends is read from its memory: a frame twice its size is not a guest's)
+        frames = wire.Frames(self.conn.fileno(), max_frame=2 * self._memory_bytes + (1 << 20))
         while True:
             try:
                 batch = frames.read()

@@ -321,8 +321,9 @@ class Frames:
     Reads only: it must be the descriptor's only reader. The frames are those `send_bytes` and
     `send_frames` write."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, max_frame: int = 0x7FFFFFFF) -> None:
         self.fd = fd
+        self.max_frame = max_frame  # a longer frame is refused (WireError) before it is read
         self._buf = bytearray()
 
     def read(self) -> list[bytes]:
@@ -334,6 +335,8 @@ class Frames:
                 (n,) = _HEADER.unpack_from(buf, used)
                 if n < 0:  # (multiprocessing's 8-byte length of a frame over 2 GiB: never ours)
                     raise WireError("a frame over 2 GiB")
+                if n > self.max_frame:
+                    raise WireError(f"a frame of {n} bytes, over the {self.max_frame} allowed")
                 if len(buf) - used - _HEADER.size < n:
                     want = n + _HEADER.size
                     break
@@ -343,7 +346,8 @@ class Frames:
                 del buf[:used]
             if frames:
                 return frames
-            chunk = os.read(self.fd, max(want - len(buf), 1 << 16))
+            # (a long frame in reads of at most 1 MiB: its length alone allocates nothing)
+            chunk = os.read(self.fd, min(max(want - len(buf), 1 << 16), 1 << 20))
             if not chunk:
                 raise EOFError
             buf += chunk
