@@ -8,6 +8,8 @@ from pathlib import Path
 
 from gpu_backend.loading.paths import default_cache_dir
 from host.batching.policy import POLICIES
+from host.children import ChildLimits
+from host.net.limits import HttpLimits
 from host.state.prefix_cache import PREFIX_CACHE_MODES
 
 __all__ = ["DTYPES", "ENGINES", "HostConfig", "default_cache_dir", "default_data_dir"]
@@ -86,6 +88,10 @@ class HostConfig:
         in the batch after the one that drew its token, while the guest runs (`Stepper` in
         host/api/lookahead.py; the guest's call claims it if its arguments are the predicted ones). False:
         every step waits for its guest's call (for comparisons).
+    http_allow: `HOST[:PORT]` patterns every tenant's inferlets may reach over HTTP (host/net/policy.py);
+        empty, the default: no outbound HTTP at all. http_tenant_allow: (tenant, pattern) pairs, more
+        patterns for one tenant. http_limits: request and response sizes, time, requests in flight.
+    child_limits: child inferlets (`runtime.launch`, host/children.py): depth, counts, detaching.
     run_ahead: use the backend's own `start_forward` (the torch backend's: on CUDA no host sync,
         on CPU a worker thread; the stand-in's): each batch of host-side generation loops is
         launched as soon as the last one's tokens are drawn, their steps prepared while it ran,
@@ -156,6 +162,10 @@ class HostConfig:
     switch_interval_ms: float | None = None
     step_lookahead: bool = True
     run_ahead: bool = True
+    http_allow: tuple[str, ...] = ()
+    http_tenant_allow: tuple[tuple[str, str], ...] = ()
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    child_limits: ChildLimits = field(default_factory=ChildLimits)
 
     @property
     def worker_count(self) -> int:
@@ -174,6 +184,9 @@ class HostConfig:
                                        or not 0 <= self.workers <= 256):
             raise ValueError(f"workers must be \"auto\" or an int in [0, 256] (0: instances run in this "
                              f"process), got {self.workers!r}")
+        from host.net.policy import HttpPolicy  # (light: no httpx)
+
+        HttpPolicy(self.http_allow + tuple(p for _t, p in self.http_tenant_allow))  # ValueError naming a bad one
         if self.policy not in POLICIES:
             raise ValueError(f"unknown batching policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -29,9 +29,11 @@ from host.api import grammar as grammar_api
 from host.batching.gate import RunGate
 from host.batching.policy import make_policy
 from host.batching.scheduler import Scheduler
+from host.children import Children
 from host.config import HostConfig
 from host.events import InstanceEvent
 from host.levels import LevelStats, Turns, check_priority
+from host.net.client import HttpService
 from host.replicas import Replica, total_stats
 from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
@@ -162,9 +164,15 @@ class Host:
         self.topics = Topics()
         self.gate = RunGate(config.run_gate, slots=config.run_slots)
         self.wasm.on_tick.append(self.gate.poll)  # queued wake-ups go out even if holders stall
+        tenant_allow: dict[str, list[str]] = {}
+        for tenant, pattern in config.http_tenant_allow:
+            tenant_allow.setdefault(tenant, []).append(pattern)
+        self.http = HttpService(config.http_allow, tenant_allow, config.http_limits)
+        self.children = Children(self.launch, self.terminate, self.signal, config.child_limits)
         self.services = ApiServices(
             info=info, tokenizer=backend.tokenizer, replicas=self.replicas,
-            kvstore=self.kvstore, topics=self.topics, step_lookahead=self.config.step_lookahead)
+            kvstore=self.kvstore, topics=self.topics, step_lookahead=self.config.step_lookahead,
+            http=self.http, children=self.children)
         self.linker = build_linker(self.wasm.engine, self.services)
         self._env = InstanceEnv(
             engine=self.wasm, linker=self.linker, gate=self.gate,
@@ -448,6 +456,7 @@ class Host:
             if len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
         self._admit()  # its slot goes to the longest waiting launch
+        self.children.ended(inst)  # its children end with it (unless detached)
         self.topics.drop(inst)
         self.services.grammars.release(inst)  # its grammars and matchers
         with inst.cond:
@@ -500,6 +509,8 @@ class Host:
                 "model": self.model_name,
                 "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"},
                 "memory": self.memory_stats(),
+                "http": self.http.stats(),
+                "children": self.children.stats(),
                 "workers": {"count": 0} if self.workers is None else {
                     "count": len(self.workers.workers), "restarts": self.workers.restarts,
                     "per_worker": self.workers.stats()},
@@ -553,6 +564,7 @@ class Host:
         self.linker.close()
         self.wasm.close()  # instances not joined above keep what they use alive (wasmtime refcounts)
         self.kvstore.close()
+        self.http.close()
         if self._gc_tuned:
             _untune_gc()
         if self._switch_set:

@@ -19,6 +19,7 @@ WIT = Path(__file__).resolve().parents[1] / "wit" / "inferlet.wit"
 WIT_0_1 = Path(__file__).resolve().parents[1] / "wit" / "v0.1.0" / "inferlet.wit"
 WIT_0_2 = Path(__file__).resolve().parents[1] / "wit" / "v0.2.0" / "inferlet.wit"
 WIT_0_3 = Path(__file__).resolve().parents[1] / "wit" / "v0.3.0" / "inferlet.wit"
+WIT_0_4 = Path(__file__).resolve().parents[1] / "wit" / "v0.4.0" / "inferlet.wit"
 
 
 def declared(path: Path = WIT) -> dict[str, set[str]]:
@@ -45,7 +46,7 @@ def services() -> ApiServices:
 
 def test_registered_imports_equal_the_wit_declarations(services: ApiServices) -> None:
     wit = declared()
-    assert set(wit) == {"runtime", "messaging", "store", "model", "kv", "grammar", "forward"}
+    assert set(wit) == {"runtime", "messaging", "store", "model", "kv", "grammar", "forward", "http"}
     assert "[static]grammar.from-json-schema" in wit["grammar"] and "[method]matcher.fork" in wit["grammar"]
     assert all(wit.values())  # the parser found functions in every interface
     registered = {iface: set(table) for iface, table in import_tables(services).items()}
@@ -55,13 +56,16 @@ def test_registered_imports_equal_the_wit_declarations(services: ApiServices) ->
 
 def test_every_version_shipped_is_served_with_exactly_its_functions(services: ApiServices) -> None:
     tables = version_tables(services)
-    assert set(tables) == set(WIT_VERSIONS) == {"0.1.0", "0.2.0", "0.3.0", "0.4.0"}
-    for version, path in (("0.4.0", WIT), ("0.3.0", WIT_0_3), ("0.2.0", WIT_0_2), ("0.1.0", WIT_0_1)):
+    assert set(tables) == set(WIT_VERSIONS) == {"0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0"}
+    for version, path in (("0.5.0", WIT), ("0.4.0", WIT_0_4), ("0.3.0", WIT_0_3), ("0.2.0", WIT_0_2),
+                          ("0.1.0", WIT_0_1)):
         head = re.search(r"^package [\w:-]+@([\d.]+);", path.read_text(), re.M)
         assert head is not None and head.group(1) == version
         assert {iface: set(t) for iface, t in tables[version].items()} == declared(path), version
     assert {"set-priority", "priority"} <= set(tables["0.4.0"]["runtime"])
     assert not {"set-priority", "priority"} & set(tables["0.3.0"]["runtime"])
+    assert {"launch", "child-wait", "parent"} <= set(tables["0.5.0"]["runtime"]) and "http" in tables["0.5.0"]
+    assert not {"launch", "child-wait", "parent"} & set(tables["0.4.0"]["runtime"]) and "http" not in tables["0.4.0"]
     services.replicas[0].scheduler.stop()
 
 

@@ -283,3 +283,20 @@ def test_a_host_functions_exception_stays_with_its_thread() -> None:
     _enter.maybe_raise_last_exn()  # this thread's: nothing
     with pytest.raises(WasmtimeError, match="trap here"):
         _enter.enter_wasm(lambda: WasmtimeError("trap here")._consume())  # a trap of this thread's own
+
+
+@pytest.mark.parametrize("values", [b"\x00", b"hello", bytes(range(256)) * 40])
+def test_byte_lists_match_wasmtime_py(values: bytes) -> None:
+    """list<u8> (HTTP bodies) both ways: the same elements as wasmtime-py's element-wise conversion,
+    read back by it and by the fast path."""
+    fastcall._patch_types()
+    lt = T.ListType.__new__(T.ListType)
+    lt.__dict__["element"] = T.U8.__new__(T.U8)
+    fast, ref = ffi.wasmtime_component_val_t(), ffi.wasmtime_component_val_t()
+    fastcall._list_to_c(lt, None, values, ctypes.pointer(fast))
+    fastcall._LIST_TO_C(lt, None, values, ctypes.pointer(ref))
+    elements = [(fast.of.list.data[i].kind, fast.of.list.data[i].of.u8) for i in range(fast.of.list.size)]
+    assert elements == [(ref.of.list.data[i].kind, ref.of.list.data[i].of.u8) for i in range(ref.of.list.size)]
+    assert elements == [(ffi.WASMTIME_COMPONENT_U8.value, b) for b in values]
+    assert fastcall._list_from_c(lt, fast) == values
+    assert fastcall._LIST_FROM_C(lt, ref) == values

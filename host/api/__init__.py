@@ -6,22 +6,25 @@ shipped (`WIT_VERSIONS`): a component built against 0.1.0 keeps running on this 
 served by the same functions (0.2.0 adds `forward.generate` / `generate-fresh`, `kv.attach-prefix` and structured generation:
 interface `grammar` with its resources, and `forward.*-constrained`; 0.3.0 adds
 `model.apply-chat-template-json`, `model.encode-prompt` and `forward.run-scored`; 0.4.0 adds
-`runtime.set-priority` and `runtime.priority`). One linker serves every
+`runtime.set-priority` and `runtime.priority`; 0.5.0 adds interface `http` and child inferlets,
+`runtime.launch` and the `runtime.child-*` calls). One linker serves every
 instance: an import finds its caller with `host.wasm.instance.current()`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from wasmtime import Engine
 from wasmtime.component import Linker
 
 from gpu_backend.types import BackendInfo, Tokenizer
-from host.api import constrained, forward, grammar, kv, messaging, model, runtime, store, wasi
+from host.api import constrained, forward, grammar, http, kv, messaging, model, runtime, store, wasi
 from host.api.fastcall import add_func
 from host.api.guest import Import
+from host.children import Children
+from host.net.client import HttpService
 from host.replicas import ExportNames, Replica
 from host.state.kvstore import KeyValueStore
 from host.state.topics import Topics
@@ -29,7 +32,7 @@ from host.state.topics import Topics
 __all__ = ["ApiServices", "PACKAGE", "WIT_VERSION", "WIT_VERSIONS", "build_linker", "import_tables", "version_tables"]
 
 PACKAGE = "pie:inferlet"
-WIT_VERSION = "0.4.0"  # the newest: what runtime.version reports and pie-build targets
+WIT_VERSION = "0.5.0"  # the newest: what runtime.version reports and pie-build targets
 # Every version served, with the functions each added (the rest exist in all versions).
 _GRAMMAR_0_2 = {f"grammar.[static]grammar.{n}" for n in ("from-json-schema", "from-regex", "from-ebnf", "from-lark",
                                                             "any-json")} | {"grammar.[method]grammar.matcher"} | {
@@ -38,7 +41,9 @@ WIT_VERSIONS: dict[str, set[str]] = {"0.1.0": set(), "0.2.0": {
     "forward.generate", "forward.generate-fresh", "kv.attach-prefix", "forward.run-constrained", "forward.submit-constrained",
     "forward.decode-step-constrained", "forward.generate-constrained"} | _GRAMMAR_0_2,
     "0.3.0": {"model.apply-chat-template-json", "model.encode-prompt", "forward.run-scored"},
-    "0.4.0": {"runtime.set-priority", "runtime.priority"}}
+    "0.4.0": {"runtime.set-priority", "runtime.priority"},
+    "0.5.0": {"http.fetch"} | {f"runtime.{n}" for n in ("launch", "child-id", "child-send", "child-receive",
+                                                         "child-wait", "child-terminate", "child-release", "parent")}}
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class ApiServices:
     kvstore: KeyValueStore
     topics: Topics
     step_lookahead: bool = True  # HostConfig.step_lookahead
+    http: HttpService = field(default_factory=HttpService)  # outbound HTTP (off without an allowlist)
+    children: Children | None = None  # child inferlets (the host's; None: runtime.launch traps)
 
     @cached_property
     def export_names(self) -> ExportNames:
@@ -66,7 +73,8 @@ class ApiServices:
 def import_tables(s: ApiServices) -> dict[str, dict[str, Import]]:
     """Every import, by WIT interface and function name."""
     return {
-        "runtime": runtime.imports(WIT_VERSION, s.replicas),
+        "runtime": runtime.imports(WIT_VERSION, s.replicas, s.children),
+        "http": http.imports(s.http),
         "messaging": messaging.imports(s.topics),
         "store": store.imports(s.kvstore),
         "model": model.imports(s.info, s.tokenizer),

@@ -229,6 +229,7 @@ _VAL_SIZE = ctypes.sizeof(ffi.wasmtime_component_val_t)
 _U32_OFFSET = ffi.wasmtime_component_val_t.of.offset  # the union's start; u32 sits at its start
 _U32_STRIDE = _VAL_SIZE // 4
 _U32_KIND = ffi.WASMTIME_COMPONENT_U32.value
+_U8_KIND = ffi.WASMTIME_COMPONENT_U8.value
 _STRING_KIND = ffi.WASMTIME_COMPONENT_STRING.value
 _BOOL_KIND = ffi.WASMTIME_COMPONENT_BOOL.value
 _VAL = ffi.wasmtime_component_val_t
@@ -243,6 +244,9 @@ def _list_to_c(self: T.ListType, store: Any, val: Any, ptr: Any) -> None:
     """wasmtime-py's ListType.convert_to_c, with fast paths for a list<u32> (two C-level slice
     writes: the kinds and the values) and a list<string> (each string's byte vector made in place)."""
     element = type(self.element)
+    if element is T.U8 and type(val) is bytes and val:
+        _bytes_to_c(val, ptr)
+        return
     if type(val) is not list or not val or _VAL_SIZE % 4 or _U32_OFFSET % 4 or (
             element is not T.U32 and element is not T.String):
         _LIST_TO_C(self, store, val, ptr)
@@ -276,6 +280,21 @@ def _list_to_c(self: T.ListType, store: Any, val: Any, ptr: Any) -> None:
         for i, b in enumerate(data):
             new(base + i * _VAL_SIZE + _U32_OFFSET, len(b), b)
         kinds[0::_VAL_SIZE] = [_STRING_KIND] * n
+    ptr.contents.kind = ffi.WASMTIME_COMPONENT_LIST
+    ptr.contents.of.list = raw
+
+
+def _bytes_to_c(val: bytes, ptr: Any) -> None:
+    """A list<u8> (an HTTP body) written as one image of its values: each element's kind byte and
+    its byte at the union's start, in one copy (wasmtime-py converts it element by element: ~1 us a
+    byte)."""
+    n = len(val)
+    image = bytearray(n * _VAL_SIZE)
+    image[0::_VAL_SIZE] = bytes((_U8_KIND,)) * n
+    image[_U32_OFFSET::_VAL_SIZE] = val
+    raw = ffi.wasmtime_component_vallist_t()
+    ffi.wasmtime_component_vallist_new_uninit(raw, n)
+    ctypes.memmove(ctypes.addressof(raw.data.contents), bytes(image), len(image))
     ptr.contents.kind = ffi.WASMTIME_COMPONENT_LIST
     ptr.contents.of.list = raw
 
@@ -316,17 +335,19 @@ def _list_from_c(self: T.ListType, c: Any) -> Any:
     list<string> (each element's size and data pointer in one unpack). Either way the elements are
     read in place and the list's delete frees them."""
     element = type(self.element)
-    if not ((element is T.U32 and not _VAL_SIZE % 4 and not _U32_OFFSET % 4)
+    if not ((element is T.U32 and not _VAL_SIZE % 4 and not _U32_OFFSET % 4) or element is T.U8
             or (element is T.String and ctypes.sizeof(ctypes.c_void_p) == 8 and _VAL_SIZE >= _U32_OFFSET + 16)):
         return _LIST_FROM_C(self, c)
     assert c.kind == ffi.WASMTIME_COMPONENT_LIST.value
     try:
         n = c.of.list.size
         if n == 0:
-            return []
+            return b"" if element is T.U8 else []
         base = ctypes.addressof(c.of.list.data.contents)
         if element is T.U32:
             return (ctypes.c_uint32 * (n * _U32_STRIDE)).from_address(base)[_U32_OFFSET // 4 :: _U32_STRIDE]
+        if element is T.U8:  # (u8 values own nothing: the list's delete frees them as they are)
+            return _string_at(base, n * _VAL_SIZE)[_U32_OFFSET::_VAL_SIZE]
         out = []
         for kind, size, data in _STRING_VALS.iter_unpack((ctypes.c_char * (n * _VAL_SIZE)).from_address(base)):
             assert kind == _STRING_KIND

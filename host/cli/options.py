@@ -11,7 +11,9 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from host.batching.policy import POLICIES
+from host.children import ChildLimits
 from host.config import DTYPES, ENGINES, HostConfig
+from host.net.limits import HttpLimits
 from host.state.prefix_cache import PREFIX_CACHE_MODES
 
 if TYPE_CHECKING:
@@ -116,6 +118,65 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, metavar="N",
                         help="data parallel: N engines, each with its own KV cache; an instance lives on one "
                              f"(default {_default('replicas')})")
+    _add_outbound_options(parser)
+
+
+def _add_outbound_options(parser: argparse.ArgumentParser) -> None:
+    """Outbound HTTP and child inferlets (docs/deployment.md, "Security")."""
+    lim, kids = HttpLimits(), ChildLimits()
+    g = parser.add_argument_group("outbound HTTP and child inferlets", "what inferlets may reach and start")
+    g.add_argument("--http-allow", action="append", default=None, metavar="HOST[:PORT]",
+                   help="let every tenant's inferlets send HTTP requests to HOST (repeatable): a name, *.domain, *, "
+                        "an address or a CIDR ([v6] in brackets), PORT a number or * (absent: any). Names reach "
+                        "public addresses only; a loopback, private, link-local or metadata address only when "
+                        "listed by address (or localhost). Default: no outbound HTTP at all")
+    g.add_argument("--tenant-http-allow", action="append", default=None, metavar="TENANT=HOST[:PORT]",
+                   type=_tenant_pattern, help="one more pattern for one tenant's inferlets only (repeatable)")
+    g.add_argument("--http-max-request-kb", type=int, metavar="KB",
+                   help=f"largest request body (default {lim.max_request_bytes // 1024})")
+    g.add_argument("--http-max-response-kb", type=int, metavar="KB",
+                   help=f"largest response body; a longer one is an error (default {lim.max_response_bytes // 1024})")
+    g.add_argument("--http-timeout-s", type=float, metavar="S",
+                   help=f"longest request, redirects included (default {lim.timeout_s:g})")
+    g.add_argument("--http-max-per-tenant", type=int, metavar="N",
+                   help=f"requests in flight for one tenant's instances together (default {lim.per_tenant})")
+    g.add_argument("--max-child-depth", type=int, metavar="N",
+                   help=f"how deep child inferlets (runtime.launch) nest (default {kids.max_depth})")
+    g.add_argument("--max-children", type=int, metavar="N",
+                   help=f"children one instance runs at once (default {kids.per_parent})")
+    g.add_argument("--max-children-per-tenant", type=int, metavar="N",
+                   help=f"children one tenant's instances run at once (default {kids.per_tenant})")
+    g.add_argument("--allow-detached-children", action="store_true", default=None,
+                   help="let an inferlet launch a child that outlives it (default: children end with their parent)")
+
+
+def _tenant_pattern(text: str) -> tuple[str, str]:
+    name, sep, pattern = text.partition("=")
+    if not sep or not name or not pattern:
+        raise argparse.ArgumentTypeError(f"--tenant-http-allow takes TENANT=HOST[:PORT], got {text!r}")
+    return name, pattern
+
+
+def _outbound_config(args: argparse.Namespace) -> dict[str, Any]:
+    """HostConfig's http_* and child_limits from the flags given (HttpLimits / ChildLimits check them)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "http_allow", None):
+        out["http_allow"] = tuple(args.http_allow)
+    if getattr(args, "tenant_http_allow", None):
+        out["http_tenant_allow"] = tuple(args.tenant_http_allow)
+    kb = 1024
+    http = {k: v for k, v in {
+        "max_request_bytes": None if args.http_max_request_kb is None else args.http_max_request_kb * kb,
+        "max_response_bytes": None if args.http_max_response_kb is None else args.http_max_response_kb * kb,
+        "timeout_s": args.http_timeout_s, "per_tenant": args.http_max_per_tenant}.items() if v is not None}
+    if http:
+        out["http_limits"] = HttpLimits(**http)
+    kids = {k: v for k, v in {"max_depth": args.max_child_depth, "per_parent": args.max_children,
+                              "per_tenant": args.max_children_per_tenant,
+                              "allow_detached": args.allow_detached_children}.items() if v is not None}
+    if kids:
+        out["child_limits"] = ChildLimits(**kids)
+    return out
 
 
 def host_config_from_args(args: argparse.Namespace) -> HostConfig:
@@ -140,6 +201,7 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "engine": args.engine, "tp": args.tp, "replicas": args.replicas, "workers": args.workers,
         "data_dir": getattr(args, "data_dir", None),
     }
+    given.update(_outbound_config(args))
     return HostConfig(**{k: v for k, v in given.items() if v is not None})
 
 
