@@ -86,7 +86,7 @@ class Children:
         if detached and not lim.allow_detached:
             return ("this host does not allow detached children: a child ends with its parent "
                     "(the operator allows them with --allow-detached-children)")
-        if self.access is not None and not self.access(tenant, program):
+        if program != parent.program and self.access is not None and not self.access(tenant, program):
             return f"unknown program {program[:80]!r}: upload it as this tenant first, or pass \"\" for this program"
         with self._lock:
             depth = self._depth.get(parent.id, 0) + 1

@@ -99,3 +99,14 @@ def test_worker_totals_and_per_worker_figures_from_the_host_stats() -> None:
     assert s["pie_worker_cpu_seconds_total{worker=0}"] == 1.5 and "pie_worker_cpu_seconds_total{worker=1}" not in s
     in_process = _samples(ServerMetrics(lambda: {**_stats(), "workers": {"count": 0}}, lambda: 0))
     assert in_process["pie_workers"] == 0 and not any(k.startswith("pie_worker_instances") for k in in_process)
+
+
+def test_outbound_http_and_children_from_the_host_stats() -> None:
+    http = {"requests": {"ok": 5, "blocked": 2, "timeout": 1}, "in_flight": 3, "bytes_sent": 100,
+            "bytes_received": 4000}
+    s = _samples(ServerMetrics(lambda: {**_stats(), "http": http, "children": {"launched": 7, "running": 2}},
+                               lambda: 0))
+    assert s["pie_http_requests_total{outcome=ok}"] == 5 and s["pie_http_requests_total{outcome=blocked}"] == 2
+    assert s["pie_http_requests_total{outcome=too-large}"] == 0 and s["pie_http_in_flight"] == 3
+    assert s["pie_http_bytes_total{direction=received}"] == 4000 and s["pie_http_bytes_total{direction=sent}"] == 100
+    assert s["pie_children_launched_total"] == 7 and s["pie_children_running"] == 2

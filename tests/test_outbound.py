@@ -228,10 +228,17 @@ def test_children_end_with_their_parent(host: Host, prog: str) -> None:
     wait_for(lambda: host.stats()["children"]["running"] == 0, what="children to be counted out")
 
 
-def test_detached_children_need_the_operator(host: Host, prog: str) -> None:
-    from inferlet import _host as sdk_host  # noqa: F401  (the fixture's launch passes detached=False)
-
-    assert not host.config.child_limits.allow_detached
+def test_detached_children_need_the_operator(host: Host, prog: str, tmp_path: Path) -> None:
+    end = run_to_end(host, prog, ["detach"])
+    assert end.message.startswith("error:") and "--allow-detached-children" in end.message
+    with _host(tmp_path, (), child_limits=ChildLimits(allow_detached=True)) as h:
+        p = h.compile(wasm_bytes("outbound"))
+        r = Run(h, p, ["detach"])
+        assert r.finish().message == "left"
+        child = r.messages[0]
+        assert not h.wait(child, timeout=0.5)  # outlives its parent
+        h.signal(child, "bye")
+        assert h.wait(child, timeout=30)
 
 
 def test_unknown_program_and_bad_handle(host: Host, prog: str) -> None:
@@ -248,3 +255,30 @@ def test_a_child_is_of_its_parents_tenant(host: Host, prog: str) -> None:
     tenants = {i["id"]: i.get("tenant") for i in host.instances()}
     if child in tenants:  # (it may have ended already)
         assert tenants[child] == "carol"
+
+
+def test_a_child_starts_only_what_its_tenant_may_launch(host: Host, prog: str) -> None:
+    """The server's rule (Server._may_launch: the tenant's uploads) through `Children.access`; the
+    parent's own program is always allowed."""
+    other = host.compile(wasm_bytes("echo"))
+    host.children.access = lambda tenant, program: tenant == "alice"
+    try:
+        assert Run(host, prog, ["launch", other], tenant="alice").finish().message == "handle 1"
+        assert Run(host, prog, ["launch", other], tenant="bob").finish().message.startswith("error: unknown program")
+        assert Run(host, prog, ["launch", ""], tenant="bob").finish().message == "handle 1"
+    finally:
+        host.children.access = None
+
+
+def test_an_inferlet_lists_and_calls_an_mcp_servers_tools(tmp_path: Path) -> None:
+    """The SDK's MCP client (inferlet.mcp) inside the sandbox, through the `http` import, against an
+    MCP server of the official `mcp` package on loopback (listed by address)."""
+    from mcp_server import TOOL_NAMES, serve_mcp
+
+    with serve_mcp() as url:
+        port = int(url.split(":")[2].split("/")[0])
+        with _host(tmp_path, (f"127.0.0.1:{port}",)) as h:
+            end = run_to_end(h, h.compile(wasm_bytes("outbound")), ["mcp", url])
+            assert end.event == "completed", end
+            assert json.loads(end.message) == {"tools": sorted(TOOL_NAMES), "add": "5"}
+            assert h.stats()["http"]["requests"]["ok"] >= 4  # initialize, initialized, tools/list, tools/call

@@ -153,3 +153,22 @@ def test_pie_serve_subprocess_serves_and_stops_on_sigterm(tmp_path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_outbound_flags_map_to_host_config(capsys) -> None:
+    cfg = host_config_from_args(parse_args([
+        "--http-allow", "api.example.com", "--http-allow", "10.0.0.0/8:8080", "--tenant-http-allow",
+        "alice=*.alice.test", "--http-max-response-kb", "64", "--http-timeout-s", "5", "--http-max-per-tenant", "3",
+        "--max-child-depth", "2", "--max-children", "5", "--allow-detached-children"]))
+    assert cfg.http_allow == ("api.example.com", "10.0.0.0/8:8080")
+    assert cfg.http_tenant_allow == (("alice", "*.alice.test"),)
+    assert (cfg.http_limits.max_response_bytes, cfg.http_limits.timeout_s, cfg.http_limits.per_tenant) == \
+        (64 * 1024, 5.0, 3)
+    assert (cfg.child_limits.max_depth, cfg.child_limits.per_parent, cfg.child_limits.allow_detached) == (2, 5, True)
+    assert host_config_from_args(parse_args([])).http_allow == ()  # no outbound HTTP unless allowed
+    assert serve_main(["--http-allow", "http://api.example.com/"]) == 2
+    assert "give a host, not a URL" in capsys.readouterr().err
+    assert serve_main(["--http-timeout-s", "0"]) == 2
+    assert "timeout_s must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_main(["--tenant-http-allow", "nopattern"])

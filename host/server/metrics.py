@@ -85,6 +85,8 @@ class _HostCollector(Collector):
         workers = s.get("workers")
         if workers:
             yield from _worker_metrics(workers)
+        if "http" in s:
+            yield from _outbound_metrics(s["http"], s.get("children", {}))
         counts = sched.get("batch_size_counts")
         if counts:  # the scheduler's batch-size histogram (forwards per batch)
             from host.batching.scheduler import BATCH_SIZE_BUCKETS
@@ -95,6 +97,24 @@ class _HostCollector(Collector):
                 buckets.append((bound, cumulative))
             yield HistogramMetricFamily("pie_batch_size", "Forward passes per batch", buckets=buckets,
                                         sum_value=sched["forwards"])
+
+
+def _outbound_metrics(http: dict[str, Any], children: dict[str, Any]) -> Iterator[Metric]:
+    """Inferlets' outbound HTTP (host/net) and child inferlets (host/children.py)."""
+    reqs = CounterMetricFamily("pie_http_requests", "Outbound HTTP requests of inferlets, by outcome (ok, blocked, "
+                                                    "invalid, too-large, timeout, busy, failed)", labels=["outcome"])
+    for outcome in ("ok", "blocked", "invalid", "too-large", "timeout", "busy", "failed"):
+        reqs.add_metric([outcome], http["requests"].get(outcome, 0))
+    yield reqs
+    yield GaugeMetricFamily("pie_http_in_flight", "Outbound HTTP requests in flight", value=http["in_flight"])
+    sent = CounterMetricFamily("pie_http_bytes", "Outbound HTTP body bytes, by direction", labels=["direction"])
+    sent.add_metric(["sent"], http["bytes_sent"])
+    sent.add_metric(["received"], http["bytes_received"])
+    yield sent
+    if children:
+        yield CounterMetricFamily("pie_children_launched", "Child inferlets launched (runtime.launch)",
+                                  value=children["launched"])
+        yield GaugeMetricFamily("pie_children_running", "Child inferlets running", value=children["running"])
 
 
 def _worker_metrics(workers: dict[str, Any]) -> Iterator[Metric]:

@@ -83,6 +83,9 @@ class Server:
         self.config = config
         self.store = ProgramStore(config.data_dir / "programs", host.compile, compile_errors,
                                   quota_bytes=config.max_store_bytes_per_tenant, ttl_s=config.program_ttl_s)
+        children = getattr(host, "children", None)
+        if children is not None:  # a child inferlet may start only what its tenant uploaded (or its own program)
+            children.access = self._may_launch
         self.port: int | None = None
         self.connections: set[Connection] = set()
         self.counters = ServerCounters()
@@ -217,6 +220,17 @@ class Server:
             self._thread.join(timeout)
 
     # ---- WebSocket connections -------------------------------------------------------------
+
+    def _may_launch(self, tenant: str, program_hash: str) -> bool:
+        """Whether a child inferlet of `tenant` may start `program_hash`: one the tenant stored (the admin:
+        any stored), compiled from the store if it is not compiled yet (on the parent's thread)."""
+        if not self.store.visible(tenant, program_hash, admin=self.config.is_admin(tenant)):
+            return False
+        try:
+            self.store.ensure_compiled(program_hash)
+        except Exception:  # (evicted meanwhile, or it no longer compiles): as if unknown
+            return False
+        return True
 
     async def _websocket(self, ws: WebSocket) -> None:
         cfg = self.config
