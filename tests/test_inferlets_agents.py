@@ -134,3 +134,46 @@ def test_swarm_every_role_contributes_in_order(host) -> None:
     # each role saw the chain so far: the chain a role returns is a prefix of the final one
     for i in range(3):
         assert json.loads(ends[i].message)["contributions"] == contribs[: i + 1]
+
+
+def test_swarm_spawns_its_roles_as_child_inferlets(host) -> None:
+    """--spawn: one launch; the other roles run as children (WIT 0.5.0 runtime.launch), each its own
+    instance, and the chain comes back to the parent, which sends it to its client."""
+    prog = host.compile(wasm_bytes("agent_swarm"))
+    roles = ["planner", "writer", "critic"]
+    r = Run(host, prog, ["--spawn", "--roles", ",".join(roles), "--max-tokens", "8", "--json"])
+    end = r.finish(180)
+    assert end.event == "completed", end.message
+    chain = json.loads(end.message)
+    contribs = chain["contributions"]
+    assert [c["role"] for c in contribs] == roles and all(c["text"] for c in contribs)
+    instances = [c["instance"] for c in contribs]
+    assert instances[0] == r.id and len(set(instances)) == 3  # two children, each an instance of its own
+    assert [json.loads(m) for m in r.messages] == [chain]
+    assert host.stats()["children"]["running"] == 0
+
+
+def test_mcp_agent_calls_a_servers_tools(tmp_path) -> None:
+    """agent_mcp on the real model: the tools listed from an MCP server (the official `mcp` package on
+    loopback, allowed by address), a direct call and a model-drawn call, both answered by the server."""
+    from mcp_server import TOOL_NAMES, serve_mcp
+
+    from host import HostConfig
+
+    with serve_mcp() as url:
+        port = int(url.split(":")[2].split("/")[0])
+        with Host(HostConfig(data_dir=tmp_path, http_allow=(f"127.0.0.1:{port}",))) as h:
+            prog = h.compile(wasm_bytes("agent_mcp"))
+            r = Run(h, prog, ["--server", url, "--call", "add", "--arguments", '{"a": 2, "b": 3}',
+                              "--tool-choice", "auto", "--max-turns", "1", "-n", "24", "--json"])
+            end = r.finish(180)
+            assert end.event == "completed", end.message
+            got = json.loads(end.message)
+            assert sorted(got["tools"]) == sorted(TOOL_NAMES)
+            assert got["calls"][0] == {"name": "add", "arguments": {"a": 2, "b": 3}, "result": "5"}
+            assert json.loads(r.messages[0]) == {"type": "tool_result", "name": "add", "result": "5"}
+            forced = Run(h, prog, ["--server", url, "--task", "What is the weather in Paris?", "--tool-choice",
+                                   "required", "--max-turns", "1", "-n", "48", "--json"]).finish(180)
+            assert forced.event == "completed", forced.message
+            call = json.loads(forced.message)["calls"][0]
+            assert call["name"] in TOOL_NAMES and call["result"]  # the server answered the model's call

@@ -5,7 +5,10 @@ Role i > 0 subscribes to `swarm/<id>/<i>`, marks itself ready in the host's key-
 waits for the chain; it adds its contribution (generated from the task and the previous
 contribution) and publishes the chain to role i + 1 once that one is ready. The last role sends the
 finished chain to its client. With --role all (the default) one instance plays every role in turn,
-still passing the chain through publish/subscribe.
+still passing the chain through publish/subscribe. With --spawn the instance plays role 0 and
+launches one child inferlet per other role (WIT 0.5.0 `runtime.launch`): the children are ended
+with it, and the last one's chain comes back to it (a child's client is its parent), so one
+launch runs a swarm of instances.
 
 Returns the last contribution; with --json the chain {"task", "contributions": [{"role", "index",
 "instance", "text"}]}.
@@ -18,11 +21,13 @@ import time
 
 from inferlet import (
     ArgumentParser,
+    Child,
     Context,
     InferletError,
     Sampler,
     get_model,
     instance_id,
+    launch,
     publish,
     receive_published,
     send,
@@ -52,6 +57,8 @@ def parser() -> ArgumentParser:
     p.add_argument("-n", "--max-tokens", type=int, default=40, help="most tokens per contribution (40)")
     p.add_argument("--timeout-ms", type=int, default=300000, help="wait for the previous role (300000)")
     p.add_argument("--json", action="store_true", help="return the whole chain as JSON")
+    p.add_argument("--spawn", action="store_true",
+                   help="play role 0 and launch one child inferlet per other role (needs a host serving WIT 0.5.0)")
     return p
 
 
@@ -96,6 +103,8 @@ def main(args: list[str]) -> str | None:
         raise InferletError("--roles needs at least one role and --max-tokens must be >= 1")
     swarm = opts.swarm or instance_id()
     me = instance_id()
+    if opts.spawn:
+        return spawn(opts, roles, swarm)
     if opts.role == "all":
         mine = list(range(len(roles)))
         for i in mine[1:]:
@@ -125,3 +134,24 @@ def main(args: list[str]) -> str | None:
             wait_ready(f"swarm/{swarm}/ready/{i + 1}", opts.timeout_ms)
         publish(f"swarm/{swarm}/{i + 1}", json.dumps(chain))
     return json.dumps(chain) if opts.json else text
+
+
+def spawn(opts, roles: list[str], swarm: str) -> str:  # type: ignore[no-untyped-def]
+    """Role 0 here, every other role in a child of this instance; the last child's chain comes back."""
+    common = ["--swarm", swarm, "--roles", ",".join(roles), "--task", opts.task, "-n", str(opts.max_tokens),
+              "--timeout-ms", str(opts.timeout_ms)]
+    kids: list[Child] = [launch("", [*common, "--role", str(i)]) for i in range(1, len(roles))]
+    chain: dict = {"task": opts.task, "contributions": []}
+    text = contribute(roles[0], chain, opts.max_tokens)
+    chain["contributions"].append({"role": roles[0], "index": 0, "instance": instance_id(), "text": text})
+    if kids:
+        wait_ready(f"swarm/{swarm}/ready/1", opts.timeout_ms)
+        publish(f"swarm/{swarm}/1", json.dumps(chain))
+        final = kids[-1].receive(opts.timeout_ms)
+        if final is None:
+            raise InferletError(f"the last role sent no chain within {opts.timeout_ms} ms")
+        chain = json.loads(final)
+        for kid in kids:
+            kid.wait(opts.timeout_ms)
+    send(json.dumps(chain))
+    return json.dumps(chain) if opts.json else chain["contributions"][-1]["text"]
