@@ -88,3 +88,27 @@ def test_set_priority_through_the_fake_host() -> None:
     with pytest.raises(FakeTrap, match=r"^runtime\.set-priority: priority must be from -1000 to 1000 .*got 1001$"):
         inferlet.set_priority(1001)
     assert inferlet.priority() == 7
+
+
+def test_fake_host_http_answers_through_the_sdk() -> None:
+    import json
+
+    from inferlet import http
+    from inferlet.testing import FakeHost
+    from inferlet.testing.http import FakeHttpError
+
+    def handler(method: str, url: str, headers: list[tuple[str, str]], body: bytes):
+        if url.endswith("/private"):
+            raise FakeHttpError("blocked: 10.0.0.1 is a private address")
+        return 200, [("Content-Type", "application/json")], json.dumps({"echo": f"{method} {body.decode()}"}).encode()
+
+    host = FakeHost(http=handler).install()
+    r = http.post_json("https://api.test/x", {"a": 1})
+    assert r.ok and r.header("content-type") == "application/json" and r.json() == {"echo": 'POST {"a": 1}'}
+    assert host.http.requests[-1].headers[0] == ("content-type", "application/json")
+    with pytest.raises(http.HttpError) as e:
+        http.get("https://api.test/private")
+    assert e.value.kind == "blocked"
+    FakeHost().install()
+    with pytest.raises(http.HttpError, match="--http-allow"):
+        http.get("https://api.test/x")
