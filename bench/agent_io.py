@@ -15,7 +15,8 @@ Each is done two ways, with the same prompts, snippet, tool URL and token budget
             temperature 0; the host's prefix cache on, its default), runs the I/O itself (GETs
             the tool server, execs the snippet, or drives the peer's conversation through the same
             endpoint) and appends the result.
-Both ways' clients run in one child process (as real clients would: not on the server's GIL); the
+Every agent has its own case (a line of its task, and its tool queries): agents share the system
+prompt's KV, as real ones do, but not their transcripts. Both ways' clients run in one child process (as real clients would: not on the server's GIL); the
 host, its server and the tool server run in this process. Measured per kind x ios x tool_ms x
 agents: each agent's end-to-end latency (launch or first request -> final answer) and agents per
 second (agents / the burst's wall time, all `--agents` started at once), each cell `--repeats`
@@ -144,10 +145,10 @@ async def _clients(info: dict[str, str]) -> tuple[Any, Any, Any]:
 
 
 async def _inferlet_agent(ws: Any, info: dict[str, str], kind: str, ios: int, tokens: int, tool_url: str,
-                          ) -> dict[str, Any]:
+                          case: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     iid = await ws.launch(info["program"], ["--kind", kind, "--ios", str(ios), "--tokens", str(tokens),
-                                            "--tool-url", tool_url])
+                                            "--case", case, "--tool-url", tool_url])
     async for ev in ws.events(iid):
         if ev.terminal:
             if ev.event != "completed":
@@ -159,7 +160,7 @@ async def _inferlet_agent(ws: Any, info: dict[str, str], kind: str, ios: int, to
 
 
 async def _client_agent(oa: Any, http: Any, info: dict[str, str], kind: str, ios: int, tokens: int,
-                        tool_url: str) -> dict[str, Any]:
+                        tool_url: str, case: str) -> dict[str, Any]:
     s = script()
 
     async def chat(messages: list[dict[str, str]]) -> tuple[str, int]:
@@ -168,7 +169,7 @@ async def _client_agent(oa: Any, http: Any, info: dict[str, str], kind: str, ios
         return r.choices[0].message.content or "", r.usage.completion_tokens
 
     t0 = time.perf_counter()
-    msgs = [{"role": "system", "content": s.SYSTEM[kind]}, {"role": "user", "content": s.TASK[kind]}]
+    msgs = [{"role": "system", "content": s.SYSTEM[kind]}, {"role": "user", "content": s.task(kind, case)}]
     peer = [{"role": "system", "content": s.PEER_SYSTEM}]
     generated = peer_tokens = done = 0
     for step in range(ios):
@@ -176,7 +177,7 @@ async def _client_agent(oa: Any, http: Any, info: dict[str, str], kind: str, ios
         generated += n
         msgs.append({"role": "assistant", "content": text})
         if kind == "react":
-            r = await http.get(f"{tool_url}?{s.tool_query(step)}")
+            r = await http.get(f"{tool_url}?{s.tool_query(case, step)}")
             r.raise_for_status()
             result = r.text
         elif kind == "codeact":
@@ -195,24 +196,43 @@ async def _client_agent(oa: Any, http: Any, info: dict[str, str], kind: str, ios
 
 
 async def _burst(way: str, info: dict[str, str], kind: str, n: int, ios: int, tokens: int, tool_url: str,
-                 ) -> dict[str, Any]:
+                 burst: int) -> dict[str, Any]:
     ws, oa, http = await _clients(info)
     t0 = time.perf_counter()
     if way == "inferlet":
-        jobs = [_inferlet_agent(ws, info, kind, ios, tokens, tool_url) for _ in range(n)]
+        jobs = [_inferlet_agent(ws, info, kind, ios, tokens, tool_url, f"{burst}.{i}") for i in range(n)]
     else:
-        jobs = [_client_agent(oa, http, info, kind, ios, tokens, tool_url) for _ in range(n)]
+        jobs = [_client_agent(oa, http, info, kind, ios, tokens, tool_url, f"{burst}.{i}") for i in range(n)]
     agents = await asyncio.gather(*jobs)
     return {"wall_s": time.perf_counter() - t0, "agents": agents}
 
 
-def drive(way: str, info: dict[str, str], kind: str, n: int, ios: int, tokens: int, tool_url: str,
+def drive(way: str, info: dict[str, str], kind: str, n: int, ios: int, tokens: int, tool_url: str, burst: int,
           ) -> dict[str, Any]:
-    """One burst of `n` agents of one way, in the client process (its event loop is kept between calls)."""
+    """One burst of `n` agents of one way, in the client process (its event loop is kept between
+    calls); agent i's case is "<burst>.<i>", so no two agents of a run share a task."""
     global _LOOP
     if _LOOP is None:
         _LOOP = asyncio.new_event_loop()
-    return _LOOP.run_until_complete(_burst(way, info, kind, n, ios, tokens, tool_url))
+    return _LOOP.run_until_complete(_burst(way, info, kind, n, ios, tokens, tool_url, burst))
+
+
+def close_clients() -> None:
+    """Close the client process's connections and its event loop (before the pool ends)."""
+    global _LOOP
+    if _LOOP is None:
+        return
+
+    async def close() -> None:
+        if _CLIENTS:
+            await _CLIENTS["ws"].close()
+            await _CLIENTS["openai"].close()
+            await _CLIENTS["http"].aclose()
+            _CLIENTS.clear()
+
+    _LOOP.run_until_complete(close())
+    _LOOP.close()
+    _LOOP = None
 
 
 # ---- the run ----------------------------------------------------------------------------------------
@@ -322,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     host = Host(HostConfig(data_dir=data_dir, device=a.device, http_allow=(f"127.0.0.1:{tools.server_address[1]}",)),
                 progress=False)
     results: list[dict[str, Any]] = []
+    server: Server | None = None
     try:
         agent_prog = host.compile(agent_wasm)
         openai_prog = host.compile(openai_wasm)
@@ -329,12 +350,15 @@ def main(argv: list[str] | None = None) -> int:
         server.start_background()
         assert asyncio.run(_upload(server.url, agent_wasm)) == agent_prog  # protocol v1 runs programs from its store
         info = {"http": server.http_url, "ws": server.url, "model": host.model_name, "program": agent_prog}
+        bursts = [0]
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             def burst(way: str, kind: str, n: int, ios: int, tool_ms: float) -> dict[str, Any]:
                 settle(host, agent_prog, 2 * n if kind == "swarm" else n)
                 settle(host, openai_prog, n)
                 tokens0 = host.scheduler.stats.tokens
-                r = pool.submit(drive, way, info, kind, n, ios, a.tokens, f"{tool_base}/ms{tool_ms:g}").result()
+                bursts[0] += 1
+                r = pool.submit(drive, way, info, kind, n, ios, a.tokens, f"{tool_base}/ms{tool_ms:g}",
+                                bursts[0]).result()
                 r["backend_tokens"] = host.scheduler.stats.tokens - tokens0
                 short = [x["ios_done"] for x in r["agents"] if x["ios_done"] != ios]
                 if short:
@@ -364,10 +388,12 @@ def main(argv: list[str] | None = None) -> int:
                                   f"(x{row['latency_ratio']:.2f}), agents/s {row['inferlet']['agents_per_s']:.3f} vs "
                                   f"{row['client']['agents_per_s']:.3f} (x{row['throughput_ratio']:.2f})",
                                   file=sys.stderr, flush=True)
-        server.stop_background()
+            pool.submit(close_clients).result()
         device = str(getattr(host.backend.info, "device", a.device or "?"))
         model = host.model_name
     finally:
+        if server is not None:
+            server.stop_background()
         host.shutdown()
         tools.shutdown()
     out = {

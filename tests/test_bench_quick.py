@@ -20,6 +20,7 @@ SLOW, BUILD = pytest.mark.slow, pytest.mark.build  # the real model / a componen
 
 # script -> (marks, a key its JSON has); each line's --quick wall time measured on the 2-core VM
 SCRIPTS: dict[str, tuple[list[pytest.MarkDecorator], str]] = {
+    "agent_io": ([SLOW, BUILD], "results"),  # the inferlet vs the client-driven agent, both ways once
     "agents": ([SLOW, BUILD], "throughput_ratio"),  # ~36 s
     "backend_decode": ([SLOW], "meta"),  # ~46 s: two backends and two transformers models loaded
     "cold_launch": ([BUILD], "modes"),  # ~13 s

@@ -1,12 +1,12 @@
 """Bench guest for bench/agent_io.py: a scripted agent whose loop is fixed, so that the inferlet way
 and the client-driven way (the bench's OpenAI client) do the same LLM work and the same I/O.
 
-Args: --kind react|codeact|swarm --ios N --tokens T [--tool-url URL] [--role agent|peer].
+Args: --kind react|codeact|swarm --ios N --tokens T [--case ID] [--tool-url URL] [--role agent|peer].
 
 The agent's one `Context` holds the whole run (its KV is kept: only what is new is prefilled):
 system prompt and task, then N times: generate T tokens greedily, do the I/O, append its result
 as the next user message; then a final answer of T tokens. The I/O of each step:
-  react    GET `<tool-url>?q=<step>` on the bench's tool server (outbound HTTP, `inferlet.http`);
+  react    GET `<tool-url>?q=<case>-<step>` on the bench's tool server (outbound HTTP, `inferlet.http`);
   codeact  run `snippet(step)` (Python) right here, in the instance's sandbox, its stdout the result;
   swarm    send the step's text to a peer agent (a child instance of this same program, launched
            with --role peer, that keeps its own context) and take its reply (T tokens) as the result.
@@ -59,9 +59,15 @@ def run_snippet(code: str) -> str:
     return out.getvalue().strip()
 
 
-def tool_query(step: int) -> str:
+def task(kind: str, case: str) -> str:
+    """The task message: the kind's task for case `case` (every agent of a run has its own case, so
+    that agents share the system prompt's KV, as real ones do, but not their transcripts)."""
+    return f"Case {case}. {TASK[kind]}"
+
+
+def tool_query(case: str, step: int) -> str:
     """The query string of step `step`'s tool call (`?q=...`)."""
-    return f"q={step}"
+    return f"q={case}-{step}"
 
 
 def observation(kind: str, step: int, result: str, last: bool) -> str:
@@ -76,6 +82,7 @@ def parser() -> ArgumentParser:
     p.add_argument("--kind", choices=sorted(SYSTEM), default="react")
     p.add_argument("--ios", type=int, default=2, help="I/O steps (2)")
     p.add_argument("--tokens", type=int, default=8, help="tokens per generation (8)")
+    p.add_argument("--case", default="0", help="this agent's case id, part of its task (0)")
     p.add_argument("--tool-url", default="", help="the tool server's URL (react)")
     p.add_argument("--role", choices=("agent", "peer"), default="agent")
     p.add_argument("--timeout-ms", type=int, default=600_000, help="wait for the peer's reply (600000)")
@@ -115,13 +122,13 @@ def main(args: list[str]) -> str:
     try:
         with Context() as ctx:
             ctx.fill_system(SYSTEM[a.kind])
-            ctx.fill_user(TASK[a.kind])
+            ctx.fill_user(task(a.kind, a.case))
             for step in range(a.ios):
                 before = len(ctx.tokens)
                 text = ctx.generate(greedy, max_tokens=a.tokens)
                 generated += len(ctx.tokens) - before
                 if a.kind == "react":
-                    r = http.fetch(f"{a.tool_url}?{tool_query(step)}", timeout_ms=a.timeout_ms)
+                    r = http.fetch(f"{a.tool_url}?{tool_query(a.case, step)}", timeout_ms=a.timeout_ms)
                     result = r.text()
                 elif a.kind == "codeact":
                     result = run_snippet(snippet(step))
