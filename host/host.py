@@ -54,7 +54,8 @@ __all__ = ["Host", "HostBusy", "InboxFull"]
 
 log = logging.getLogger(__name__)
 
-_ENDED_KEPT = 1024  # ended instances remembered for wait()
+_ENDED_KEPT = 1024  # ended instances remembered for wait() and their logs
+LOG_RETENTION_S = 600.0  # how long an ended instance's log stays readable (Host.logs)
 _WARM_PROGRAMS = 4  # programs kept warm at once (the most recently launched)
 _PRIME_FACTOR = 2  # Host.warm_start primes this many slots per parked instance
 _REAP_PENDING = 512  # finished instances whose stores may wait for an idle backend (host/wasm/reaper.py)
@@ -482,11 +483,29 @@ class Host:
         rep.scheduler.drop_class(inst.id)
 
     def instances(self) -> list[dict[str, Any]]:
-        """The running instances: id, program, arguments, state, started_at, tenant, priority."""
+        """The running instances: id, program, arguments, state, started_at, tenant, priority, and
+        what each holds (`PageManager.usage`): pages, tokens (K/V slots written) and swapped pages."""
         with self._lock:
             insts = list(self._instances.values())
-        return [{"id": i.id, "program": i.program, "arguments": i.args, "state": i.state,
-                 "started_at": i.started_at, "tenant": i.pages.tenant, "priority": i.pages.priority} for i in insts]
+        out = []
+        for i in insts:
+            pages, tokens, swapped = self.replicas[i.pages.replica].pages.usage(i.pages)
+            out.append({"id": i.id, "program": i.program, "arguments": i.args, "state": i.state,
+                        "started_at": i.started_at, "tenant": i.pages.tenant, "priority": i.pages.priority,
+                        "pages": pages, "tokens": tokens, "swapped": swapped})
+        return out
+
+    def logs(self, instance_id: str, tenant: str | None = None) -> list[dict[str, Any]] | None:
+        """The last lines of an instance's runtime.log, stdout and stderr (host/wasm/logs.py), running or
+        ended up to LOG_RETENTION_S ago; None for an unknown instance, or one of another tenant than
+        `tenant` (None: any)."""
+        with self._lock:
+            inst = self._instances.get(instance_id) or self._ended.get(instance_id)
+        if inst is None or (tenant is not None and inst.pages.tenant != tenant):
+            return None
+        if inst.ended_at is not None and time.time() - inst.ended_at > LOG_RETENTION_S:
+            return None
+        return inst.log.entries()
 
     # ---- introspection ----
     def model_names(self) -> list[str]:

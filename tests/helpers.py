@@ -57,7 +57,7 @@ class Run:
             ev = self.events.get(timeout=timeout)
             if ev.event in TERMINAL:
                 self.end = ev
-            else:
+            elif ev.event == "message":
                 self.messages.append(ev.message)
         return self.end
 

@@ -37,6 +37,7 @@ def imports(wit_version: str, replicas: Sequence[Replica], children: Children | 
     @guest_import("runtime.log")
     def log_line(inst: Instance, message: str) -> None:
         log.debug("[%s] %s", inst.id[:8], message)
+        inst.log_line("log", message)
 
     @guest_import("runtime.elapsed-ms")
     def elapsed_ms(inst: Instance) -> int:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from host.cli.build import BuildError, resolve_inferlet
 from host.cli.file_args import expand_file_arguments
 from host.cli.options import add_host_options, host_config_from_args, split_inferlet_args
-from host.events import TERMINAL_EVENTS, InstanceEvent
+from host.events import TERMINAL_EVENTS, InstanceEvent, print_log
 from host.levels import PRIORITY_MAX, PRIORITY_MIN, check_priority
 
 if TYPE_CHECKING:
@@ -124,6 +124,8 @@ def _stream(host: Host, program: str, args: list[str], priority: int = 0) -> Ins
         while (ev := events.get()).event not in TERMINAL_EVENTS:
             if ev.event == "message":
                 print(ev.message, flush=True)
+            elif ev.event == "log":  # the guest's runtime.log, stdout and stderr: on stderr, marked
+                print_log(ev)
         return ev
     except KeyboardInterrupt:
         host.terminate(iid, "interrupted (Ctrl-C)")

@@ -108,6 +108,10 @@ class PieClient:
         await self._request({"type": "ping"})
         return asyncio.get_running_loop().time() - start
 
+    async def logs(self, instance_id: str) -> list[dict[str, Any]]:
+        """An instance's last log lines ({"t", "stream", "text"}), running or ended recently."""
+        return list(await self.query("logs", instance_id))
+
     async def query(self, subject: str, record: Any = None) -> Any:
         """`subject` is program_exists, models, instances or stats."""
         return await self._request({"type": "query", "subject": subject, "record": record})
@@ -224,7 +228,8 @@ class PieClient:
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         if msg["type"] == "instance_event":
-            event = Event(str(msg.get("instance_id")), str(msg.get("event")), str(msg.get("message")))
+            event = Event(str(msg.get("instance_id")), str(msg.get("event")), str(msg.get("message")),
+                          str(msg.get("stream") or ""))
             self._queue(event.instance_id).put_nowait(event)
             return
         future = self._pending.pop(msg.get("corr_id"), None)  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ PROTOCOL_VERSION = 1
 CHUNK_SIZE = 256 * 1024
 # A full chunk plus the map around it fits easily; anything larger is refused by websockets itself.
 MAX_FRAME_BYTES = 1024 * 1024
-QUERY_SUBJECTS = ("program_exists", "models", "instances", "stats")
+QUERY_SUBJECTS = ("program_exists", "models", "instances", "stats", "logs")
 HASH_RE = re.compile(r"[0-9a-f]{64}")  # a program hash: sha256 as 64 lowercase hex digits
 
 # WebSocket close codes used when a frame carries no readable corr_id.
@@ -253,5 +253,8 @@ def encode_response(corr_id: int | None, successful: bool, result: Any) -> bytes
     return pack({"type": "response", "corr_id": corr_id, "successful": successful, "result": result})
 
 
-def encode_event(instance_id: str, event: str, message: str) -> bytes:
-    return pack({"type": "instance_event", "instance_id": instance_id, "event": event, "message": message})
+def encode_event(instance_id: str, event: str, message: str, stream: str = "") -> bytes:
+    msg = {"type": "instance_event", "instance_id": instance_id, "event": event, "message": message}
+    if stream:  # (a `log` event's: log, stdout or stderr)
+        msg["stream"] = stream
+    return pack(msg)

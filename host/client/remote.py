@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from host.client.client import ConnectionLost, PieClient, PieError
+from host.events import print_log
 
 __all__ = ["run_remote", "EXIT_CODES", "EXIT_CLIENT_ERROR"]
 
@@ -52,6 +53,8 @@ async def _run_remote(url: str, data: bytes, args: list[str], token: str | None,
         async for event in client.events(iid):
             if event.event == "message":
                 print(event.message, flush=True)
+            elif event.event == "log":
+                print_log(event)
             elif event.event == "completed":
                 if event.message:
                     print(event.message, flush=True)

@@ -41,6 +41,9 @@ class SyncPieClient:
     def ping(self) -> float:
         return self._call(self._client.ping())
 
+    def logs(self, instance_id: str) -> list[dict[str, Any]]:
+        return list(self._call(self._client.logs(instance_id)))
+
     def query(self, subject: str, record: Any = None) -> Any:
         return self._call(self._client.query(subject, record))
 

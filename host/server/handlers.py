@@ -108,6 +108,13 @@ class RequestHandlers:
             return self.store.visible(conn.tenant, req.record, conn.admin)
         if req.subject == "models":
             return self.host.model_names()
+        if req.subject == "logs":  # an instance's log lines, running or ended recently: its tenant's (or the admin's)
+            if not isinstance(req.record, str):
+                raise RequestError(f"query logs: record must be an instance id, got {repr(req.record)[:80]}")
+            lines = getattr(self.host, "logs", lambda *_a: None)(req.record, None if conn.admin else conn.tenant)
+            if lines is None:
+                raise RequestError(f"query logs: unknown instance {req.record[:80]!r} (or its log has expired)")
+            return lines
         if req.subject == "instances":
             # Another tenant's instances (their arguments are prompts) are not shown, except to the admin.
             return [self._describe(info) for info in self.host.instances()

@@ -143,7 +143,7 @@ class InstanceTable:
 
     def on_event(self, record: InstanceRecord, event: InstanceEvent) -> None:
         """Send the event to the owner, or buffer it; forget the record once it is delivered."""
-        frame = p.encode_event(event.instance_id, event.event, event.message)
+        frame = p.encode_event(event.instance_id, event.event, event.message, event.stream)
         owner = record.owner
         if owner is not None and not record.buffer:
             owner.send(frame)

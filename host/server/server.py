@@ -1,8 +1,9 @@
 """The server (`pie-serve`): one port, one ASGI app (Starlette on uvicorn) in front of one host.
 
 On that port: the WebSocket protocol v1 (docs/protocol.md, binary msgpack frames, any path), and
-the HTTP routes `/health`, `/metrics` and, when an OpenAI handler program is given, the
-OpenAI-compatible routes (host/server/openai_api.py, docs/openai.md).
+the HTTP routes `/health`, `/metrics`, the dashboard (`/dashboard`, host/server/dashboard.py) and,
+when an OpenAI handler program is given, the OpenAI-compatible routes (host/server/openai_api.py,
+docs/openai.md).
 
 WebSocket: one task per connection reads frames in order and answers each request; a second task
 per connection writes that connection's frames in order (see `Connection`). Instances belong to
@@ -33,6 +34,7 @@ from starlette.websockets import WebSocket
 from host.client import protocol as p
 from host.server.config import LOCAL_TENANT, HostFacade, ServerConfig
 from host.server.connection import Connection, RequestError
+from host.server.dashboard import Dashboard
 from host.server.handlers import RequestHandlers, ServerCounters
 from host.server.http import h11_with_header_timeout
 from host.server.instances import InstanceTable
@@ -105,6 +107,8 @@ class Server:
                                         responses=ResponseStore(config.responses_max_stored, config.responses_ttl_s))
         routes: list[BaseRoute] = (openai_routes(self.openai) if self.openai is not None
                                    else service_routes(self.metrics))
+        self.dashboard = Dashboard(host, config, self.limits)
+        routes.extend(self.dashboard.routes())
         # Protocol v1 clients connect to ws://host:port (any path: the old server took any).
         routes.append(WebSocketRoute("/{path:path}", self._websocket))
         self.app = Starlette(routes=routes, exception_handlers={Exception: internal_error})
@@ -158,6 +162,7 @@ class Server:
         """Terminate every instance and let its client have its terminal event (`aborted`, or an
         SSE error event and `[DONE]`), then close every connection and stop listening."""
         self.handlers.stopping = True
+        self.dashboard.close()
         self.instances.terminate_all("server shutting down")
         if self.openai is not None:
             self.openai.terminate_all("server shutting down")

@@ -486,6 +486,18 @@ class PageManager:
         with self._lock:
             return self._tenant_pages.get(tenant, 0)
 
+    def usage(self, table: InstancePages) -> tuple[int, int, int]:
+        """What `table`'s instance holds now: pages, the K/V slots written in them (its context,
+        shared prefix pages included) and how many of its pages are swapped out."""
+        with self._lock:
+            filled = self._filled
+            tokens = sum(table.swap_filled)
+            for g in table.held:
+                p = table.phys.get(g, g) if table.phys else g
+                if p != SWAPPED:
+                    tokens += filled[p]
+            return len(table.held), tokens, len(table.swapped)
+
     # ---- the prefix cache ----
     def attach_prefix(self, table: InstancePages, tokens: Sequence[int]) -> list[int]:
         """Hold, read-only, the cached pages of the longest full-page prefix of `tokens` (a sequence

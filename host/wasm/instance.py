@@ -26,6 +26,7 @@ from host.state.pages import InstancePages
 from host.state.topics import Mailbox
 from host.wasm import priority
 from host.wasm.limits import InstanceLimits, unwatch_epochs, watch_epochs
+from host.wasm.logs import InstanceLog
 
 if TYPE_CHECKING:
     from host.batching.future import ForwardFuture
@@ -171,6 +172,8 @@ class Instance:
         self.stop_reason: str | None = None  # set by terminate()
         self.stop_event = "aborted"
         self._stderr = bytearray()
+        self.log = InstanceLog()  # runtime.log, stdout and stderr lines (host/wasm/logs.py)
+        self.ended_at: float | None = None  # time.time() when it ended
         self._thread = threading.Thread(target=self._main, name=f"inferlet-{self.id[:8]}", daemon=True)
         self.finished = threading.Event()
         self._thread_started = threading.Event()  # `start` has started its thread
@@ -298,11 +301,17 @@ class Instance:
     def elapsed_ms(self) -> int:
         return int(1000 * (time.perf_counter() - self._t0))
 
-    def emit(self, event: str, message: str) -> None:
+    def emit(self, event: str, message: str, stream: str = "") -> None:
         try:
-            self.on_event(InstanceEvent(self.id, event, message))
+            self.on_event(InstanceEvent(self.id, event, message, stream))
         except Exception:  # a broken listener must not kill the instance thread
             log.exception("event listener failed for instance %s", self.id)
+
+    def log_line(self, stream: str, text: str) -> None:
+        """A line of the guest's `runtime.log` or output: kept in its log, streamed as a `log` event."""
+        shown = self.log.add(stream, text)
+        if shown is not None:
+            self.emit("log", shown, stream)
 
     def terminate(self, reason: str, event: str = "aborted") -> None:
         """Ask the instance to stop: running wasm traps at the next epoch check, waits wake up."""
@@ -476,12 +485,14 @@ class Instance:
             self._kick.release()
 
     def _capture_stdout(self, data: bytes) -> None:
-        for line in data.decode("utf-8", "replace").splitlines():
-            log.info("[%s] %s", self.id[:8], line)
+        for line in self.log.write("stdout", data):
+            self.log_line("stdout", line)
 
     def _capture_stderr(self, data: bytes) -> None:
         self._stderr += data
         del self._stderr[:-_OUTPUT_TAIL]
+        for line in self.log.write("stderr", data):
+            self.log_line("stderr", line)
 
     def _main(self) -> None:
         """The instance's thread: run the guest (`_run`), then end with exactly one terminal event,
@@ -502,6 +513,9 @@ class Instance:
             self.env.gate.leave()
             _current.instance = None
             self._release()
+            for stream, line in self.log.flush():  # a last line with no newline
+                self.log_line(stream, line)
+            self.ended_at = time.time()
             self._mark_ended(event)
         self.emit(event, message)
         store, self._store = self._store, None

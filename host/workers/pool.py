@@ -212,6 +212,10 @@ class WorkerPool:
             log.error("instance worker %d sent a message for an instance it does not run: stopping it", worker.index)
             worker.process.kill()
             return
+        if isinstance(msg, wire.Output):  # (on this thread: no wake-up of the instance's)
+            if msg.stream in ("stdout", "stderr"):
+                inst.log_line(msg.stream, msg.text)
+            return
         if isinstance(msg, wire.Call):
             if inst.serve_now(msg):
                 worker.steps_on_reader += 1

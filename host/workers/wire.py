@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 from wasmtime.component import Record, ResourceAny, ResourceHost, Variant
 
-__all__ = ["FROM_HOST", "FROM_WORKER", "Call", "Ended", "Launch", "Quit", "Ready", "Unpark", "RemoteHandle", "Reply",
+__all__ = ["FROM_HOST", "FROM_WORKER", "Call", "Ended", "Launch", "Output", "Quit", "Ready", "Unpark", "RemoteHandle", "Reply",
            "Stop", "WireError", "Frames", "dumps", "loads", "send_frames"]
 
 
@@ -98,6 +98,15 @@ class Ended:
 
 
 @dataclass(frozen=True)
+class Output:
+    """A line of `iid`'s guest's stdout or stderr (its `log` event: kept and streamed by the host)."""
+
+    iid: str
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True)
 class Ready:
     """The worker has its engine and linker: it takes launches from now on."""
 
@@ -131,7 +140,7 @@ class _Rep:
     rep: int
 
 
-_MESSAGES: tuple[type, ...] = (Launch, Unpark, Call, Reply, Stop, Ended, Ready, Quit)
+_MESSAGES: tuple[type, ...] = (Launch, Unpark, Call, Reply, Stop, Ended, Ready, Quit, Output)
 _MESSAGE_CODE = {cls: 16 + i for i, cls in enumerate(_MESSAGES)}
 _TUPLE, _RECORD, _VARIANT, _FLAGS, _HOST_HANDLE, _GUEST_HANDLE = range(1, 7)
 
@@ -244,7 +253,8 @@ def _record(fields: dict[str, Any]) -> Record:
 _STR_OR_NONE = (str, type(None))
 # What each side takes from the other, and the types of each message's fields: a worker's bytes are
 # not trusted (the host would route a `Call` with a list for an id into a dict lookup, and fail).
-FROM_WORKER: dict[type, tuple[Any, ...]] = {Call: (str, str, tuple, bool), Ended: (str, str, str), Ready: (int,)}
+FROM_WORKER: dict[type, tuple[Any, ...]] = {Call: (str, str, tuple, bool), Ended: (str, str, str), Ready: (int,),
+                                            Output: (str, str, str)}
 FROM_HOST: dict[type, tuple[Any, ...]] = {Launch: (str, str, bool, tuple), Unpark: (str, tuple),
                                           Reply: (str, object, _STR_OR_NONE), Stop: (str, str), Quit: ()}
 

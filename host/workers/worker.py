@@ -232,6 +232,8 @@ class _Worker:
         def on_event(ev: InstanceEvent) -> None:
             if ev.terminal:
                 self.send(wire.Ended(iid, ev.event, ev.message))
+            elif ev.event == "log":  # its stdout / stderr (runtime.log is served by the host)
+                self.send(wire.Output(iid, ev.stream, ev.message))
 
         return on_event
 
