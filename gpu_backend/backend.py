@@ -22,6 +22,7 @@ from gpu_backend.kv_cache import KVCache
 from gpu_backend.loading.tokenizer import Tokenizer
 from gpu_backend.models.config import ModelInfo
 from gpu_backend.models.llama import LlamaModel
+from gpu_backend.models.vision import VisionTower
 from gpu_backend.sampling import Drawn, SampleError, Sampler
 from gpu_backend.types import Feed, ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
 from gpu_backend.validate import as_sampler, check_batch, check_request
@@ -109,6 +110,7 @@ class TorchBackend:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None  # CPU: where start_forward's batches run
         self.feeds = True  # start_forward takes a Feed (tensor parallel does not)
+        self.vision: VisionTower | None = None  # a LLaVA's vision side, set by build.py (gpu_backend/images.py)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -154,7 +156,7 @@ class TorchBackend:
             return TorchStep(self, checked, self._launch(checked, fed), None)
         # the worker reads the requests later: give it copies (the caller may change them at once)
         snap = [replace(r, pages=list(r.pages), tokens=list(r.tokens), positions=list(r.positions),
-                        outputs=list(r.outputs)) for r in checked]
+                        outputs=list(r.outputs), embeds=None if r.embeds is None else list(r.embeds)) for r in checked]
         step = TorchStep(self, snap, None, None)
 
         def run() -> list[list[OutputResult]]:
@@ -169,8 +171,11 @@ class TorchBackend:
         """Queue one pass and its draws (on CUDA without a host sync); None if nothing is drawn."""
         with self._lock, torch.inference_mode():
             specs = [o for r in checked for o in r.outputs]
-            logits = self._logits(checked, None if fed is None else fed.patch)
-            return self.sampler.launch(logits, specs) if specs else None
+            logits, hidden = self._pass(checked, None if fed is None else fed.patch)
+            drawn = self.sampler.launch(logits, specs) if specs else None
+            if drawn is not None and hidden is not None:  # (embeddings: off the decode path, copied now)
+                drawn.hidden = hidden.float().cpu()
+            return drawn
 
     def _results(self, checked: list[ForwardRequest], drawn: Drawn | None) -> list[list[OutputResult]]:
         """Per request, its OutputResults from a launched draw; a row that cannot be drawn fails its
@@ -232,20 +237,43 @@ class TorchBackend:
 
         def run() -> list[torch.Tensor]:
             with self._lock, torch.inference_mode():
-                logits = self._logits(checked)
+                logits, _hidden = self._pass(checked)
             return list(logits.split([len(r.outputs) for r in checked]))
 
         return self._in_order(run)
 
-    def _logits(self, reqs: list[ForwardRequest], patch: Callable[[BatchPlan], None] | None = None) -> torch.Tensor:
-        """One pass over validated requests (graph replay when one serves it): logits [outputs, vocab].
-        `patch` changes the plan on the device first (`_FedPlan.patch`)."""
-        if self.graphs is not None and self.graphs.accepts(reqs):
-            return self.graphs.logits(reqs, patch)
+    def _pass(self, reqs: list[ForwardRequest], patch: Callable[[BatchPlan], None] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass over validated requests (graph replay when one serves it): logits [outputs, vocab],
+        and the output rows' hidden states when a row asks for its own (else None). `patch` changes the
+        plan on the device first (`_FedPlan.patch`)."""
+        hidden = any(o.hidden for r in reqs for o in r.outputs)
+        embeds = self._embeds(reqs)
+        if self.graphs is not None and not hidden and embeds is None and self.graphs.accepts(reqs):
+            return self.graphs.logits(reqs, patch), None
         plan = self.plan(reqs)
         if patch is not None:
             patch(plan)
-        return self.model.forward(plan, self.cache)
+        if hidden:
+            return self.model.forward_hidden(plan, self.cache, embeds)
+        if embeds is None:
+            return self.model.forward(plan, self.cache), None
+        return self.model.forward(plan, self.cache, embeds), None
+
+    def _embeds(self, reqs: list[ForwardRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The batch rows whose input is an embedding (`ForwardRequest.embeds`) and their vectors."""
+        if all(r.embeds is None for r in reqs):
+            return None
+        hid, rows, vecs, offset = self.info.hidden_size, [], [], 0
+        for r in reqs:
+            for start, data in r.embeds or ():
+                v = np.frombuffer(data, dtype="<f4").reshape(-1, hid)
+                rows.append(np.arange(offset + start, offset + start + len(v)))
+                vecs.append(v)
+            offset += len(r.tokens)
+        dev = self.model.device
+        return (to_device(np.concatenate(rows).astype(np.int64), dev),
+                torch.from_numpy(np.concatenate(vecs)).to(dev))
 
     def plan(self, reqs: list[ForwardRequest]) -> BatchPlan:
         """The batch plan of validated requests, for this backend's attention and cache."""

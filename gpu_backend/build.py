@@ -16,8 +16,9 @@ from gpu_backend.cuda_graphs import DecodeGraphs
 from gpu_backend.kv_cache import KVCache
 from gpu_backend.loading.loader import TokenizerSpec, load_model_files
 from gpu_backend.loading.tokenizer import Tokenizer
-from gpu_backend.models.config import ModelConfig, ModelInfo
+from gpu_backend.models.config import ModelConfig, ModelInfo, VisionConfig
 from gpu_backend.models.llama import LlamaModel
+from gpu_backend.models.vision import VisionTower
 
 __all__ = ["ATTENTION_NAMES", "DEFAULT_NUM_PAGES", "Sharding", "backend_from_weights", "kv_budget", "load_backend",
            "make_attention"]
@@ -100,6 +101,7 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
         else:
             num_pages = DEFAULT_NUM_PAGES
     backend = backend_from_weights(cfg, files.weights, files.tokenizer, files.name, device=dev, dtype=dtype,
+                                   vision=files.vision, vision_weights=files.vision_weights,
                                    page_size=page_size, num_pages=num_pages, attention=attn,
                                    cuda_graphs=cuda_graphs, tp=tp)
     del files.weights
@@ -150,11 +152,15 @@ class Sharding(Protocol):
 def backend_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: TokenizerSpec, name: str,
                          *, device: torch.device, dtype: torch.dtype, page_size: int, num_pages: int,
                          attention: Attention | None = None, cuda_graphs: bool = False,
-                         tp: Sharding | None = None) -> TorchBackend:
+                         tp: Sharding | None = None, vision: VisionConfig | None = None,
+                         vision_weights: dict[str, torch.Tensor] | None = None) -> TorchBackend:
     """A backend over weights already in memory (HF names, as `load_model_files` gives them; tensors
     already on `device` in `dtype` are used as they are): what `load_backend` does once the files are
     read. The GPU kit (bench/gpu_suite.py) builds its models this way from `transformers` configs.
-    `weights` is consumed: the model takes each tensor out of the dict as it places it."""
+    `weights` is consumed: the model takes each tensor out of the dict as it places it.
+    vision / vision_weights: a LLaVA's vision side (`LoadedModel.vision`): its `VisionTower` becomes
+    `backend.vision` (on rank 0 only under tensor parallel, unsharded), and ModelInfo says the image
+    token and how many an image takes (`gpu_backend.images.embed_image` runs it)."""
     attn = attention if attention is not None else SdpaAttention()
     sharded = tp is not None and tp.world > 1
     if sharded:
@@ -175,7 +181,12 @@ def backend_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tok
         name=name, page_size=page_size, num_pages=num_pages, vocab_size=cfg.vocab_size,
         stop_tokens=list(tokenizer.stop_tokens), chat_template=tokenizer.chat_template,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, device=str(device),
-        dtype=str(dtype).removeprefix("torch."), max_position=cfg.max_position,
+        dtype=str(dtype).removeprefix("torch."), max_position=cfg.max_position, hidden_size=cfg.hidden_size,
+        image_token_id=None if vision is None else vision.image_token_id,
+        image_tokens=0 if vision is None else vision.image_tokens,
     )
+    tower = None if vision is None else VisionTower(vision, vision_weights or {}, device, dtype)
     backend = TorchBackend(lm, tok, info, cache, attn, graphs)
-    return tp.wrap(backend) if sharded and tp is not None else backend
+    backend = tp.wrap(backend) if sharded and tp is not None else backend
+    backend.vision = tower
+    return backend

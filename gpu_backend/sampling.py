@@ -202,6 +202,8 @@ class Sampler:
                 res.ids, res.probs = di[i][:k], dp[i][:k]
             if s.target is not None and lp is not None:
                 res.logprob = lp[i]
+            if s.hidden and drawn.hidden is not None:
+                res.hidden = drawn.hidden[i].numpy().astype("<f4").tobytes()
             out.append(res)
         return out
 
@@ -217,6 +219,7 @@ class Drawn:
     event: torch.cuda.Event | None  # None on CPU: the copies are done
     tokens: torch.Tensor | None = None  # [M] the drawn tokens on the device (a next step may read them there)
     scored: torch.Tensor | None = None  # [M] float32: each row's target's logprob (0 for rows without one)
+    hidden: torch.Tensor | None = None  # [M, hidden] float32 on the host, when a row asked for its hidden state
 
 
 def _scored(logits: torch.Tensor, specs: list[OutputSpec]) -> torch.Tensor | None:

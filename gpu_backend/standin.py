@@ -24,6 +24,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gpu_backend.types import Feed, ForwardRequest, OutputResult
 from gpu_backend.validate import check_batch
 
@@ -43,6 +45,7 @@ class StandInInfo:
     device: str = "cpu"
     dtype: str = "float32"
     max_position: int = 8192
+    hidden_size: int = 4  # a hidden state: [token, position, sum of the sequence's tokens, 1] (see forward)
 
 
 class StandInTokenizer:
@@ -137,7 +140,11 @@ class StandInBackend:
         with self._lock:
             self.batches.append(len(reqs))
             for i, r in enumerate(reqs):
-                tokens = [fed[i]] if i in fed else r.tokens
+                tokens = [fed[i]] if i in fed else list(r.tokens)
+                for start, data in r.embeds or ():  # an input vector acts as the token its first value rounds to
+                    vecs = np.frombuffer(data, dtype="<f4").reshape(-1, self.info.hidden_size)
+                    for k, v in enumerate(vecs):
+                        tokens[start + k] = int(round(float(v[0]))) % self.info.vocab_size
                 ctx = r.context_len(ps)
                 for j, t in enumerate(tokens):
                     slot = ctx + j
@@ -147,13 +154,22 @@ class StandInBackend:
                     nxt = (tokens[o.index] + 1) % self.info.vocab_size
                     res.append(OutputResult(token=nxt if o.sample else None, ids=[nxt][: o.dist],
                                             probs=[1.0][: o.dist],  # its one token has probability 1
-                                            logprob=None if o.target is None else 0.0 if o.target == nxt else -100.0))
+                                            logprob=None if o.target is None else 0.0 if o.target == nxt else -100.0,
+                                            hidden=self._hidden(r, ctx, o.index, tokens) if o.hidden else None))
                 out.append(res)
             until = 0.0
             cost = self.delay_s + (self.token_s * sum(len(r.tokens) for r in reqs) if self.token_s else 0.0)
             if cost:
                 until = self._free_at = max(start, self._free_at) + cost
         return StandInStep(out, until)
+
+    def _hidden(self, r: ForwardRequest, ctx: int, index: int, tokens: list[int]) -> bytes:
+        """The stand-in's hidden state of row `index`: its token, its position, the sum of the tokens
+        in the slots it attends to (causal) and 1: the sequence's content, so a test can tell that
+        the context was read (lock held)."""
+        ps = self.info.page_size
+        seen = sum(self.slots.get((r.pages[s // ps], s % ps), 0) for s in range(ctx + index + 1))
+        return np.asarray([tokens[index], r.positions[index], seen, 1.0], dtype="<f4").tobytes()
 
     @property
     def swap_page_bytes(self) -> int:

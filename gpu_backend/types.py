@@ -39,6 +39,9 @@ class OutputSpec:
     # Score this token: its log-probability at temperature 1 over the whole vocabulary (before
     # `allowed` and any filter) comes back as `OutputResult.logprob` (prompt logprobs, WIT run-scored).
     target: int | None = None
+    # Return this row's hidden state: the last layer's output after the final norm, float32, as
+    # `OutputResult.hidden` (embeddings: a decoder embedding model pools these).
+    hidden: bool = False
 
 
 @dataclass
@@ -62,6 +65,10 @@ class ForwardRequest:
     mask: list[list[int]] | None = None
     outputs: list[OutputSpec] = field(default_factory=list)
     name: str = ""  # who asked (instance id), used in error messages
+    # Input embeddings in place of some tokens (an image's features): (start index into `tokens`,
+    # float32 little-endian bytes of [n, hidden_size]) runs, not overlapping; the embedding of the
+    # tokens there (placeholders) is replaced by these vectors, after the model's embedding scale.
+    embeds: list[tuple[int, bytes]] | None = None
     # set by validate.check_request; a checked request is not validated again downstream
     checked: bool = field(default=False, compare=False, repr=False)
 
@@ -87,6 +94,7 @@ class OutputResult:
     ids: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
     logprob: float | None = None  # the spec's `target`'s log-probability (None without a target)
+    hidden: bytes | None = None  # float32 [hidden_size] when the spec asked for `hidden`
 
 
 class ForwardError(ValueError):

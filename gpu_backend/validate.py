@@ -90,6 +90,8 @@ def check_request(req: ForwardRequest, info: BackendInfo) -> ForwardRequest:
     _check_values(req, who, vocab_size, max_position)
     if req.mask is not None:
         _check_mask(req.mask, who, n, ctx)
+    if req.embeds is not None:
+        _check_embeds(req.embeds, who, n, getattr(info, "hidden_size", 0))
     outputs = []
     for j, o in enumerate(req.outputs):
         if not isinstance(o, OutputSpec):
@@ -100,6 +102,8 @@ def check_request(req: ForwardRequest, info: BackendInfo) -> ForwardRequest:
             raise ValueError(f"{who}: output {j} dist {o.dist!r} out of range [0, {vocab_size}]")
         if o.allowed is not None:
             _check_allowed(o.allowed, f"{who}: output {j}", vocab_size)
+        if not isinstance(o.hidden, bool):
+            raise ValueError(f"{who}: output {j} hidden must be a bool, got {type(o.hidden).__name__}")
         if o.target is not None and (not _is_int(o.target) or not 0 <= o.target < vocab_size):
             raise ValueError(f"{who}: output {j} target {o.target!r} out of range [0, {vocab_size})")
         sample = None if o.sample is None else as_sampler(o.sample, f"{who}: output {j}")
@@ -108,6 +112,26 @@ def check_request(req: ForwardRequest, info: BackendInfo) -> ForwardRequest:
         req = replace(req, outputs=outputs)
     req.checked = True
     return req
+
+
+def _check_embeds(embeds: object, who: str, n: int, hidden: int) -> None:
+    if not hidden:
+        raise ValueError(f"{who}: this backend takes no input embeddings")
+    if not isinstance(embeds, list):
+        raise ValueError(f"{who}: embeds must be a list of (index, bytes) runs, got {type(embeds).__name__}")
+    end = 0
+    for k, run in enumerate(sorted(embeds, key=lambda r: r[0] if isinstance(r, tuple) and r else 0)):
+        if not (isinstance(run, tuple) and len(run) == 2 and _is_int(run[0]) and isinstance(run[1], bytes)):
+            raise ValueError(f"{who}: embeds run {k} must be (index, bytes), got {run!r:.80}")
+        start, data = run
+        if not data or len(data) % (4 * hidden):
+            raise ValueError(f"{who}: embeds run at {start}: {len(data)} bytes is not a whole number of "
+                             f"float32 vectors of {hidden}")
+        count = len(data) // (4 * hidden)
+        if start < end or start + count > n:
+            raise ValueError(f"{who}: embeds run at {start} of {count} vectors overlaps another or passes the "
+                             f"{n} new tokens")
+        end = start + count
 
 
 def _check_allowed(allowed: object, where: str, vocab_size: int) -> None:

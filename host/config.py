@@ -59,6 +59,8 @@ class HostConfig:
         0 = never suspend (an instance that waits for pages nobody frees ends with out_of_resources).
     max_kv_store_bytes: UTF-8 bytes of keys and values one tenant may keep in the key-value store
         (host/state/kvstore.py); a `store.set` past it traps its caller.
+    max_recording_bytes: bound of one recording of an instance's host calls (`Host.launch(record=True)`,
+        host/replay/); past it the recording is marked truncated and stops growing.
     run_gate: instance threads take turns running, `run_slots` at a time (see host/batching/gate.py);
         False lets them all contend for the GIL at once (for comparisons).
     max_instances: instances running at once; a launch beyond it waits in the launch queue.
@@ -137,6 +139,7 @@ class HostConfig:
     max_inbox_bytes: int = 4 * 2**20
     swap_memory_bytes: int = 4 * 2**30
     max_kv_store_bytes: int = 64 * 2**20
+    max_recording_bytes: int = 64 * 2**20
     prefix_cache: str = "per-client"  # per-client | shared | off (host/state/prefix_cache.py)
     max_published_messages: int = 1024  # unread pub/sub messages kept per instance (oldest dropped)
     max_published_bytes: int = 2**20
@@ -237,6 +240,8 @@ class HostConfig:
             raise ValueError(f"max_pages_per_instance must be >= 1, got {self.max_pages_per_instance}")
         if self.max_pages_per_tenant is not None and self.max_pages_per_tenant < 1:
             raise ValueError(f"max_pages_per_tenant must be >= 1, got {self.max_pages_per_tenant}")
+        if self.max_recording_bytes < 1:
+            raise ValueError(f"max_recording_bytes must be >= 1, got {self.max_recording_bytes}")
         if self.max_inbox_bytes < 1 or self.max_kv_store_bytes < 1:
             raise ValueError(f"max_inbox_bytes and max_kv_store_bytes must be >= 1, got {self.max_inbox_bytes}, "
                              f"{self.max_kv_store_bytes}")

@@ -34,6 +34,7 @@ from host.config import HostConfig
 from host.events import InstanceEvent
 from host.levels import LevelStats, Turns, check_priority
 from host.net.client import HttpService
+from host.replay.recorder import Recorder
 from host.replicas import Replica, total_stats
 from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 
 _ENDED_KEPT = 1024  # ended instances remembered for wait() and their logs
 LOG_RETENTION_S = 600.0  # how long an ended instance's log stays readable (Host.logs)
+_RECORDINGS_KEPT = 64  # recordings of ended instances kept (Host.recording)
 _WARM_PROGRAMS = 4  # programs kept warm at once (the most recently launched)
 _PRIME_FACTOR = 2  # Host.warm_start primes this many slots per parked instance
 _REAP_PENDING = 512  # finished instances whose stores may wait for an idle backend (host/wasm/reaper.py)
@@ -187,6 +189,8 @@ class Host:
         self.launch_levels = LevelStats()
         self.wasm.on_tick.append(self._admit)  # queued launches past their timeout end
         self._ended: OrderedDict[str, Instance] = OrderedDict()
+        self._recordings: OrderedDict[str, tuple[str, bytes]] = OrderedDict()  # ended recorded instances: (tenant, file)
+        self._recordings_bytes = 0
         self._lock = threading.Lock()
         self._starter = Starter()  # cold launches' threads are started on its thread
         self._closed = False
@@ -251,7 +255,7 @@ class Host:
     # ---- instances ----
     def launch(self, program_hash: str, args: list[str],
                on_event: Callable[[InstanceEvent], None] | None = None, tenant: str = "local",
-               priority: int = 0) -> str:
+               priority: int = 0, record: bool = False) -> str:
         """Start an instance of a compiled program; returns its id. KeyError for an unknown program.
 
         `tenant` is the client identity the instance acts for: it sees only that tenant's KV exports.
@@ -261,16 +265,24 @@ class Host:
         its state is "queued" until it starts; `launch_queue_timeout_s` later it ends with
         out_of_resources); raises HostBusy when the queue is full too. A warm instance is used when
         one is ready; a cold one's thread is started by the starter's thread (host/wasm/starter.py),
-        so this returns without waiting for it."""
+        so this returns without waiting for it. `record`: record every host call it makes and what it
+        got back (host/replay/), kept after it ends: `recording`. A recorded launch starts cold (a
+        warm guest made its first calls before anyone asked to record them)."""
         if self._closed:
             raise RuntimeError("host is shut down")
         check_priority(priority)
         self.wasm.get(program_hash)  # KeyError with a clear message if unknown
         listener = on_event or _ignore
+        recorder = self._recorder(program_hash, args, tenant) if record else None
+        if recorder is not None:
+            listener = self._recorded(recorder, tenant, listener)
         with self._lock:
             if len(self._instances) - len(self._queued) >= self.config.max_instances:
-                return self._enqueue(program_hash, args, listener, tenant, priority)
-            inst = self.warm.take(program_hash)
+                iid = self._enqueue(program_hash, args, listener, tenant, priority)
+                if recorder is not None:
+                    self._attach(self._instances[iid], recorder)
+                return iid
+            inst = self.warm.take(program_hash) if recorder is None else None
             if inst is not None:
                 self._place(inst)  # before it resumes: its first host call may allocate pages
                 if not inst.launch(args, listener, tenant):
@@ -280,6 +292,8 @@ class Host:
             if inst is None:
                 inst = self._new_instance(program_hash, args, listener)
                 inst.pages.tenant = tenant
+                if recorder is not None:
+                    self._attach(inst, recorder)
                 self._place(inst)
             inst.pages.priority = priority
             self._instances[inst.id] = inst
@@ -289,6 +303,54 @@ class Host:
         if cold:  # its thread is started by the starter's: this thread waits for no GIL hand-over
             self._starter.start_soon(inst)
         return inst.id
+
+    # ---- recordings (host/replay/) ----
+    def _recorder(self, program_hash: str, args: list[str], tenant: str) -> Recorder:
+        return Recorder(self.config.max_recording_bytes, {
+            "program": program_hash, "program_name": None, "arguments": list(args), "tenant": tenant,
+            "wit_version": WIT_VERSION, "model": self.model_name, "recorded_at": time.time(),
+            "resources": {"grammar.grammar": grammar_api.GRAMMAR_TYPE, "grammar.matcher": grammar_api.MATCHER_TYPE}})
+
+    @staticmethod
+    def _attach(inst: Instance, recorder: Recorder) -> None:
+        """Record `inst`'s calls: here, or in its worker (which sends them before its end)."""
+        inst.recorder = recorder
+        if not isinstance(inst, RemoteInstance):
+            recorder.tap()
+
+    def _recorded(self, recorder: Recorder, tenant: str,
+                  listener: Callable[[InstanceEvent], None]) -> Callable[[InstanceEvent], None]:
+        """`listener`, after the recording is kept at the terminal event (so whoever sees the end finds it)."""
+        def on_event(ev: InstanceEvent) -> None:
+            if ev.terminal:
+                try:
+                    self._keep_recording(ev.instance_id, tenant, recorder.finish(ev.event, ev.message))
+                except Exception:  # (a host bug: the end still reaches the listener)
+                    log.exception("the recording of instance %s could not be kept", ev.instance_id)
+            listener(ev)
+
+        return on_event
+
+    def _keep_recording(self, instance_id: str, tenant: str, data: bytes) -> None:
+        """Keep the last `_RECORDINGS_KEPT` recordings, at most 4 x `max_recording_bytes` of them (the
+        newest always)."""
+        with self._lock:
+            self._recordings[instance_id] = (tenant, data)
+            self._recordings_bytes += len(data)
+            while len(self._recordings) > 1 and (len(self._recordings) > _RECORDINGS_KEPT or
+                                                 self._recordings_bytes > 4 * self.config.max_recording_bytes):
+                _iid, (_tenant, old) = self._recordings.popitem(last=False)
+                self._recordings_bytes -= len(old)
+
+    def recording(self, instance_id: str, tenant: str | None = None) -> bytes | None:
+        """The recording of an instance launched with `record` (the file `pie-replay` reads) once it
+        has ended; None while it runs, for an instance not recorded, unknown, forgotten (older than the
+        last `_RECORDINGS_KEPT`), or of another tenant than `tenant` (None: any)."""
+        with self._lock:
+            kept = self._recordings.get(instance_id)
+        if kept is None or (tenant is not None and kept[0] != tenant):
+            return None
+        return kept[1]
 
     # ---- the launch queue: launches past max_instances wait for a slot, by service level ----
     def _enqueue(self, program_hash: str, args: list[str], listener: Callable[[InstanceEvent], None],

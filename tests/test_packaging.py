@@ -68,7 +68,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_carries_wit_sdk_and_standard_inferlets(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in ("host/wit/inferlet.wit", "host/inferlets/text_completion/app.py", "inferlet/__init__.py",
-                 "inferlet/testing/__init__.py", "host/cli/run.py", "host/client/protocol.py"):
+                 "inferlet/testing/__init__.py", "host/cli/run.py", "host/client/protocol.py",
+                 "host/server/static/dashboard.html"):
         assert name in names
     assert not any(n.startswith("host/inferlets/inferlet/") for n in names)  # the SDK ships once
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

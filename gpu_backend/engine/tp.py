@@ -177,11 +177,11 @@ class TPBackend(TorchBackend):
         super().__init__(*args, **kwargs)
         self.feeds = False
 
-    def _logits(self, reqs: list[ForwardRequest], patch: Any = None) -> torch.Tensor:
+    def _pass(self, reqs: list[ForwardRequest], patch: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if patch is not None:  # the other ranks would run the placeholder tokens
             raise ValueError("start_forward's feed is not supported with tensor parallel")
-        self.tp.send(["pass", encode_requests(reqs)])
-        return super()._logits(reqs)
+        self.tp.send(["pass", encode_requests(reqs)])  # (input embeddings included)
+        return super()._pass(reqs)
 
     def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:
         super().copy_tokens(src_page, src_offset, dst_page, dst_offset, count)  # validates first
@@ -215,7 +215,7 @@ class TPWorker:
             with torch.inference_mode():
                 if op == "pass":
                     reqs: Sequence[ForwardRequest] = decode_requests(msg[1])
-                    b.model.forward(b.plan(list(reqs)), b.cache)
+                    b.model.forward(b.plan(list(reqs)), b.cache, b._embeds(list(reqs)))
                 elif op == "copy":
                     s, so, d, do, n = msg[1]
                     TorchBackend.copy_tokens(b, s, so, d, do, n)

@@ -34,12 +34,12 @@ def _sampler(s: SamplerParams | None) -> list[Any] | None:
 
 
 def _output(o: OutputSpec) -> list[Any]:
-    return [o.index, _sampler(o.sample), o.dist, o.allowed, o.target]
+    return [o.index, _sampler(o.sample), o.dist, o.allowed, o.target, o.hidden]
 
 
 def request_row(r: ForwardRequest) -> list[Any]:
     return [r.pages, r.last_page_len, r.tokens, r.positions, r.mask, [_output(o) for o in r.outputs],
-            r.name, r.checked]
+            r.name, r.checked, None if r.embeds is None else [list(e) for e in r.embeds]]
 
 
 def encode_requests(reqs: Sequence[ForwardRequest]) -> list[list[Any]]:
@@ -56,16 +56,19 @@ def _sampler_from(row: list[Any] | None) -> SamplerParams | None:
 
 def decode_requests(rows: list[list[Any]]) -> list[ForwardRequest]:
     out = []
-    for pages, lpl, tokens, positions, mask, outputs, name, checked in rows:
-        specs = [OutputSpec(index=i, sample=_sampler_from(s), dist=d, allowed=a, target=t) for i, s, d, a, t in outputs]
+    for pages, lpl, tokens, positions, mask, outputs, name, checked, embeds in rows:
+        specs = [OutputSpec(index=i, sample=_sampler_from(s), dist=d, allowed=a, target=t, hidden=h)
+                 for i, s, d, a, t, h in outputs]
         out.append(ForwardRequest(pages=pages, last_page_len=lpl, tokens=tokens, positions=positions, mask=mask,
-                                  outputs=specs, name=name, checked=checked))
+                                  outputs=specs, name=name, checked=checked,
+                                  embeds=None if embeds is None else [(int(i), bytes(d)) for i, d in embeds]))
     return out
 
 
 def encode_results(results: list[list[OutputResult]]) -> list[list[list[Any]]]:
-    return [[[o.token, o.ids, o.probs, o.logprob] for o in r] for r in results]
+    return [[[o.token, o.ids, o.probs, o.logprob, o.hidden] for o in r] for r in results]
 
 
 def decode_results(rows: list[list[list[Any]]]) -> list[list[OutputResult]]:
-    return [[OutputResult(token=t, ids=ids, probs=probs, logprob=lp) for t, ids, probs, lp in r] for r in rows]
+    return [[OutputResult(token=t, ids=ids, probs=probs, logprob=lp, hidden=h) for t, ids, probs, lp, h in r]
+            for r in rows]

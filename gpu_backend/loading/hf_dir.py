@@ -1,6 +1,7 @@
 """Read a Hugging Face model directory: config.json (`FAMILIES`: what each model_type adds to Llama),
-*.safetensors (fused tensors split, a multimodal checkpoint's text model only), and its tokenizer
-(`hf_tokenizer.py`)."""
+*.safetensors (fused tensors split; of a multimodal checkpoint the text model, plus a LLaVA's vision
+tower and projector: `VISION`), preprocessor_config.json (a LLaVA's image processing), and its
+tokenizer (`hf_tokenizer.py`)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from gpu_backend.loading.hf_tokenizer import (
     hf_tokenizer as _hf_tokenizer,  # the name bench/gpu_suite.py imports
 )
 from gpu_backend.loading.model_files import LoadedModel
-from gpu_backend.models.config import ModelConfig
+from gpu_backend.models.config import ImageProcessing, ModelConfig, VisionConfig
+from gpu_backend.models.vision import VISION_ACTIVATIONS, vision_weight_name
 
-__all__ = ["FAMILIES", "MULTIMODAL", "SUPPORTED_MODEL_TYPES", "SUPPORTED_TOKENIZERS", "_hf_tokenizer", "load_hf_dir",
-           "unfuse"]
+__all__ = ["FAMILIES", "MULTIMODAL", "SUPPORTED_MODEL_TYPES", "SUPPORTED_TOKENIZERS", "VISION", "_hf_tokenizer",
+           "load_hf_dir", "unfuse"]
 
 
 # What each supported `model_type` adds to Llama's architecture (the rest is read from config.json).
@@ -93,11 +95,39 @@ def _sliding_layers(cfg: dict[str, Any], mt: str, n: int) -> tuple[int, tuple[bo
 
 
 # Multimodal checkpoints whose text model we run: model_type -> (the text config's key, weight-name
-# prefixes of the text model -> HF text names). Other weights (vision tower, projector) are not read.
+# prefixes of the text model -> HF text names). Other weights are not read, except a VISION model's
+# tower and projector. (transformers 5.24 saves a LLaVA under the older names, `language_model.model.`,
+# `language_model.lm_head.`, `vision_tower.`, `multi_modal_projector.`; it loads both.)
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
 MULTIMODAL: dict[str, tuple[str, dict[str, str]]] = {
-    "gemma3": ("text_config", {"language_model.model.": "model.", "model.language_model.": "model.",
-                               "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}),
+    "gemma3": ("text_config", _TEXT_PREFIXES),
+    "llava": ("text_config", _TEXT_PREFIXES),
 }
+# Vision-language checkpoints whose images we embed too (gpu_backend/models/vision.py): model_type ->
+# the vision config's model_type when it has none, and the ones supported.
+VISION: dict[str, tuple[str, tuple[str, ...]]] = {
+    "llava": ("clip_vision_model", ("clip_vision_model",)),
+}
+# the text config's model_type when it has none (transformers' LlavaConfig: llama)
+_TEXT_MODEL_TYPE = {"gemma3": "gemma3_text", "llava": "llama"}
+# what transformers' config classes default to, for text configs that leave them out (llava-1.5's
+# config.json lists only what differs from LlamaConfig); tests/test_backend_vision.py checks them
+_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                    rms_norm_eps=1e-6, sliding_window=4096),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6),
+}
+# CLIPVisionConfig's defaults, and LlavaConfig's vision config when it has none (CLIP ViT-L/14 at 336)
+_CLIP_DEFAULTS: dict[str, Any] = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                      num_attention_heads=12, num_channels=3, image_size=224, patch_size=32,
+                                      hidden_act="quick_gelu", layer_norm_eps=1e-5)
+_LLAVA_VISION: dict[str, Any] = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                     num_attention_heads=16, image_size=336, patch_size=14)
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -106,10 +136,85 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if mt not in MULTIMODAL:
         return cfg
     text = dict(cfg.get(MULTIMODAL[mt][0]) or {})
-    text.setdefault("model_type", f"{mt}_text")
+    text.setdefault("model_type", _TEXT_MODEL_TYPE.get(str(mt), f"{mt}_text"))
+    if mt in VISION:
+        text = _TEXT_DEFAULTS.get(text["model_type"], {}) | text
     if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
         text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     return text
+
+
+def _size(v: Any, what: str) -> tuple[int, int]:
+    """(h, w) of a preprocessor size: {"height", "width"}, an int, or [h, w]."""
+    if isinstance(v, dict) and "height" in v and "width" in v:
+        return int(v["height"]), int(v["width"])
+    if isinstance(v, int):
+        return v, v
+    if isinstance(v, list | tuple) and len(v) == 2:
+        return int(v[0]), int(v[1])
+    raise ValueError(f"preprocessor_config.json: unsupported {what} {v!r}: height and width, or one int")
+
+
+def _image_processing(path: Path, image_size: int) -> ImageProcessing:
+    """The image processing of a vision checkpoint: preprocessor_config.json's fields (CLIPImageProcessor
+    and its defaults), or without the file CLIP's at the tower's image size."""
+    f = path / "preprocessor_config.json"
+    if not f.exists():
+        return ImageProcessing(shortest_edge=image_size, crop=(image_size, image_size))
+    pc = json.loads(f.read_text())
+    if pc.get("do_pad") or pc.get("image_grid_pinpoints"):
+        raise ValueError(f"{f}: padding and image grids (LLaVA-NeXT) are not supported: CLIP-style resize and "
+                         "center crop only")
+    shortest, size = None, None
+    if pc.get("do_resize", True):
+        raw = pc.get("size", {"shortest_edge": image_size})
+        if isinstance(raw, dict) and "shortest_edge" in raw:
+            shortest = int(raw["shortest_edge"])
+        else:
+            size = _size(raw, "size")
+    crop = _size(pc.get("crop_size", image_size), "crop_size") if pc.get("do_center_crop", True) else None
+    d = ImageProcessing()
+    return ImageProcessing(
+        shortest_edge=shortest, size=size, crop=crop, resample=int(pc.get("resample", d.resample)),
+        rescale=float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None,
+        mean=tuple(float(x) for x in pc.get("image_mean", d.mean)) if pc.get("do_normalize", True) else None,
+        std=tuple(float(x) for x in pc.get("image_std", d.std)) if pc.get("do_normalize", True) else None,
+    )
+
+
+def _vision_config(raw: dict[str, Any], path: Path, text_hidden: int) -> VisionConfig | None:
+    """The vision side of a VISION checkpoint (None for any other), refused here if unsupported."""
+    mt = raw.get("model_type")
+    if mt not in VISION:
+        return None
+    default_type, supported = VISION[str(mt)]
+    given = raw.get("vision_config")
+    vc = _CLIP_DEFAULTS | (_LLAVA_VISION if given is None else {}) | dict(given or {})
+    vt = vc.get("model_type", default_type)
+    if vt not in supported:
+        raise ValueError(f"unsupported vision tower {vt!r} in a {mt} checkpoint: supported are {', '.join(supported)}")
+    layer = raw.get("vision_feature_layer", -2)
+    act = str(vc["hidden_act"])
+    proj_act = str(raw.get("projector_hidden_act", "gelu"))
+    for a in (act, proj_act):
+        if a not in VISION_ACTIVATIONS:
+            raise ValueError(f"unsupported vision activation {a!r}: supported are {sorted(VISION_ACTIVATIONS)}")
+    token = raw.get("image_token_index", raw.get("image_token_id", 32000))
+    image_size = int(vc["image_size"])
+    proc = _image_processing(path, image_size)
+    if proc.out_size() != (image_size, image_size):
+        raise ValueError(f"{path}/preprocessor_config.json makes {proc.out_size()} images: the tower takes "
+                         f"{image_size}x{image_size}")
+    return VisionConfig(
+        image_size=image_size, patch_size=int(vc["patch_size"]), hidden_size=int(vc["hidden_size"]),
+        intermediate_size=int(vc["intermediate_size"]), num_layers=int(vc["num_hidden_layers"]),
+        num_heads=int(vc["num_attention_heads"]), text_hidden=text_hidden, image_token_id=int(token),
+        num_channels=int(vc["num_channels"]), layer_norm_eps=float(vc["layer_norm_eps"]), activation=act,
+        feature_layers=tuple(int(i) for i in layer) if isinstance(layer, list) else (int(layer),),
+        feature_select=str(raw.get("vision_feature_select_strategy", "default")),
+        projector_activation=proj_act, projector_bias=bool(raw.get("multimodal_projector_bias", True)),
+        processing=proc,
+    )
 
 
 def _hf_config(cfg: dict[str, Any]) -> ModelConfig:
@@ -184,21 +289,28 @@ def load_hf_dir(path: Path, progress: bool, dtype: torch.dtype | None = None) ->
         raise FileNotFoundError(f"{path} is not an HF model directory: config.json missing")
     raw = json.loads(cfg_file.read_text())
     cfg = _hf_config(raw)
+    vision = _vision_config(raw, path, cfg.hidden_size)
+    if vision is not None and not 0 <= vision.image_token_id < cfg.vocab_size:
+        raise ValueError(f"{path}: image token {vision.image_token_id} is outside the vocabulary ({cfg.vocab_size})")
     tokenizer = hf_tokenizer(path, raw)  # refused here, before the weights are read, if unsupported
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     rename = MULTIMODAL[raw["model_type"]][1] if raw.get("model_type") in MULTIMODAL else None
     weights: dict[str, torch.Tensor] = {}
+    vision_weights: dict[str, torch.Tensor] = {}
     for f in tqdm(files, desc=f"loading {path.name}", disable=not progress):
         with safe_open(str(f), framework="pt") as st:
             for k in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = k if rename is None else _renamed(k, rename)
+                into = weights
+                if name is None and vision is not None:
+                    name, into = vision_weight_name(k), vision_weights
                 if name is not None:
                     t = st.get_tensor(k)
-                    weights[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                    into[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     unfuse(weights, cfg)
-    return LoadedModel(path.name, cfg, weights, tokenizer)
+    return LoadedModel(path.name, cfg, weights, tokenizer, vision, vision_weights)
 
 
 def _renamed(name: str, prefixes: dict[str, str]) -> str | None:

@@ -7,10 +7,10 @@ code has one naming scheme.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpu_backend.models.config import ModelConfig
+from gpu_backend.models.config import ModelConfig, VisionConfig
 
 if TYPE_CHECKING:  # (a tokenizer alone, as in an instance worker, does not import torch)
     import torch
@@ -77,7 +77,13 @@ class TokenizerSpec:
 
 @dataclass
 class LoadedModel:
+    """A model's files read: the text model's config and weights (HF names), its tokenizer, and for a
+    vision-language checkpoint (LLaVA) the vision side's config and weights (`vision_tower.*`,
+    `multi_modal_projector.*`: `gpu_backend.models.vision.vision_weight_name`)."""
+
     name: str
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: TokenizerSpec
+    vision: VisionConfig | None = None
+    vision_weights: dict[str, torch.Tensor] = field(default_factory=dict)

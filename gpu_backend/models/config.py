@@ -133,3 +133,90 @@ class ModelInfo:
     device: str
     dtype: str
     max_position: int = 0
+    hidden_size: int = 0  # the text model's: the width of an embedding run (`gpu_backend.images.embed_image`)
+    # a vision-language model (VisionConfig): the placeholder token an image's embeddings replace, and
+    # how many of them one image takes; None / 0 for a text-only model
+    image_token_id: int | None = None
+    image_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """How image bytes become a tower's pixel values, as transformers' CLIPImageProcessor does it
+    (`gpu_backend/models/image_preprocess.py` runs it; `hf_dir.py` reads it from preprocessor_config.json).
+
+    Steps in order: convert to RGB (transparency composited onto white), resize (the shortest edge to
+    `shortest_edge` keeping the aspect ratio, or to `size` (h, w) exactly; PIL filter `resample`, 3 =
+    bicubic), center crop to `crop` (h, w), multiply by `rescale`, normalize with `mean` / `std` per
+    channel. A step whose field is None is skipped.
+    """
+
+    shortest_edge: int | None = 224
+    size: tuple[int, int] | None = None
+    crop: tuple[int, int] | None = (224, 224)
+    resample: int = 3
+    rescale: float | None = 1 / 255
+    mean: tuple[float, ...] | None = (0.48145466, 0.4578275, 0.40821073)
+    std: tuple[float, ...] | None = (0.26862954, 0.26130258, 0.27577711)
+
+    def out_size(self) -> tuple[int, int] | None:
+        """(h, w) of every processed image, when it is fixed (a crop or an exact resize)."""
+        return self.crop or self.size
+
+
+VISION_FEATURE_SELECT = ("default", "full")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A LLaVA-style vision side (`gpu_backend/models/vision.py`): a CLIP ViT tower, the hidden states
+    it hands on, and the projector into the text model's embedding space.
+
+    feature_layers: indices into the tower's hidden states (0 = the embeddings after the pre-layernorm,
+    i = the output of layer i, negatives count from the end: LLaVA-1.5 takes -2); more than one are
+    concatenated on the feature axis. feature_select: "default" drops the CLS position, "full" keeps it.
+    """
+
+    image_size: int
+    patch_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    text_hidden: int
+    image_token_id: int
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-5
+    activation: str = "quick_gelu"
+    feature_layers: tuple[int, ...] = (-2,)
+    feature_select: str = "default"
+    projector_activation: str = "gelu"
+    projector_bias: bool = True
+    processing: ImageProcessing = field(default_factory=ImageProcessing)
+
+    def __post_init__(self) -> None:
+        if self.feature_select not in VISION_FEATURE_SELECT:
+            raise ValueError(f"unsupported vision_feature_select_strategy {self.feature_select!r}: "
+                             f"supported are {VISION_FEATURE_SELECT}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if not self.feature_layers:
+            raise ValueError("vision_feature_layer is empty")
+        for i in self.feature_layers:
+            if not -(self.num_layers + 1) <= i <= self.num_layers:
+                raise ValueError(f"vision_feature_layer {i} is outside the tower's {self.num_layers + 1} hidden states")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def image_tokens(self) -> int:
+        """Embeddings (placeholder tokens) per image: one per patch, plus CLS when it is kept."""
+        return self.num_patches + (1 if self.feature_select == "full" else 0)
+
+    @property
+    def layers_run(self) -> int:
+        """Encoder layers the features need (the layers past the deepest selected one are skipped)."""
+        n = self.num_layers + 1
+        return max(i % n for i in self.feature_layers)

@@ -138,14 +138,36 @@ class LlamaModel:
             tensors += [t for t in (lw.qkv_bias, lw.attn_out_norm, lw.mlp_out_norm) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def forward(self, plan: BatchPlan, cache: KVCache) -> torch.Tensor:
-        """Run all layers, write the new K/V, return float32 logits of `plan.output_rows` [M, vocab]."""
+    def forward(self, plan: BatchPlan, cache: KVCache,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run all layers, write the new K/V, return float32 logits of `plan.output_rows` [M, vocab].
+        `embeds`: (rows of the batch, their input vectors) in place of those rows' token embeddings."""
+        return self.logits(self.hidden(plan, cache, embeds))
+
+    def forward_hidden(self, plan: BatchPlan, cache: KVCache,
+                       embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the output rows' hidden states (after the final norm) [M, hidden]."""
+        x = self.hidden(plan, cache, embeds)
+        return self.logits(x), x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of normed hidden states."""
+        logits = F.linear(x, self.lm_head).float()
+        if self.cfg.final_softcap is not None:
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits
+
+    def hidden(self, plan: BatchPlan, cache: KVCache,
+               embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run all layers, write the new K/V, return the output rows' hidden states after the final norm."""
         cfg = self.cfg
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         hid, inter, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_eps
         x = self.embed[plan.tokens]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         n = x.shape[0]
         cos = [c[plan.positions].unsqueeze(1) for c in self.cos]
         sin = [s[plan.positions].unsqueeze(1) for s in self.sin_signed]
@@ -168,8 +190,4 @@ class LlamaModel:
             o = F.linear(act(gu[:, :inter]) * gu[:, inter:], lw.down)
             o = o if reduce is None else reduce(o)
             x = x + (o if lw.mlp_out_norm is None else F.rms_norm(o, (hid,), lw.mlp_out_norm, eps))
-        x = F.rms_norm(x[plan.output_rows], (hid,), self.norm, eps)
-        logits = F.linear(x, self.lm_head).float()
-        if cfg.final_softcap is not None:
-            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
-        return logits
+        return F.rms_norm(x[plan.output_rows], (hid,), self.norm, eps)

@@ -111,5 +111,5 @@ def build_linker(engine: Engine, services: ApiServices) -> Linker:
                     for res, (ty, dtor) in (resources if iface == "grammar" else {}).items():
                         li.add_resource(res, ty, dtor)
                     for name, fn in table.items():
-                        add_func(li, name, fn)
+                        add_func(li, name, fn, label=f"{iface}.{name}")
     return linker

@@ -39,7 +39,7 @@ from wasmtime.component import _enter
 from wasmtime.component import _linker as L
 from wasmtime.component import _types as T
 
-__all__ = ["add_func"]
+__all__ = ["add_func", "set_tap"]
 
 
 def _memo_property(cls: type, name: str) -> None:
@@ -472,13 +472,19 @@ def _record_from_c(self: T.RecordType, c: Any) -> Any:
 
 
 _FUNCS: dict[int, Callable[..., Any]] = {}
+_NAMES: dict[int, str] = {}  # each function's label ("interface.name"), for the tap
 _SIGS: dict[int, tuple[list[Any], Any]] = {}
+# The recording hook (host/replay/recorder.py): None unless some instance records its calls; then
+# every call goes through `tap(label, func, store, args)`, which calls `func` and returns its result.
+Tap = Callable[[str, Callable[..., Any], StoreContext, list[Any]], Any]
+_tap: Tap | None = None
 _keys = itertools.count(1)  # never 0: the key travels as a C void* and comes back as `idx or 0`
 
 
 @L.CFUNCTYPE(None, L.c_void_p)
 def _finalize(idx):  # type: ignore[no-untyped-def]
     _FUNCS.pop(idx or 0, None)
+    _NAMES.pop(idx or 0, None)
     _SIGS.pop(idx or 0, None)
 
 
@@ -495,21 +501,30 @@ def _call(idx, context, ty_raw, args, nargs, results, nresults):  # type: ignore
             _SIGS[key] = sig
         param_tys, result_ty = sig
         pyargs = [ty.convert_from_c(args[i]) for i, ty in enumerate(param_tys[:nargs])]
-        result = _FUNCS[key](store, *pyargs)
+        tap = _tap  # (a call of an instance that records nothing costs this read)
+        result = _FUNCS[key](store, *pyargs) if tap is None else tap(_NAMES[key], _FUNCS[key], store, pyargs)
         if result_ty is not None:
             result_ty.convert_to_c(store, result, results)
 
     return catch_exceptions(context, run)
 
 
-def add_func(linker_instance: L.LinkerInstance, name: str, func: Callable[..., Any]) -> None:
-    """Like `LinkerInstance.add_func`, with types resolved once and memoized conversions."""
+def add_func(linker_instance: L.LinkerInstance, name: str, func: Callable[..., Any], label: str | None = None) -> None:
+    """Like `LinkerInstance.add_func`, with types resolved once and memoized conversions; `label`
+    names the function to the tap (default `name`)."""
     _patch_types()
     linker_instance._assert_not_locked()
     idx = next(_keys)
     _FUNCS[idx] = func
+    _NAMES[idx] = label or name
     name_bytes = name.encode("utf-8")
     err = ffi.wasmtime_component_linker_instance_add_func(
         linker_instance.ptr(), L.create_string_buffer(name_bytes), len(name_bytes), _call, idx, _finalize)
     if err:
         raise L.WasmtimeError._from_ptr(err)
+
+
+def set_tap(tap: Tap | None) -> None:
+    """Route every call through `tap` from now on (None: call the functions directly again)."""
+    global _tap
+    _tap = tap

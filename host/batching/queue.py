@@ -88,7 +88,7 @@ class JobQueue:
             if isinstance(req, CopyRequest):
                 continue
             n = len(req.tokens) - (f.chunks.done if f.chunks is not None else 0)
-            costs[f] = min(n, chunk) if chunk and (f.chunks is not None or n > chunk) else n
+            costs[f] = min(n, chunk) if chunk and req.embeds is None and (f.chunks is not None or n > chunk) else n
             total += costs[f]
         if total <= max_tokens:
             return None
@@ -141,7 +141,8 @@ class JobQueue:
             elif fire and fut.owner not in behind and (chosen is None or fut in chosen) and not (r & writes or w & reads):
                 # no conflict with any job ahead (taken or staying queued): order of page access kept
                 ch = fut.chunks
-                if chunk and (ch is not None or len(req.tokens) > chunk):
+                # (a forward with input embeddings runs whole: its vectors' runs are not split)
+                if chunk and req.embeds is None and (ch is not None or len(req.tokens) > chunk):
                     left = len(req.tokens) - (ch.done if ch is not None else 0)
                     n = min(left, chunk_left, max_tokens - tokens if batch or ahead else left)
                     if n > 0 and not (ch is not None and ch.running):

@@ -27,8 +27,8 @@ MIB = 2**20
 # What --model loads (checked against gpu_backend's own lists by tests/test_backend_families.py;
 # written out here so that `--help` and the --server path import no torch).
 MODEL_FAMILIES = ("Families: Llama 2/3 (SmolLM2), Mistral (sliding window), Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 "
-                  "(text), Phi-3 from an HF dir (model_type llama, mistral, qwen2, qwen3, gemma2, "
-                  "gemma3_text, gemma3, phi3); GGUF architectures llama, qwen2, qwen3, gemma2, gemma3, phi3. Tokenizers: byte-level BPE and "
+                  "(text), Phi-3, LLaVA (CLIP tower, images) from an HF dir (model_type llama, mistral, qwen2, "
+                  "qwen3, gemma2, gemma3_text, gemma3, phi3, llava); GGUF architectures llama, qwen2, qwen3, gemma2, gemma3, phi3. Tokenizers: byte-level BPE and "
                   "SentencePiece (tokenizer.json; GGUF gpt2 and llama vocabularies). See docs/models.md.")
 
 

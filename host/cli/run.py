@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from host.cli.build import BuildError, resolve_inferlet
+from host.cli.build import BuildError, resolve_inferlet, standard_inferlets
 from host.cli.file_args import expand_file_arguments
 from host.cli.options import add_host_options, host_config_from_args, split_inferlet_args
 from host.events import TERMINAL_EVENTS, InstanceEvent, print_log
@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", type=_priority, default=0,
                    help=f"the instance's priority, from {PRIORITY_MIN} to {PRIORITY_MAX}: lower runs sooner "
                         "when the host is full (default 0)")
+    p.add_argument("--record", type=Path, default=None, metavar="FILE",
+                   help="record every host call the inferlet makes and what it got back, written to FILE when "
+                        "it ends: `pie-replay FILE` re-runs it without a model (docs/observability.md)")
     add_host_options(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log host activity to stderr")
     return p
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         from host.client.remote import run_remote
 
         return run_remote(opts.server, Path(wasm_path), inferlet_args, token=opts.token, stdin_lines=sys.stdin,
-                          priority=opts.priority)
+                          priority=opts.priority, record=opts.record, program_name=_standard_name(opts.inferlet))
     return _run_embedded(opts, Path(wasm_path), inferlet_args)
 
 
@@ -103,7 +106,12 @@ def _run_embedded(opts: argparse.Namespace, wasm_path: Path, args: list[str]) ->
         except CompileError as e:
             print(f"pie-run: {wasm_path} is not a valid inferlet component: {e}", file=sys.stderr)
             return EXIT_ERROR
-        end = _stream(host, program, args, opts.priority)
+        end = _stream(host, program, args, opts.priority, record=opts.record is not None)
+        if end is not None and opts.record is not None:
+            from host.replay.format import save
+
+            data = host.recording(end.instance_id) or b""
+            print(save(opts.record, data, _standard_name(opts.inferlet)), file=sys.stderr)
     if end is None:
         return EXIT_ABORTED
     if end.event == "completed":
@@ -114,10 +122,16 @@ def _run_embedded(opts: argparse.Namespace, wasm_path: Path, args: list[str]) ->
     return EXIT_ABORTED if end.event == "aborted" else EXIT_ERROR
 
 
-def _stream(host: Host, program: str, args: list[str], priority: int = 0) -> InstanceEvent | None:
+def _standard_name(inferlet: str) -> str | None:
+    """The standard inferlet's name `inferlet` is (kept in a recording: pie-replay builds it), else None."""
+    return inferlet if inferlet in standard_inferlets() and not Path(inferlet).exists() else None
+
+
+def _stream(host: Host, program: str, args: list[str], priority: int = 0,
+            record: bool = False) -> InstanceEvent | None:
     """Launch, feed it stdin and print its messages; its terminal event, or None after Ctrl-C."""
     events: queue.Queue[InstanceEvent] = queue.Queue()
-    iid = host.launch(program, args, events.put, priority=priority)
+    iid = host.launch(program, args, events.put, priority=priority, record=record)
     threading.Thread(target=_pump_stdin, daemon=True,
                      args=(lambda m: host.signal(iid, m), lambda: host.close_input(iid))).start()
     try:

@@ -112,6 +112,18 @@ class PieClient:
         """An instance's last log lines ({"t", "stream", "text"}), running or ended recently."""
         return list(await self.query("logs", instance_id))
 
+    async def recording(self, instance_id: str) -> bytes:
+        """The recording of an instance launched with `record`, once it has ended (the file
+        `pie-replay` reads), fetched in pieces; PieError when there is none."""
+        data = bytearray()
+        while True:
+            part = await self.query("recording", {"instance_id": instance_id, "offset": len(data)})
+            if not (isinstance(part, dict) and isinstance(part.get("data"), bytes) and isinstance(part.get("total"), int)):
+                raise PieError(f"unexpected answer to query recording: {part!r:.200}")
+            data += part["data"]
+            if len(data) >= part["total"] or not part["data"]:
+                return bytes(data)
+
     async def query(self, subject: str, record: Any = None) -> Any:
         """`subject` is program_exists, models, instances or stats."""
         return await self._request({"type": "query", "subject": subject, "record": record})
@@ -144,13 +156,16 @@ class PieClient:
         return await self.upload_program(data)
 
     async def launch(self, program_hash: str, arguments: Iterable[str] = (), *, detached: bool = False,
-                     priority: int = 0) -> str:
+                     priority: int = 0, record: bool = False) -> str:
         """Start an instance; returns its id. Its events are buffered until read with `events`.
-        `priority`: from -1000 to 1000, lower runs sooner (docs/protocol.md)."""
+        `priority`: from -1000 to 1000, lower runs sooner (docs/protocol.md); `record`: record its
+        host calls, fetched with `recording` once it has ended."""
         msg: dict[str, Any] = {"type": "launch_instance", "program_hash": program_hash,
                                "arguments": list(arguments), "detached": detached}
         if priority:
             msg["priority"] = priority
+        if record:
+            msg["record"] = True
         iid = await self._request(msg)
         self._queue(iid)
         return str(iid)

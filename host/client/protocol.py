@@ -25,6 +25,7 @@ __all__ = [
     "EVENT_KINDS",
     "TERMINAL_EVENTS",
     "QUERY_SUBJECTS",
+    "RECORDING_CHUNK",
     "ProtocolError",
     "Authenticate",
     "Ping",
@@ -47,7 +48,8 @@ PROTOCOL_VERSION = 1
 CHUNK_SIZE = 256 * 1024
 # A full chunk plus the map around it fits easily; anything larger is refused by websockets itself.
 MAX_FRAME_BYTES = 1024 * 1024
-QUERY_SUBJECTS = ("program_exists", "models", "instances", "stats", "logs")
+QUERY_SUBJECTS = ("program_exists", "models", "instances", "stats", "logs", "recording")
+RECORDING_CHUNK = 512 * 1024  # bytes of a recording per `query recording` answer (well inside a frame)
 HASH_RE = re.compile(r"[0-9a-f]{64}")  # a program hash: sha256 as 64 lowercase hex digits
 
 # WebSocket close codes used when a frame carries no readable corr_id.
@@ -104,6 +106,7 @@ class LaunchInstance:
     arguments: tuple[str, ...]
     detached: bool = False
     priority: int = 0  # host/levels.py: lower runs sooner
+    record: bool = False  # record its host calls (host/replay/): `query recording` once it has ended
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ _SCHEMAS: dict[str, tuple[type, tuple[_Field, ...]]] = {
         _Field("detached", lambda v: isinstance(v, bool), "a boolean", required=False),
         _Field("priority", lambda v: _is_int(v) and PRIORITY_MIN <= v <= PRIORITY_MAX,
                f"an integer from {PRIORITY_MIN} to {PRIORITY_MAX} (lower runs sooner)", required=False),
+        _Field("record", lambda v: isinstance(v, bool), "a boolean", required=False),
     )),
     "signal_instance": (SignalInstance, (
         _Field("corr_id", _is_int, "an integer", required=False),

@@ -23,7 +23,8 @@ EXIT_CLIENT_ERROR = 1
 
 
 def run_remote(url: str, wasm_path: Path, args: list[str], *, token: str | None = None,
-               stdin_lines: Iterable[str] | None = None, priority: int = 0) -> int:
+               stdin_lines: Iterable[str] | None = None, priority: int = 0, record: Path | None = None,
+               program_name: str | None = None) -> int:
     """Run one inferlet on a server, like `pie-run` does locally; returns the exit status.
 
     Uploads the program if the server lacks it, launches it, prints its messages to stdout and its
@@ -35,11 +36,12 @@ def run_remote(url: str, wasm_path: Path, args: list[str], *, token: str | None 
     except OSError as exc:
         print(f"pie-run: cannot read {wasm_path}: {exc}", file=sys.stderr)
         return EXIT_CLIENT_ERROR
-    return asyncio.run(_run_remote(url, data, args, token, stdin_lines, priority))
+    return asyncio.run(_run_remote(url, data, args, token, stdin_lines, priority, record, program_name))
 
 
 async def _run_remote(url: str, data: bytes, args: list[str], token: str | None,
-                      stdin_lines: Iterable[str] | None, priority: int = 0) -> int:
+                      stdin_lines: Iterable[str] | None, priority: int = 0, record: Path | None = None,
+                      program_name: str | None = None) -> int:
     try:
         client = await PieClient.connect(url, token=token)
     except (OSError, TimeoutError, PieError) as exc:
@@ -47,7 +49,7 @@ async def _run_remote(url: str, data: bytes, args: list[str], token: str | None,
         return EXIT_CLIENT_ERROR
     forwarder: asyncio.Task[None] | None = None
     try:
-        iid = await client.launch(await client.ensure_program(data), args, priority=priority)
+        iid = await client.launch(await client.ensure_program(data), args, priority=priority, record=record is not None)
         if stdin_lines is not None:
             forwarder = asyncio.create_task(_forward_lines(client, iid, stdin_lines))
         async for event in client.events(iid):
@@ -58,9 +60,11 @@ async def _run_remote(url: str, data: bytes, args: list[str], token: str | None,
             elif event.event == "completed":
                 if event.message:
                     print(event.message, flush=True)
+                await _save_recording(client, iid, record, program_name)
                 return 0
             else:
                 print(f"pie-run: inferlet {event.event}: {event.message}", file=sys.stderr)
+                await _save_recording(client, iid, record, program_name)
                 return EXIT_CODES.get(event.event, 1)
         raise ConnectionLost("event stream ended without a terminal event")
     except PieError as exc:
@@ -70,6 +74,20 @@ async def _run_remote(url: str, data: bytes, args: list[str], token: str | None,
         if forwarder is not None:
             forwarder.cancel()
         await client.close()
+
+
+async def _save_recording(client: PieClient, iid: str, record: Path | None, program_name: str | None) -> None:
+    """`pie-run --server --record FILE`: fetch the ended instance's recording and write it."""
+    if record is None:
+        return
+    from host.replay.format import save  # (light: no wasmtime)
+
+    try:
+        data = await client.recording(iid)
+    except PieError as exc:
+        print(f"pie-run: no recording: {exc}", file=sys.stderr)
+        return
+    print(save(record, data, program_name), file=sys.stderr)
 
 
 async def _forward_lines(client: PieClient, instance_id: str, lines: Iterable[str]) -> None:

@@ -57,8 +57,12 @@ class SyncPieClient:
         return self._call(self._client.ensure_program(data))
 
     def launch(self, program_hash: str, arguments: Iterable[str] = (), *, detached: bool = False,
-               priority: int = 0) -> str:
-        return self._call(self._client.launch(program_hash, arguments, detached=detached, priority=priority))
+               priority: int = 0, record: bool = False) -> str:
+        return self._call(self._client.launch(program_hash, arguments, detached=detached, priority=priority,
+                                              record=record))
+
+    def recording(self, instance_id: str) -> bytes:
+        return self._call(self._client.recording(instance_id))
 
     def signal(self, instance_id: str, message: str) -> None:
         self._call(self._client.signal(instance_id, message))

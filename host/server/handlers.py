@@ -115,6 +115,15 @@ class RequestHandlers:
             if lines is None:
                 raise RequestError(f"query logs: unknown instance {req.record[:80]!r} (or its log has expired)")
             return lines
+        if req.subject == "recording":  # a recorded instance's calls once it has ended: its tenant's (or the admin's)
+            iid, offset = _recording_record(req.record)
+            data = self.host.recording(iid, None if conn.admin else conn.tenant)
+            if data is None:
+                raise RequestError(f"query recording: no recording of instance {iid[:80]!r} (unknown, not launched "
+                                   "with \"record\": true, not ended yet, or forgotten: the host keeps the last 64)")
+            if offset > len(data):
+                raise RequestError(f"query recording: offset {offset} is past the recording's {len(data)} bytes")
+            return {"total": len(data), "offset": offset, "data": data[offset:offset + p.RECORDING_CHUNK]}
         if req.subject == "instances":
             # Another tenant's instances (their arguments are prompts) are not shown, except to the admin.
             return [self._describe(info) for info in self.host.instances()
@@ -188,7 +197,9 @@ class RequestHandlers:
         record = InstanceRecord(program=req.program_hash, detached=req.detached, owner=conn, tenant=conn.tenant)
         on_event = self.instances.sink(record, asyncio.get_running_loop())
         try:
-            extra = {"priority": req.priority} if req.priority else {}
+            extra: dict[str, Any] = {"priority": req.priority} if req.priority else {}
+            if req.record:
+                extra["record"] = True
             iid = self.host.launch(req.program_hash, list(req.arguments), on_event, tenant=conn.tenant, **extra)
         except BaseException as exc:
             self.limits.give_instance(conn.tenant)  # nothing was launched
@@ -230,3 +241,15 @@ class RequestHandlers:
         if record is not None:
             # Buffered events go out after this request's response (queued right after we return).
             asyncio.get_running_loop().call_soon(self.instances.flush, record)
+
+
+def _recording_record(record: Any) -> tuple[str, int]:
+    """`query recording`'s record: an instance id (from the start), or {"instance_id", "offset"}."""
+    if isinstance(record, str):
+        return record, 0
+    if isinstance(record, dict) and isinstance(record.get("instance_id"), str):
+        offset = record.get("offset", 0)
+        if isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0:
+            return record["instance_id"], offset
+    raise RequestError("query recording: record must be an instance id, or {\"instance_id\": id, \"offset\": "
+                       f"bytes already read}}, got {repr(record)[:80]}")

@@ -31,6 +31,7 @@ from host.wasm.logs import InstanceLog
 if TYPE_CHECKING:
     from host.batching.future import ForwardFuture
     from host.batching.gate import RunGate
+    from host.replay.recorder import Recorder
     from host.wasm.engine import WasmEngine
 
 __all__ = ["START_MAX_WAIT_S", "START_POLL_S", "Instance", "InstanceEnv", "Starts", "Terminated", "current"]
@@ -167,6 +168,7 @@ class Instance:
         self._next_handle = 1
         self.wasi_helper: Func | None = None  # host/api/wasi.py's helper in this instance's store, once made
         self.stepper: StepLookahead | None = None  # host/api/lookahead.py's Stepper, once the guest steps
+        self.recorder: Recorder | None = None  # records its host calls (host/replay/recorder.py)
         self.return_value: str | None = None
         self.trap_reason: str | None = None  # set by an import before it traps the guest
         self.stop_reason: str | None = None  # set by terminate()

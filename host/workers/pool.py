@@ -194,7 +194,8 @@ class WorkerPool:
             warm = inst.parked
             if not warm:  # (launched before it was placed: its Launch says so)
                 inst._worker_unparked = True
-        worker.send(wire.Launch(inst.id, inst.program, warm, tuple(inst.args)))
+        record = inst.recorder.max_bytes if inst.recorder is not None else 0  # (its worker records its calls)
+        worker.send(wire.Launch(inst.id, inst.program, warm, tuple(inst.args), record))
         return worker
 
     def release(self, inst: RemoteInstance) -> None:
@@ -215,6 +216,10 @@ class WorkerPool:
         if isinstance(msg, wire.Output):  # (on this thread: no wake-up of the instance's)
             if msg.stream in ("stdout", "stderr"):
                 inst.log_line(msg.stream, msg.text)
+            return
+        if isinstance(msg, wire.Recorded):  # (before its Ended: complete when the instance ends)
+            if inst.recorder is not None:
+                inst.recorder.extend(msg.calls, msg.count, msg.truncated)
             return
         if isinstance(msg, wire.Call):
             if inst.serve_now(msg):

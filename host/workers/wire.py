@@ -16,7 +16,8 @@ settings, from the host: trusted) is the only pickle, host to worker, once.
 Host -> worker: `Launch` (start a guest), `Unpark` (a warm one was launched), `Reply` (an import's result, or the trap it raises),
 `Stop` (trap a guest at its next epoch check), `Quit`. Worker -> host: `Call` (an import the
 guest made), `Ended` (the guest's run is over: its end event as the worker classified it),
-`Ready` (once, when the worker has started).
+`Ready` (once, when the worker has started), `Recorded` (a recorded guest's calls, before its
+`Ended`: host/replay/).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from typing import Any
 import msgpack
 from wasmtime.component import Record, ResourceAny, ResourceHost, Variant
 
-__all__ = ["FROM_HOST", "FROM_WORKER", "Call", "Ended", "Launch", "Output", "Quit", "Ready", "Unpark", "RemoteHandle", "Reply",
-           "Stop", "WireError", "Frames", "dumps", "loads", "send_frames"]
+__all__ = ["FROM_HOST", "FROM_WORKER", "Call", "Ended", "Launch", "Output", "Quit", "Ready", "Recorded", "Unpark", "RemoteHandle", "Reply",
+           "Stop", "WireError", "Frames", "dumps", "loads", "loads_value", "send_frames"]
 
 
 class WireError(ValueError):
@@ -49,6 +50,7 @@ class Launch:
     program: str
     warm: bool = False
     args: tuple[str, ...] = ()
+    record: int = 0  # record its host calls, up to this many bytes (host/replay/recorder.py); 0: not recorded
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,18 @@ class Output:
 
 
 @dataclass(frozen=True)
+class Recorded:
+    """A piece of `iid`'s recording, sent before its `Ended`: `calls` continues the calls encoded
+    one after another (host/replay/recorder.py), `count` calls end in it, `truncated`: the recording
+    stopped at its bound. (In pieces: one frame stays well under the host's frame limit.)"""
+
+    iid: str
+    calls: bytes
+    count: int
+    truncated: bool
+
+
+@dataclass(frozen=True)
 class Ready:
     """The worker has its engine and linker: it takes launches from now on."""
 
@@ -140,7 +154,7 @@ class _Rep:
     rep: int
 
 
-_MESSAGES: tuple[type, ...] = (Launch, Unpark, Call, Reply, Stop, Ended, Ready, Quit, Output)
+_MESSAGES: tuple[type, ...] = (Launch, Unpark, Call, Reply, Stop, Ended, Ready, Quit, Output, Recorded)
 _MESSAGE_CODE = {cls: 16 + i for i, cls in enumerate(_MESSAGES)}
 _TUPLE, _RECORD, _VARIANT, _FLAGS, _HOST_HANDLE, _GUEST_HANDLE = range(1, 7)
 
@@ -254,8 +268,8 @@ _STR_OR_NONE = (str, type(None))
 # What each side takes from the other, and the types of each message's fields: a worker's bytes are
 # not trusted (the host would route a `Call` with a list for an id into a dict lookup, and fail).
 FROM_WORKER: dict[type, tuple[Any, ...]] = {Call: (str, str, tuple, bool), Ended: (str, str, str), Ready: (int,),
-                                            Output: (str, str, str)}
-FROM_HOST: dict[type, tuple[Any, ...]] = {Launch: (str, str, bool, tuple), Unpark: (str, tuple),
+                                            Output: (str, str, str), Recorded: (str, bytes, int, bool)}
+FROM_HOST: dict[type, tuple[Any, ...]] = {Launch: (str, str, bool, tuple, int), Unpark: (str, tuple),
                                           Reply: (str, object, _STR_OR_NONE), Stop: (str, str), Quit: ()}
 
 
@@ -319,6 +333,19 @@ def loads(data: bytes, accept: dict[type, tuple[Any, ...]] = FROM_WORKER) -> Any
         if not isinstance(getattr(msg, name), want):
             raise WireError(f"{type(msg).__name__}.{name} has the wrong type")
     return msg
+
+
+def loads_value(data: bytes) -> Any:
+    """A value `dumps` encoded, as the host decodes it (a recording: host/replay/); WireError if malformed."""
+    unpack = _unpackers.get(0)
+    if unpack is None:
+        unpack = _unpackers[0] = _unpacker(False)
+    try:
+        return unpack(data)
+    except WireError:
+        raise
+    except Exception as e:  # malformed bytes, a wrong arity, a bad tag
+        raise WireError(f"malformed value: {type(e).__name__}: {e}") from None
 
 
 # ---- frames: multiprocessing.connection's (a 4-byte big-endian signed length, then the bytes) ----

@@ -40,6 +40,7 @@ from host.api import wasi
 from host.api.fastcall import add_func
 from host.batching.gate import RunGate
 from host.events import InstanceEvent
+from host.replay.recorder import Recorder
 from host.wasm import priority
 from host.wasm.engine import WasmEngine
 from host.wasm.instance import Instance, InstanceEnv, current
@@ -159,7 +160,8 @@ class _Worker:
                         for res, ty in self.spec.resources.get(iface, []):
                             li.add_resource(res, ResourceType.host(ty), self._dtor(f"$drop.{iface}.{res}"))
                         for name in names:
-                            add_func(li, name, self._stub(f"{iface}.{name}", f"{iface}.{name}" in ONEWAY))
+                            add_func(li, name, self._stub(f"{iface}.{name}", f"{iface}.{name}" in ONEWAY),
+                                     label=f"{iface}.{name}")
         return linker
 
     def _stub(self, name: str, oneway: bool = False) -> Any:
@@ -177,7 +179,9 @@ class _Worker:
             return local
 
         def call(store: Any, *args: Any) -> Any:
-            return self._call(current(park=False), name, args, store, oneway)
+            inst = current(park=False)
+            # (a recorded guest waits for every answer, as in-process: it sees a failure at that call)
+            return self._call(inst, name, args, store, oneway and inst.recorder is None)
 
         return call
 
@@ -219,18 +223,26 @@ class _Worker:
         with self._lock:
             args = self._unparked.pop(msg.iid, None) if msg.warm else None
         warm = msg.warm and args is None
-        inst = Instance(self.env, msg.program, list(msg.args if args is None else args), self._listener(msg.iid),
-                        warm=warm)
+        recorder = Recorder(msg.record) if msg.record > 0 else None  # its calls, all made here (host/replay/)
+        inst = Instance(self.env, msg.program, list(msg.args if args is None else args),
+                        self._listener(msg.iid, recorder), warm=warm)
         inst.id = msg.iid  # the host's: calls and the end name it
         inst.label = f"instance {msg.iid[:8]}"
+        if recorder is not None:
+            inst.recorder = recorder
+            recorder.tap()
         with self._lock:
             self.instances[msg.iid] = inst
             self.channels[msg.iid] = _Channel()
         inst.start()
 
-    def _listener(self, iid: str) -> Any:
+    def _listener(self, iid: str, recorder: Recorder | None = None) -> Any:
         def on_event(ev: InstanceEvent) -> None:
             if ev.terminal:
+                if recorder is not None:  # (before its end: the host finishes the recording then)
+                    recorder.untap()
+                    for calls, count in recorder.pieces():
+                        self.send(wire.Recorded(iid, calls, count, recorder.truncated))
                 self.send(wire.Ended(iid, ev.event, ev.message))
             elif ev.event == "log":  # its stdout / stderr (runtime.log is served by the host)
                 self.send(wire.Output(iid, ev.stream, ev.message))

@@ -1,0 +1,311 @@
+"""The dashboard (issue 54): its JSON over plain HTTP on a scripted host (keys, tenant filtering,
+401s, SSE framing, stream bounds), then the page itself in headless chromium over a real host
+on the stand-in backend (loads, changes while a burst runs, a tenant sees its own, a bad token is
+refused). The browser tests need Debian's chromium and chromedriver (`make test` installs them)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fakes import FakeBackend
+from helpers import wait_for, wasm_bytes
+from server_support import WASM, FakeHost, running_server
+
+from host import Host, HostConfig
+from host.events import InstanceEvent
+from host.server import dashboard
+from host.state.pages import InstancePages, PageManager
+
+ADMIN, ALICE, BOB = "admin-tok", "tok-alice", "tok-bob"
+TENANTS = (("alice", ALICE), ("bob", BOB))
+
+
+def _ignore(_event: InstanceEvent) -> None:
+    pass
+
+
+# ---- plain HTTP, on the scripted host ---------------------------------------------------------------
+
+
+class LoggingHost(FakeHost):
+    """A scripted host that keeps one log line per instance (`Host.logs`' shape)."""
+
+    def logs(self, instance_id: str) -> list[dict[str, Any]] | None:
+        if instance_id not in self.tenants:
+            return None
+        return [{"t": 1.0, "stream": "stdout", "text": f"hello from {self.tenants[instance_id]}"}]
+
+
+@pytest.fixture
+def fake() -> LoggingHost:
+    return LoggingHost(total_pages=64)
+
+
+@pytest.fixture
+def server(tmp_path: Path, fake: LoggingHost) -> Iterator[Any]:
+    with running_server(tmp_path, host=fake, auth_token=ADMIN, tenants=TENANTS) as srv:
+        yield srv
+
+
+def _get(srv: Any, path: str, token: str | None = None, **kw: Any) -> httpx.Response:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    return httpx.get(srv.http_url + path, headers=headers, timeout=10, **kw)
+
+
+def test_the_snapshot_shows_the_admin_everything_and_a_tenant_its_own(server: Any, fake: LoggingHost) -> None:
+    prog = fake.compile(WASM)
+    mine = fake.launch(prog, ["hold", "ALICE-SECRET"], _ignore, tenant="alice")
+    theirs = fake.launch(prog, ["hold", "BOB-SECRET"], _ignore, tenant="bob")
+    try:
+        full = _get(server, "/dashboard/snapshot", ADMIN).json()
+        assert {"time", "instances", "scheduler", "kv", "launch_queue", "prefix_cache", "tenants", "workers",
+                "server", "viewer"} <= set(full)
+        assert full["viewer"] == {"tenant": "default", "admin": True}
+        assert {i["id"] for i in full["instances"]} == {mine, theirs}
+        assert set(full["instances"][0]) == {"id", "program", "tenant", "state", "age_s", "priority", "pages",
+                                             "tokens", "swapped"}
+        assert full["kv"] == {**full["kv"], "total": 64, "used": 4, "free": 60}
+        assert set(full["tenants"]) == {"alice", "bob"} and full["tenants"]["bob"]["running"] == 1
+        r = _get(server, f"/dashboard/snapshot?token={ALICE}")  # the query parameter, as EventSource sends it
+        own = r.json()
+        assert [i["id"] for i in own["instances"]] == [mine]
+        assert list(own["tenants"]) == ["alice"] and own["viewer"] == {"tenant": "alice", "admin": False}
+        assert theirs not in r.text and "bob" not in r.text and "SECRET" not in r.text
+        assert not {"workers", "http", "children", "server"} & set(own)
+        assert own["kv"]["total"] == 64  # the host-wide gauges, as the stats query shows every tenant
+    finally:
+        fake.terminate(mine)
+        fake.terminate(theirs)
+
+
+def test_a_bad_or_missing_token_is_refused_but_the_page_is_served(server: Any) -> None:
+    for path in ("/dashboard/snapshot", "/dashboard/events", "/dashboard/logs?id=x"):
+        for token in (None, "wrong"):
+            r = _get(server, path, token)
+            assert r.status_code == 401 and "token" in r.text and r.headers["www-authenticate"] == "Bearer"
+        assert _get(server, path + ("&" if "?" in path else "?") + "token=wrong").status_code == 401
+    page = _get(server, "/dashboard")  # static, no data in it
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert "<canvas" in page.text and "://" not in page.text  # loads nothing from elsewhere
+
+
+def test_without_tokens_everyone_sees_everything(tmp_path: Path) -> None:
+    fake = FakeHost()
+    with running_server(tmp_path, host=fake) as srv:
+        iid = fake.launch(fake.compile(WASM), ["hold"], _ignore)
+        try:
+            snap = _get(srv, "/dashboard/snapshot").json()
+            assert snap["viewer"] == {"tenant": "local", "admin": True}
+            assert [i["id"] for i in snap["instances"]] == [iid]
+        finally:
+            fake.terminate(iid)
+
+
+def _events(response: httpx.Response, n: int) -> list[dict[str, Any]]:
+    """The first `n` data events of an SSE response, checking the framing on the way."""
+    lines = response.iter_lines()
+    assert next(lines) == "retry: 2000" and next(lines) == ""
+    out = []
+    while len(out) < n:
+        line = next(lines)
+        assert line.startswith("data: ")
+        out.append(json.loads(line[len("data: "):]))
+        assert next(lines) == ""
+    return out
+
+
+def test_events_are_one_snapshot_a_second_and_a_stream_counts_as_a_connection(server: Any) -> None:
+    t0 = time.monotonic()
+    with httpx.stream("GET", f"{server.http_url}/dashboard/events?token={ADMIN}", timeout=10) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        first, second = _events(r, 2)
+        assert second["time"] > first["time"] and 0.8 < time.monotonic() - t0 < 5
+        assert second["server"]["dashboards"] == 1 and second["tenants"]["default"]["connections"] == 1
+    wait_for(lambda: server.dashboard.streams == 0 and not server.limits.connections, 5, "the stream to be given back")
+
+
+def test_streams_are_capped_per_tenant_and_in_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dashboard, "MAX_STREAMS", 2)
+    with running_server(tmp_path, host=FakeHost(), auth_token=ADMIN, tenants=TENANTS,
+                        max_connections_per_tenant=1) as srv:
+        url = f"{srv.http_url}/dashboard/events?token="
+        with httpx.stream("GET", url + ALICE, timeout=10) as a:
+            _events(a, 1)
+            second = httpx.get(url + ALICE, timeout=10)
+            assert second.status_code == 429 and "--max-connections-per-tenant" in second.text
+            with httpx.stream("GET", url + BOB, timeout=10) as b:
+                _events(b, 1)
+                third = httpx.get(url + ADMIN, timeout=10)
+                assert third.status_code == 503 and "maximum of 2 viewers" in third.text
+        t0 = time.monotonic()
+        with httpx.stream("GET", url + ALICE, timeout=10) as a:
+            _events(a, 1)
+            srv.stop_background()  # an open stream ends with the server, not after uvicorn's grace period
+            assert time.monotonic() - t0 < 4
+
+
+def test_logs_of_an_instance_are_its_tenants_only(server: Any, fake: LoggingHost) -> None:
+    iid = fake.launch(fake.compile(WASM), ["hold"], _ignore, tenant="alice")
+    try:
+        assert _get(server, "/dashboard/snapshot", ADMIN).json()["logs"] is True  # (also: the id is now known)
+        for token in (ALICE, ADMIN):
+            r = _get(server, f"/dashboard/logs?id={iid}", token)
+            assert r.status_code == 200 and r.json()["lines"][0]["text"] == "hello from alice"
+        r = _get(server, f"/dashboard/logs?id={iid}", BOB)
+        assert r.status_code == 404 and "unknown instance" in r.text
+        assert _get(server, "/dashboard/logs?id=nope", ADMIN).status_code == 404
+    finally:
+        fake.terminate(iid)
+
+
+def test_page_usage_counts_the_pages_held_and_the_tokens_written_in_them() -> None:
+    pm = PageManager(8)
+    table = InstancePages("a")
+    pages = pm.allocate(table, 3)
+    assert isinstance(pages, list) and pm.usage(table) == (3, 0, 0)
+    pm.note_copy(table, pages[0], 4)
+    pm.note_copy(table, pages[1], 2)
+    assert pm.usage(table) == (3, 6, 0)
+    pm.release(table, [pages[1]])
+    assert pm.usage(table) == (2, 4, 0)
+
+
+# ---- the page, in headless chromium, over a real host on the stand-in backend ----------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    missing = [b for b in ("chromium", "chromedriver") if shutil.which(b) is None]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} not found: the dashboard's browser tests need them "
+                    "(apt-get install chromium chromium-driver; `make test` does)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(shutil.which("chromium"))
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(str(shutil.which("chromedriver"))), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Host, Any]]:
+    """A host on the stand-in backend (10 ms a batch) behind a server with an admin and two tenants."""
+    data = tmp_path_factory.mktemp("dashboard")
+    host = Host(HostConfig(warm_auto=0, data_dir=data / "h"),
+                backend=FakeBackend(page_size=16, num_pages=1024, delay_s=0.01))
+    try:
+        with running_server(data / "s", host=host, auth_token=ADMIN, tenants=TENANTS) as srv:
+            yield host, srv
+    finally:
+        host.shutdown()
+
+
+def _open(driver: Any, srv: Any, token: str) -> None:
+    driver.get(f"{srv.http_url}/dashboard?token={token}")
+    _until(driver, lambda d: d.find_element("id", "status").text == "live", "the page to go live")
+
+
+def _until(driver: Any, cond: Any, what: str, timeout: float = 10) -> Any:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(cond, f"timed out waiting for {what}")
+
+
+def _number(driver: Any, element_id: str) -> int:
+    text = driver.find_element("id", element_id).text
+    return int(text) if text.isdigit() else -1
+
+
+def test_the_page_loads_and_shows_the_hosts_numbers(browser: Any, live: tuple[Host, Any]) -> None:
+    _host, srv = live
+    _open(browser, srv, ADMIN)
+    assert "token" not in browser.current_url  # kept for the tab, out of the address bar
+    assert _number(browser, "kv-total") == 1024 and _number(browser, "kv-free") == 1024
+    assert "default (admin" in browser.find_element("id", "viewer").text
+    assert browser.find_element("id", "model").text != "-"
+    assert browser.find_element("id", "admin").is_displayed()
+
+
+def test_the_numbers_follow_a_burst_of_instances(browser: Any, live: tuple[Host, Any]) -> None:
+    host, srv = live
+    prog = host.compile(wasm_bytes("blocked_receive"))
+    _open(browser, srv, ADMIN)
+    ids = [host.launch(prog, [], _ignore, tenant=("alice", "bob")[k % 2]) for k in range(20)]
+    try:
+        _until(browser, lambda d: _number(d, "running") == 20, "20 instances running")
+        rows = browser.find_elements("css selector", "#instances-body tr")
+        assert {r.get_attribute("data-id") for r in rows} == set(ids)
+        tenants = browser.find_element("id", "tenants-body").text
+        assert "alice 10" in tenants and "bob 10" in tenants
+    finally:
+        for iid in ids:
+            host.terminate(iid)
+    _until(browser, lambda d: _number(d, "running") == 0, "the burst to end")
+
+
+@pytest.mark.build
+def test_the_batch_counters_move_while_instances_generate(browser: Any, live: tuple[Host, Any]) -> None:
+    host, srv = live
+    prog = host.compile(wasm_bytes("pressure"))  # "host N SEED TOKEN...": a host-side loop of N tokens
+    _open(browser, srv, ADMIN)
+    before = _number(browser, "batches-total")
+    ids = [host.launch(prog, ["host", "250", "-1", "1", "2", "3"], _ignore, tenant="alice") for _ in range(20)]
+    try:
+        _until(browser, lambda d: _number(d, "batches-total") > before and _number(d, "running") > 0,
+               "batches to be counted while instances run")
+        _until(browser, lambda d: d.find_element("id", "batches-rate").text not in ("-", "0.0"), "a batch rate")
+        _until(browser, lambda d: _number(d, "kv-used") > 0, "KV pages in use")
+        _until(browser, lambda d: _number(d, "running") == 0, "the instances to end", timeout=30)
+        assert _number(browser, "batches-total") > before
+    finally:
+        for iid in ids:
+            try:
+                host.terminate(iid)
+            except KeyError:
+                pass  # it has ended
+
+
+def test_a_tenants_token_shows_its_own_instances_only(browser: Any, live: tuple[Host, Any]) -> None:
+    host, srv = live
+    prog = host.compile(wasm_bytes("blocked_receive"))
+    mine = host.launch(prog, [], _ignore, tenant="alice")
+    theirs = host.launch(prog, [], _ignore, tenant="bob")
+    try:
+        _open(browser, srv, ALICE)
+        _until(browser, lambda d: d.find_elements("css selector", f"#instances-body tr[data-id='{mine}']"),
+               "alice's instance")
+        time.sleep(1.2)  # another event: still only hers
+        assert theirs not in browser.page_source and "bob" not in browser.find_element("tag name", "main").text
+        assert browser.find_element("id", "tenants-body").text.split()[0] == "alice"
+        assert browser.find_element("id", "viewer").text == "alice"
+        assert not browser.find_element("id", "admin").is_displayed()
+    finally:
+        host.terminate(mine)
+        host.terminate(theirs)
+
+
+def test_a_bad_token_is_refused_and_the_login_box_takes_a_good_one(browser: Any, live: tuple[Host, Any]) -> None:
+    _host, srv = live
+    browser.get(f"{srv.http_url}/dashboard?token=not-a-token")
+    _until(browser, lambda d: "refused" in d.find_element("id", "status").text, "the refusal")
+    assert "401" in browser.find_element("id", "status").text
+    assert "invalid or missing token" in browser.find_element("id", "message").text
+    assert browser.find_element("id", "running").text == "-"
+    box = browser.find_element("id", "token")
+    box.send_keys(BOB)
+    box.submit()
+    _until(browser, lambda d: d.find_element("id", "status").text == "live", "the page to go live")
+    assert browser.find_element("id", "viewer").text == "bob"
