@@ -45,6 +45,7 @@ import asyncio
 import importlib.util
 import json
 import multiprocessing
+import os
 import platform
 import statistics
 import sys
@@ -249,6 +250,7 @@ def _summary(runs: list[dict[str, Any]], n: int) -> dict[str, Any]:
         "ios_done": min(a["ios_done"] for a in per_agent),
         "completion_tokens_per_agent": statistics.mean(a["completion_tokens"] + a["peer_tokens"] for a in per_agent),
         "backend_tokens_per_agent": statistics.median(r["backend_tokens"] / n for r in runs),
+        "load_1m": [round(r["load_1m"], 2) for r in runs],  # the machine's load average before each run
     }
 
 
@@ -335,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--kinds: choose from {', '.join(KINDS)}")
     script()  # fail early on the inferlet's module
 
-    t_start = time.perf_counter()
+    t_start, load_at_start = time.perf_counter(), os.getloadavg()[0]
     tools = start_tool_server()
     tool_base = f"http://127.0.0.1:{tools.server_address[1]}"
     agent_wasm = resolve_inferlet(AGENT_DIR, quiet=True).read_bytes()
@@ -361,11 +363,12 @@ def main(argv: list[str] | None = None) -> int:
                 settle(host, agent_prog, 2 * n if kind == "swarm" else n)
                 settle(host, openai_prog, n)
                 phases["settle_s"] += time.perf_counter() - t
-                tokens0 = host.scheduler.stats.tokens
+                tokens0, load = host.scheduler.stats.tokens, os.getloadavg()[0]
                 bursts[0] += 1
                 r = pool.submit(drive, way, info, kind, n, ios, a.tokens, f"{tool_base}/ms{tool_ms:g}",
                                 bursts[0]).result()
                 r["backend_tokens"] = host.scheduler.stats.tokens - tokens0
+                r["load_1m"] = load
                 short = [x["ios_done"] for x in r["agents"] if x["ios_done"] != ios]
                 if short:
                     raise RuntimeError(f"{way} {kind}: agents did {short} I/Os, not {ios}")
@@ -411,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "targets": targets(results, a.agents, a.ios),
         "machine": {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
-                    "cpus": multiprocessing.cpu_count(), "device": device},
+                    "cpus": multiprocessing.cpu_count(), "device": device, "load_1m_at_start": load_at_start},
         "commit": _commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "wall_s": round(time.perf_counter() - t_start, 1),

@@ -280,6 +280,19 @@ class TorchBackend:
         return build_plan(reqs, self.info.page_size, self.model.device, self.model.group, self.attention,
                           num_pages=self.cache.num_pages, window=self.model.window, rope_switch=self.model.rope_switch)
 
+    def input_embeddings(self, tokens: Sequence[int]) -> bytes:
+        """The model's input vectors of `tokens` (its embedding table's rows, times its embedding
+        scale), float32 little-endian [len(tokens), hidden_size]: what a pass feeds them as."""
+        vocab = self.info.vocab_size
+        for t in tokens:
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"token {t!r} outside the vocabulary [0, {vocab})")
+        with torch.inference_mode():
+            x = self.model.embed[torch.tensor(list(tokens), dtype=torch.long, device=self.model.device)]
+            if self.model.embed_scale is not None:
+                x = x * self.model.embed_scale
+            return x.float().cpu().numpy().astype("<f4").tobytes()
+
     # -- pages --------------------------------------------------------------------------------
 
     def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:

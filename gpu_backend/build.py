@@ -159,8 +159,8 @@ def backend_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tok
     read. The GPU kit (bench/gpu_suite.py) builds its models this way from `transformers` configs.
     `weights` is consumed: the model takes each tensor out of the dict as it places it.
     vision / vision_weights: a LLaVA's vision side (`LoadedModel.vision`): its `VisionTower` becomes
-    `backend.vision` (on rank 0 only under tensor parallel, unsharded), and ModelInfo says the image
-    token and how many an image takes (`gpu_backend.images.embed_image` runs it)."""
+    `backend.vision` (unsharded: under tensor parallel each rank holds a copy, the host calls rank 0's),
+    and ModelInfo says the image token and how many an image takes (`gpu_backend.images.embed_image`)."""
     attn = attention if attention is not None else SdpaAttention()
     sharded = tp is not None and tp.world > 1
     if sharded:

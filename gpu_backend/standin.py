@@ -46,6 +46,8 @@ class StandInInfo:
     dtype: str = "float32"
     max_position: int = 8192
     hidden_size: int = 4  # a hidden state: [token, position, sum of the sequence's tokens, 1] (see forward)
+    image_token_id: int | None = 250  # `embed_image`: an image is 3 vectors (see there)
+    image_tokens: int = 3
 
 
 class StandInTokenizer:
@@ -162,6 +164,17 @@ class StandInBackend:
             if cost:
                 until = self._free_at = max(start, self._free_at) + cost
         return StandInStep(out, until)
+
+    def input_embeddings(self, tokens: Sequence[int]) -> bytes:
+        """The stand-in's embedding of a token: [token, 0, 0, 0] (fed back, it acts as that token)."""
+        return np.asarray([[t, 0, 0, 0] for t in tokens], dtype="<f4").tobytes()
+
+    def embed_image(self, data: bytes, media_type: str) -> bytes:
+        """The stand-in's "vision tower": 3 vectors acting as the tokens of the image's first three
+        bytes (so a test can tell which image a pass read); ValueError for empty bytes."""
+        if len(data) < 3:
+            raise ValueError("the image does not decode (the stand-in needs at least 3 bytes)")
+        return self.input_embeddings([b % self.info.vocab_size for b in data[:3]])
 
     def _hidden(self, r: ForwardRequest, ctx: int, index: int, tokens: list[int]) -> bytes:
         """The stand-in's hidden state of row `index`: its token, its position, the sum of the tokens

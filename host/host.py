@@ -133,6 +133,7 @@ class Host:
             start = getattr(b, "start_forward", None) if config.run_ahead else None
             sched.bind(b.forward, b.copy_tokens, info.page_size, pins=pm, start=start,
                        feeds=bool(getattr(b, "feeds", False)))
+            sched.backend = b  # (its `call` work reaches the backend itself: embeddings)
         # each instance lives on one replica, its WIT imports reach that replica's pages and
         # scheduler (host/replicas.py); `pages` / `scheduler`: the first's (the only one by default)
         self.replicas = [Replica(r, pm, sched, Suspender(pm, sched, b, config.swap_memory_bytes))
@@ -522,6 +523,7 @@ class Host:
         self.children.ended(inst)  # its children end with it (unless detached)
         self.topics.drop(inst)
         self.services.grammars.release(inst)  # its grammars and matchers
+        self.services.slots.drop(inst)  # and its embedding slots
         with inst.cond:
             inst.published.clear()  # unread messages go with their subscriber
         inst.drop_inbox()  # and unread client messages: an ended instance is kept (for wait) without them,

@@ -46,7 +46,7 @@ def services() -> ApiServices:
 
 def test_registered_imports_equal_the_wit_declarations(services: ApiServices) -> None:
     wit = declared()
-    assert set(wit) == {"runtime", "messaging", "store", "model", "kv", "grammar", "forward", "http"}
+    assert set(wit) == {"runtime", "messaging", "store", "model", "kv", "grammar", "forward", "http", "embed"}
     assert "[static]grammar.from-json-schema" in wit["grammar"] and "[method]matcher.fork" in wit["grammar"]
     assert all(wit.values())  # the parser found functions in every interface
     registered = {iface: set(table) for iface, table in import_tables(services).items()}

@@ -7,7 +7,7 @@ served by the same functions (0.2.0 adds `forward.generate` / `generate-fresh`, 
 interface `grammar` with its resources, and `forward.*-constrained`; 0.3.0 adds
 `model.apply-chat-template-json`, `model.encode-prompt` and `forward.run-scored`; 0.4.0 adds
 `runtime.set-priority` and `runtime.priority`; 0.5.0 adds interface `http` and child inferlets,
-`runtime.launch` and the `runtime.child-*` calls). One linker serves every
+`runtime.launch` and the `runtime.child-*` calls, and interface `embed`). One linker serves every
 instance: an import finds its caller with `host.wasm.instance.current()`.
 """
 
@@ -20,7 +20,7 @@ from wasmtime import Engine
 from wasmtime.component import Linker
 
 from gpu_backend.types import BackendInfo, Tokenizer
-from host.api import constrained, forward, grammar, http, kv, messaging, model, runtime, store, wasi
+from host.api import constrained, embed, forward, grammar, http, kv, messaging, model, runtime, store, wasi
 from host.api.fastcall import add_func
 from host.api.guest import Import
 from host.children import Children
@@ -43,7 +43,9 @@ WIT_VERSIONS: dict[str, set[str]] = {"0.1.0": set(), "0.2.0": {
     "0.3.0": {"model.apply-chat-template-json", "model.encode-prompt", "forward.run-scored"},
     "0.4.0": {"runtime.set-priority", "runtime.priority"},
     "0.5.0": {"http.fetch"} | {f"runtime.{n}" for n in ("launch", "child-id", "child-send", "child-receive",
-                                                         "child-wait", "child-terminate", "child-release", "parent")}}
+                                                         "child-wait", "child-terminate", "child-release", "parent")}
+    | {f"embed.{n}" for n in ("hidden-size", "image-tokens", "image-token-id", "embed-image", "embed-text", "slot-len",
+                              "release", "run", "hidden")}}
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class ApiServices:
         return ExportNames(self.replicas)
 
     @cached_property
+    def slots(self) -> embed.Slots:
+        """Per-instance embedding slots (release them as instances end)."""
+        return embed.Slots(int(getattr(self.info, "hidden_size", 0) or 0))
+
+    @cached_property
     def grammars(self) -> grammar.Grammars:
         """Grammar compiler and per-instance grammar / matcher tables (release them as instances end)."""
         return grammar.Grammars(self.tokenizer, self.info)
@@ -75,6 +82,7 @@ def import_tables(s: ApiServices) -> dict[str, dict[str, Import]]:
     return {
         "runtime": runtime.imports(WIT_VERSION, s.replicas, s.children),
         "http": http.imports(s.http),
+        "embed": embed.imports(s.replicas, s.info, s.slots),
         "messaging": messaging.imports(s.topics),
         "store": store.imports(s.kvstore),
         "model": model.imports(s.info, s.tokenizer),

@@ -98,6 +98,7 @@ class Scheduler:
         self._running: _Running | None = None  # a batch launched and not yet waited for (fed)
         self._cv = threading.Condition()
         self._stopped = False
+        self.backend: Any = None  # the backend object itself, for `call` work (embeddings, host/api/embed.py)
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._thread = threading.Thread(target=self._loop, name="pie-scheduler", daemon=True)
         self._thread.start()
@@ -114,13 +115,17 @@ class Scheduler:
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the scheduler thread between batches; returns its result or raises its error."""
+        return self.call_soon(fn).result()
+
+    def call_soon(self, fn: Callable[[], Any]) -> Future[Any]:
+        """`call` without waiting: the future of `fn`'s result."""
         fut: Future[Any] = Future()
         with self._cv:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
             self._calls.append((fn, fut))
             self._cv.notify()
-        return fut.result()
+        return fut
 
     def submit(self, request: Job, owner: str, generation: Generation | None = None,
                lookahead: bool = False) -> ForwardFuture:

@@ -513,7 +513,9 @@ class PageManager:
         prefix cache) must not be written; the cache learns what the written pages hold.
         `context_len`: the request's, when the caller has it at hand."""
         ctx = req.context_len(page_size) if context_len is None else context_len
-        self._note(table, req.pages, page_size, ctx, req.tokens, req.positions, req.mask is not None)
+        # (a pass with input vectors holds what its token ids do not say: never cached, as a masked one)
+        self._note(table, req.pages, page_size, ctx, req.tokens, req.positions,
+                   req.mask is not None or bool(req.embeds))
 
     def note_run(self, table: InstancePages, pages: Sequence[int], page_size: int, ctx: int,
                  tokens: Sequence[int], first_position: int) -> None:

@@ -12,7 +12,7 @@ An inferlet is a module with `def main(args: list[str]) -> str | None`, built wi
 Do not call the host at import time: `pie-build` imports the module while building.
 """
 
-from inferlet import http
+from inferlet import embed, http
 from inferlet.args import ArgumentParser
 from inferlet.children import Child, ChildError, ChildFailed, launch, parent
 from inferlet.context import ChatError, Context, Forward, wait_any
@@ -51,5 +51,5 @@ __all__ = [
     "args", "version", "instance_id", "set_return", "log", "elapsed_ms", "set_priority", "priority",
     "send", "receive", "publish", "subscribe", "unsubscribe", "receive_published",
     "store_get", "store_set", "store_delete", "store_exists", "store_keys",
-    "http", "launch", "parent", "Child", "ChildError", "ChildFailed",
+    "embed", "http", "launch", "parent", "Child", "ChildError", "ChildFailed",
 ]  # fmt: skip

@@ -16,10 +16,10 @@ try:  # inside the guest
     from componentize_py_types import Err
     from wit_world.imports import forward, grammar, kv, messaging, model, runtime, store
 
-    try:  # (WIT 0.5.0: a component built against an older world has no http)
-        from wit_world.imports import http
+    try:  # (WIT 0.5.0: a component built against an older world has neither)
+        from wit_world.imports import embed, http
     except ImportError:
-        http = None  # type: ignore[assignment]
+        embed = http = None  # type: ignore[assignment]
 
     IN_GUEST = True
 except ImportError:  # plain CPython (tests, docs): bind a fake host with inferlet.testing
@@ -48,10 +48,11 @@ except ImportError:  # plain CPython (tests, docs): bind a fake host with inferl
     runtime = _Unbound("runtime")  # type: ignore[assignment]
     store = _Unbound("store")  # type: ignore[assignment]
     http = _Unbound("http")  # type: ignore[assignment]
+    embed = _Unbound("embed")  # type: ignore[assignment]
     IN_GUEST = False
 
 
-INTERFACES = ("forward", "grammar", "http", "kv", "messaging", "model", "runtime", "store")
+INTERFACES = ("embed", "forward", "grammar", "http", "kv", "messaging", "model", "runtime", "store")
 
 
 def bind(**interfaces: Any) -> None:

@@ -48,6 +48,7 @@ class Context:
         self._inflight: Forward | None = None
         self._released = False
         self._attach_tried = False  # the cache is asked once, before the first pass
+        self._slots: dict[int, Any] = {}  # pending token index -> the embed.Slot whose vectors go there
         self._generation = PAGES.generation
 
     @property
@@ -103,6 +104,22 @@ class Context:
         if len(rendered) > len(before):
             self.fill(rendered[len(before) :])
 
+    def fill_image(self, image: bytes, media_type: str = "") -> None:
+        """Append an image: the model's vision tower makes its vectors (WIT 0.5.0 `embed.embed-image`),
+        which stand on as many placeholder tokens (the model's image token). Fill text after it before
+        generating. Raises embed.EmbedError if the model takes no images or the image does not decode."""
+        from inferlet import embed
+
+        self._check_idle("fill_image")
+        self.fill_slot(embed.embed_image(image, media_type), embed.image_token_id() or 0)
+
+    def fill_slot(self, slot: Any, placeholder: int = 0) -> None:
+        """Append an embedding slot's vectors (`inferlet.embed`) as pending inputs, on `placeholder`
+        tokens; the slot is released once they have run."""
+        self._check_idle("fill_slot")
+        self._slots[len(self.tokens)] = slot
+        self._append_pending([placeholder] * len(slot))
+
     def fill_system(self, text: str) -> None:
         """A system message (no generation prompt)."""
         self.fill_chat([{"role": "system", "content": text}], add_generation_prompt=False)
@@ -120,6 +137,9 @@ class Context:
     def flush(self) -> None:
         """Prefill all pending tokens but the last, which stays as the next decode step's input."""
         self._check_idle("flush")
+        if self._slots:
+            self._run_slots()
+            return
         n = len(self.tokens) - self.kv_len - 1
         if n > 0:
             _host.forward.run(*self._prepare(n), [])
@@ -314,6 +334,8 @@ class Context:
 
     def _spec(self, sampler: Sampler | None, dist: int) -> Any:
         """The output spec for the last pending token of a pass over all pending tokens."""
+        if self._slots:  # (their pass runs first: the spec's index counts from after it)
+            self._run_slots()
         self._attach_if_fresh(len(self.tokens))
         index = len(self.tokens) - self.kv_len - 1
         return _host.forward.OutputSpec(
@@ -342,6 +364,28 @@ class Context:
             self.pages = pages
             self.kv_len = len(pages) * self.model.page_size
 
+    def _run_slots(self) -> None:
+        """Run every pending token but the last in one `embed.run` pass with the pending slots' vectors
+        on their placeholders, then release the slots."""
+        last = max(i + len(s) for i, s in self._slots.items())
+        if last > len(self.tokens) - 1:
+            raise ValueError("Context: an image (or slot) is the last pending input: fill text after it "
+                             "before generating")
+        if self._n_masked:
+            raise ValueError("Context: a masked context takes no images or slots")
+        first = min(self._slots)
+        if self.kv_len == 0 and not self._attach_tried and first > 0:
+            self._attach_if_fresh(first + 1)  # a cached prefix, before the first vectors only
+        self._attach_tried = True
+        slots, self._slots = self._slots, {}
+        lo = self.kv_len
+        pages, last_len, tokens, positions, _mask = self._prepare(len(self.tokens) - lo - 1)
+        try:
+            _host.embed.run(pages, last_len, tokens, positions, [(i - lo, s.handle) for i, s in slots.items()], [])
+        finally:
+            for s in slots.values():
+                s.release()
+
     def _prepare_all(self, call: str) -> tuple[list[int], int, list[int], list[int], list[list[int]]]:
         n = len(self.tokens) - self.kv_len
         if n == 0:
@@ -353,6 +397,10 @@ class Context:
 
         Allocates the pages they need and counts them as written (the pass is being submitted).
         """
+        if self._slots:  # pending vectors run first, in a pass of their own (embed.run)
+            before = self.kv_len
+            self._run_slots()
+            n -= self.kv_len - before
         ps = self.model.page_size
         hi = self.kv_len + n
         self._attach_if_fresh(hi)

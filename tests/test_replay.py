@@ -1,0 +1,329 @@
+"""Record and replay (host/replay/, docs/observability.md): a recorded instance's host calls come
+back identical when its guest is replayed without a model, a changed guest diverges at the first
+call it changes, recordings are bounded and a tenant's own, and `pie-run --record` writes files
+`pie-replay` reads. The standard inferlets' recorded fixtures (tests/fixtures/recordings/, made by
+its refresh.py on the real model) must replay identically against the inferlets as built now."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import wasmtime
+from fakes import FakeBackend
+from helpers import FIXTURES, wasm_bytes
+from server_support import running_server
+
+from host import Host, HostConfig
+from host.api import fastcall
+from host.client import PieClient, PieError
+from host.client import protocol as p
+from host.cli import run as pie_run
+from host.replay import cli
+from host.replay.format import Call, load
+from host.replay.replay import Outcome, replay
+
+RECORDINGS = FIXTURES / "recordings"
+STANDARD = ("text_completion", "beam_search", "constrained_json", "parallel_generation")
+PROBE = (FIXTURES / "replay_probe.wat").read_text()
+LAST = "(call $set (i32.const 3)) ;; LAST"
+PROBE_CALLS = [Call("runtime.set-priority", [-7], True, None), Call("runtime.priority", [], True, -7),
+               Call("runtime.set-priority", [3], True, None)]
+
+
+def _probe(last: str = LAST) -> bytes:
+    """The probe component, its last call replaced by `last` (a changed guest)."""
+    assert LAST in PROBE
+    return bytes(wasmtime.wat2wasm(PROBE.replace(LAST, last)))
+
+
+def _host(tmp_path: Path, workers: int = 0, **config: object) -> Host:
+    return Host(HostConfig(data_dir=tmp_path, cache_dir=tmp_path / "cache", workers=workers, warm_auto=0,
+                           **config), backend=FakeBackend())  # type: ignore[arg-type]
+
+
+def _record(host: Host, wasm: bytes, args: tuple[str, ...] = ()) -> bytes:
+    iid = host.launch(host.compile(wasm), list(args), record=True)
+    assert host.wait(iid, 60)
+    data = host.recording(iid)
+    assert data is not None
+    return data
+
+
+def _replay(host: Host, data: bytes, wasm: bytes) -> Outcome:
+    return replay(load(data), host.wasm.get(host.compile(wasm)), host.wasm.engine)
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    h = _host(tmp_path_factory.mktemp("replay"))
+    yield h
+    h.shutdown()
+
+
+@pytest.fixture(scope="module")
+def probe_recording(host: Host) -> bytes:
+    return _record(host, _probe())
+
+
+# ---- recording, and replaying the same guest ----
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_recording_replays_identically_in_process_and_with_workers(tmp_path: Path, workers: int) -> None:
+    """Every call, its arguments and result, in order, in both modes; then the same guest replays them."""
+    with _host(tmp_path, workers) as h:
+        data = _record(h, _probe())
+        rec = load(data)
+        assert (rec.calls, rec.end, rec.truncated) == (PROBE_CALLS, ("completed", ""), False)
+        assert rec.program == h.compile(_probe()) and rec.tenant == "local" and rec.model == h.model_name
+        out = _replay(h, data, _probe())
+        assert (out.identical, out.replayed, out.end, out.truncated) == (True, 3, ("completed", ""), False)
+
+
+def test_a_trapped_call_is_recorded_the_same_with_workers_and_replayed(tmp_path: Path) -> None:
+    """set-priority(5000) traps (a one-way call in a worker: a recorded guest waits for its answer, so
+    it sees the trap at that call, as in-process); the replay raises the recorded trap again."""
+    ends = []
+    for workers in (0, 2):
+        with _host(tmp_path / str(workers), workers) as h:
+            data = _record(h, wasm_bytes("set_priority"))
+            rec = load(data)
+            assert [c.name for c in rec.calls] == ["runtime.set-priority", "runtime.priority", "runtime.set-priority"]
+            assert rec.calls[2].ok is False and "got 5000" in rec.calls[2].value
+            out = _replay(h, data, wasm_bytes("set_priority"))
+            assert out.identical and out.end == rec.end
+            ends.append((rec.calls, rec.end))
+    assert ends[0] == ends[1] and ends[0][1][0] == "exception"
+
+
+def test_a_standard_inferlet_round_trips_on_the_stand_in(host: Host) -> None:
+    """text_completion's calls (records, lists of tokens, the chat template) replay identically."""
+    wasm = wasm_bytes("text_completion")
+    data = _record(host, wasm, ("--prompt", "hi", "--max-tokens", "5"))
+    rec = load(data)
+    assert "forward.generate-fresh" in [c.name for c in rec.calls] and rec.end is not None
+    assert rec.end[0] == "completed"
+    out = _replay(host, data, wasm)
+    assert out.identical and out.replayed == len(rec.calls) and out.end == rec.end
+
+
+# ---- a changed guest diverges ----
+
+@pytest.mark.parametrize(("last", "position", "reason", "guest"), [
+    ("(call $set (i32.const 4)) ;; LAST", 2, "different arguments (argument 1 differs)",
+     ("runtime.set-priority", [4])),
+    ("(drop (call $get)) ;; LAST", 2, "a different call", ("runtime.priority", [])),
+    (f"{LAST}\n      (call $set (i32.const 5))", 3, "after the recording's last (3 calls)",
+     ("runtime.set-priority", [5])),
+    (";; no last call", 2, "ended (completed: ) after 2 of the 3 recorded calls", None),
+])
+def test_a_changed_guest_diverges_at_its_first_different_call(host: Host, probe_recording: bytes, last: str,
+                                                              position: int, reason: str,
+                                                              guest: tuple[str, list[int]] | None) -> None:
+    out = _replay(host, probe_recording, _probe(last))
+    d = out.divergence
+    assert d is not None and not out.identical
+    assert (d.position, d.guest) == (position, guest) and reason in d.reason
+    assert d.recorded == (PROBE_CALLS[position] if position < 3 else None)
+
+
+def test_a_different_end_is_a_divergence(host: Host, probe_recording: bytes) -> None:
+    """Same calls, but then the guest traps instead of completing."""
+    changed = PROBE.replace(f"{LAST}\n      i32.const 0))", f"{LAST}\n      unreachable))")
+    assert changed != PROBE
+    out = _replay(host, probe_recording, bytes(wasmtime.wat2wasm(changed)))
+    assert out.divergence is not None and out.replayed == 3
+    assert "ended differently: recorded completed: ; replayed exception: trap" in out.divergence.reason
+
+
+def test_the_cli_reports_the_divergence_and_exits_1(host: Host, probe_recording: bytes, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    rec, wasm = tmp_path / "probe.rec", tmp_path / "changed.wasm"
+    rec.write_bytes(probe_recording)
+    wasm.write_bytes(_probe("(call $set (i32.const 4)) ;; LAST"))
+    args = ["--cache-dir", str(host.config.cache_dir)]
+    assert cli.main([str(rec), *args]) == cli.EXIT_IDENTICAL  # (found in the cache by its hash)
+    assert "replayed 3 calls: identical" in capsys.readouterr().out
+    assert cli.main([str(rec), str(wasm), *args]) == cli.EXIT_DIVERGED
+    out = capsys.readouterr().out
+    assert "diverged at call 3 of 3 (position 2" in out and "argument 1 differs" in out
+    assert "recorded: runtime.set-priority(3) -> None" in out and "guest:    runtime.set-priority(4)" in out
+
+
+# ---- bounds and isolation ----
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_recording_past_its_bound_is_truncated_and_the_instance_runs_on(tmp_path: Path, workers: int,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with _host(tmp_path, workers, max_recording_bytes=64) as h:
+        data = _record(h, _probe())
+        rec = load(data)
+        assert rec.truncated and rec.calls == PROBE_CALLS[:len(rec.calls)] and 0 < len(rec.calls) < 3
+        assert rec.end == ("completed", "")  # it ran to its end
+        out = _replay(h, data, _probe())
+        assert out.identical and out.truncated and out.replayed == len(rec.calls)
+        path = tmp_path / "cut.rec"
+        path.write_bytes(data)
+        assert cli.main([str(path), "--cache-dir", str(h.config.cache_dir)]) == cli.EXIT_IDENTICAL
+        assert "identical up to the end of the truncated recording" in capsys.readouterr().out
+
+
+def test_only_recorded_instances_are_recorded_and_the_tap_goes_off(host: Host) -> None:
+    """While one instance records (blocked in receive), another's calls are not in its recording; a
+    launch without `record` has none; once no instance records, calls go straight to the imports."""
+    waiting = host.launch(host.compile(wasm_bytes("blocked_receive")), [], record=True)
+    assert fastcall._tap is not None
+    plain = host.launch(host.compile(_probe()), [])
+    assert host.wait(plain, 30) and host.recording(plain) is None
+    host.close_input(waiting)
+    assert host.wait(waiting, 30)
+    rec = load(host.recording(waiting) or b"")
+    assert [(c.name, c.args, c.value) for c in rec.calls] == [("messaging.receive", [None], None)]
+    assert fastcall._tap is None and host.recording(waiting, tenant="someone-else") is None
+
+
+# ---- the protocol and the CLIs ----
+
+def test_the_protocol_serves_a_tenants_recordings_to_it_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(p, "RECORDING_CHUNK", 100)  # (the client reads it back in pieces)
+    with _host(tmp_path / "host") as h, \
+            running_server(tmp_path, host=h, auth_token="admin", tenants=(("alice", "ta"), ("bob", "tb"))) as srv:
+        async def main() -> None:
+            async with (await PieClient.connect(srv.url, token="ta") as alice,
+                        await PieClient.connect(srv.url, token="tb") as bob):
+                program = await alice.ensure_program(_probe())
+                iid = await alice.launch(program, [], record=True)
+                with pytest.raises(PieError, match="no recording of instance"):  # (not ended yet, or ended)
+                    await bob.recording(iid)
+                assert [e.event async for e in alice.events(iid)] == ["completed"]
+                data = await alice.recording(iid)
+                assert len(data) > 100 and data == h.recording(iid) and load(data).calls == PROBE_CALLS
+                with pytest.raises(PieError, match="no recording of instance"):  # another tenant's
+                    await bob.recording(iid)
+                plain = await alice.launch(program, [])
+                assert [e.event async for e in alice.events(plain)] == ["completed"]
+                with pytest.raises(PieError, match="no recording of instance"):  # not recorded
+                    await alice.recording(plain)
+                with pytest.raises(PieError, match="field 'record' must be a boolean"):
+                    await alice._request({"type": "launch_instance", "program_hash": program, "arguments": [],
+                                          "record": "yes"})
+                with pytest.raises(PieError, match="query recording: record must be an instance id"):
+                    await alice.query("recording", 7)
+
+        asyncio.run(main())
+
+
+def _probe_file(tmp_path: Path) -> Path:
+    path = tmp_path / "probe.wasm"
+    path.write_bytes(_probe())
+    return path
+
+
+def test_pie_run_record_writes_a_file_pie_replay_accepts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The embedded pie-run on the stand-in (its Host swapped for one with FakeBackend)."""
+    import host as host_pkg
+
+    real = host_pkg.Host
+    monkeypatch.setenv("PIE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(host_pkg, "Host", lambda config: real(dataclasses.replace(config, warm_auto=0),
+                                                              backend=FakeBackend()))
+    out = tmp_path / "run.rec"
+    assert pie_run.main([str(_probe_file(tmp_path)), "--record", str(out)]) == pie_run.EXIT_OK
+    assert f"recorded the inferlet's host calls in {out}" in capsys.readouterr().err
+    assert load(out.read_bytes()).calls == PROBE_CALLS
+    assert cli.main([str(out)]) == cli.EXIT_IDENTICAL  # (its program found in the cache pie-run compiled it to)
+    assert "replayed 3 calls: identical" in capsys.readouterr().out
+
+
+def test_pie_run_server_record_writes_the_recording(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _host(tmp_path / "host") as h, running_server(tmp_path, host=h) as srv:
+        out = tmp_path / "remote.rec"
+        assert pie_run.main([str(_probe_file(tmp_path)), "--server", srv.url, "--record", str(out)]) == 0
+        assert f"recorded the inferlet's host calls in {out}" in capsys.readouterr().err
+        rec = load(out.read_bytes())
+        assert rec.calls == PROBE_CALLS and rec.end == ("completed", "")
+        assert cli.main([str(out), str(_probe_file(tmp_path)), "--cache-dir", str(tmp_path / "cache")]) == 0
+
+
+def test_pie_replay_runs_as_a_command_without_torch(host: Host, probe_recording: bytes, tmp_path: Path) -> None:
+    path = tmp_path / "probe.rec"
+    path.write_bytes(probe_recording)
+    cache = str(host.config.cache_dir)
+    script = Path(sys.executable).parent / "pie-replay"
+    done = subprocess.run([str(script), str(path), "--cache-dir", cache], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "replayed 3 calls: identical" in done.stdout, done.stderr
+    check = ("import sys; from host.replay.cli import main; rc = main(sys.argv[1:]); "
+             "assert 'torch' not in sys.modules, 'pie-replay imported torch'; sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", check, str(path), "--cache-dir", cache], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def _cut(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda rec: b"", "the file is empty"),
+    (lambda rec: b"hello, not a recording", "not a pie recording"),
+    (lambda rec: msgpack.packb([1, 2]), "not a pie recording: no \"format\""),
+    (_cut, "cut short"),
+    (lambda rec: msgpack.packb({"format": "pie-recording", "version": 2}), "version 2 is not one this pie-replay reads"),
+    (lambda rec: msgpack.packb({"format": "pie-recording", "version": 1, "program": "ab", "calls": [["x"]]}),
+     "call 0 of the recording is not [name, args, ok, value]"),
+])
+def test_bad_input_exits_2_with_a_message_and_no_traceback(probe_recording: bytes, tmp_path: Path, make: object,
+                                                           message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.rec"
+    path.write_bytes(make(probe_recording))  # type: ignore[operator]
+    assert cli.main([str(path)]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.startswith("pie-replay: ")
+
+
+def test_a_program_nowhere_to_be_found_is_a_clear_error(probe_recording: bytes, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "probe.rec"
+    path.write_bytes(probe_recording)
+    assert cli.main([str(path), "--cache-dir", str(tmp_path / "empty")]) == cli.EXIT_BAD_INPUT
+    assert "pass PROGRAM.wasm" in capsys.readouterr().err
+    assert cli.main([str(tmp_path / "missing.rec")]) == cli.EXIT_BAD_INPUT
+    assert "cannot read" in capsys.readouterr().err
+
+
+# ---- the standard inferlets' recorded fixtures (recorded on the real model by refresh.py) ----
+
+@pytest.mark.build
+@pytest.mark.parametrize("name", STANDARD)
+def test_the_standard_inferlets_replay_their_fixtures_identically(name: str, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path = RECORDINGS / f"{name}.rec"
+    rec = load(path.read_bytes())
+    assert path.stat().st_size < 200 * 1024 and rec.program_name == name and rec.end is not None
+    assert rec.end[0] == "completed" and not rec.truncated and rec.model.startswith("SmolLM2-135M")
+    wasm = tmp_path / f"{name}.wasm"
+    wasm.write_bytes(wasm_bytes(name))  # built from inferlets/ as it is now
+    assert cli.main([str(path), str(wasm), "--cache-dir", str(tmp_path / "cache")]) == cli.EXIT_IDENTICAL, \
+        capsys.readouterr().out
+    assert f"replayed {len(rec.calls)} calls: identical" in capsys.readouterr().out
+
+
+@pytest.mark.build
+def test_a_fixture_replayed_against_another_inferlet_diverges(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """text_completion's recording against beam_search: the same first five calls (stop tokens, chat
+    template, arguments, the chat applied, encoded); then beam_search does not generate on the host."""
+    wasm = tmp_path / "beam_search.wasm"
+    wasm.write_bytes(wasm_bytes("beam_search"))
+    path = RECORDINGS / "text_completion.rec"
+    assert cli.main([str(path), str(wasm), "--cache-dir", str(tmp_path / "cache")]) == cli.EXIT_DIVERGED
+    out = capsys.readouterr().out
+    assert f"diverged at call 6 of {len(load(path.read_bytes()).calls)} (position 5" in out
+    assert "recorded: forward.generate-fresh([" in out and "guest:    forward.generate-fresh" not in out
