@@ -112,3 +112,24 @@ def test_fake_host_http_answers_through_the_sdk() -> None:
     FakeHost().install()
     with pytest.raises(http.HttpError, match="--http-allow"):
         http.get("https://api.test/x")
+
+
+def test_fake_host_embed_through_the_sdk() -> None:
+    """inferlet.embed and Context.fill_image on the fake host: an image's vectors act as its bytes'
+    tokens, so the context continues as if those tokens had been filled."""
+    from inferlet import Context, Sampler, embed
+    from inferlet.testing import FakeHost
+
+    host = FakeHost(image_tokens=2).install()
+    assert (embed.hidden_size(), embed.image_tokens(), embed.image_token_id()) == (4, 2, host.backend.info.vocab_size - 1)
+    with Context() as a, Context() as b:
+        a.fill("ab")
+        a.fill_image(bytes(a.model.encode("cd")))  # (the fake image: its bytes act as tokens)
+        a.fill("e")
+        b.fill("abcde")
+        assert [a.decode_step(Sampler.greedy()) for _ in range(4)] == [b.decode_step(Sampler.greedy()) for _ in range(4)]
+    assert host.embed.slots == {}  # the image's slot was released once it ran
+    assert embed.embed_tokens([5, 6], "mean", False) == [5.5, 0.5, 8.0, 1.0]
+    FakeHost().install()
+    with pytest.raises(embed.EmbedError, match="no vision tower"):
+        embed.embed_image(b"xx")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from inferlet import _host
 from inferlet.testing.forward import FakeForward
 from inferlet.testing.grammar import FakeGrammarInterface
+from inferlet.testing.embed import FakeEmbed
 from inferlet.testing.http import FakeHttp, Handler
 from inferlet.testing.kv import FakeKv
 from inferlet.testing.services import FakeMessaging, FakeModel, FakeRuntime, FakeStore
@@ -21,7 +22,7 @@ class FakeHost:
 
     def __init__(self, page_size: int = 4, num_pages: int = 64, args: list[str] | None = None,
                  max_pages: int | None = None, backend: TinyBackend | None = None,
-                 http: Handler | None = None) -> None:  # fmt: skip
+                 http: Handler | None = None, image_tokens: int = 0) -> None:  # fmt: skip
         self.backend = backend or TinyBackend(page_size=page_size, num_pages=num_pages)
         self.runtime = FakeRuntime(args or [])
         self.messaging = FakeMessaging()
@@ -30,6 +31,7 @@ class FakeHost:
         self.kv = FakeKv(self.backend, max_pages)
         self.forward = FakeForward(self.kv, self.backend, self.messaging.send)
         self.grammar = FakeGrammarInterface(self.backend.info)
+        self.embed = FakeEmbed(self.forward, self.backend.info.vocab_size, image_tokens)  # (inferlet.testing.embed)
         self.http = FakeHttp(http)  # `http`: answers requests (see inferlet.testing.http); None blocks them all
 
     def install(self) -> FakeHost:
@@ -38,7 +40,8 @@ class FakeHost:
         from inferlet.pages import PAGES
 
         _host.bind(runtime=self.runtime, messaging=self.messaging, store=self.store,
-                   model=self.model, kv=self.kv, forward=self.forward, grammar=self.grammar, http=self.http)  # fmt: skip
+                   model=self.model, kv=self.kv, forward=self.forward, grammar=self.grammar, http=self.http,
+                   embed=self.embed)  # fmt: skip
         PAGES.reset()
         get_model()._reset()
         return self
