@@ -133,3 +133,16 @@ def test_fake_host_embed_through_the_sdk() -> None:
     FakeHost().install()
     with pytest.raises(embed.EmbedError, match="no vision tower"):
         embed.embed_image(b"xx")
+
+
+def test_fake_host_chat_with_an_image_part() -> None:
+    from inferlet import Context, Sampler
+    from inferlet.testing import FakeHost
+
+    FakeHost(image_tokens=2).install()
+    with Context() as a, Context() as b:
+        img = bytes(a.model.encode("XY"))  # (the fake image acts as these tokens)
+        a.fill_chat([{"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image", "image": img},
+                                                  {"type": "text", "text": " what?"}]}])
+        b.fill_chat([{"role": "user", "content": "look: XY what?"}])
+        assert [a.decode_step(Sampler.greedy()) for _ in range(3)] == [b.decode_step(Sampler.greedy()) for _ in range(3)]

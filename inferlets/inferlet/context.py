@@ -25,6 +25,9 @@ from inferlet.sharing import export_context, fork_context, import_context, unexp
 __all__ = ["Context", "Forward", "wait_any", "ChatError"]
 
 
+IMAGE_MARK = "\ue000"  # where an image part goes in a rendered chat (a private-use character)
+
+
 class ChatError(ValueError):
     """The chat so far no longer renders as a prefix of the new chat (see `Context.fill_chat`)."""
 
@@ -85,14 +88,29 @@ class Context:
         self._check_idle("fill_tokens")
         self._append_pending(list(ids))
 
-    def fill_chat(self, messages: Iterable[Mapping[str, str]], add_generation_prompt: bool = True) -> None:
+    def fill_chat(self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True) -> None:
         """Append chat messages, formatted by the model's own template.
 
         The whole chat is rendered again and only the new suffix is filled, so the text equals
         the template's rendering of the full chat (what `transformers` feeds the model).
+        A message's content may be a list of parts, `{"type": "text", "text": ...}` and
+        `{"type": "image", "image": bytes}`: each image is filled where the template puts it
+        (`fill_image`), the template given a marker in its place.
         """
         self._check_idle("fill_chat")
-        self.messages.extend({"role": m["role"], "content": m["content"]} for m in messages)
+        images: list[bytes] = []
+        for m in messages:
+            content = m["content"]
+            if isinstance(content, list):
+                text = []
+                for part in content:
+                    if part.get("type") == "image":
+                        images.append(bytes(part["image"]))
+                        text.append(IMAGE_MARK)
+                    else:
+                        text.append(str(part.get("text", "")))
+                content = "".join(text)
+            self.messages.append({"role": m["role"], "content": content})
         rendered = self.model.apply_chat_template(self.messages, add_generation_prompt)
         before = self._chat_text or ""
         if not rendered.startswith(before):
@@ -101,8 +119,14 @@ class Context:
                 "fill a generation prompt only right before generating"
             )
         self._chat_text = rendered
-        if len(rendered) > len(before):
-            self.fill(rendered[len(before) :])
+        pieces = rendered[len(before) :].split(IMAGE_MARK)
+        if len(pieces) - 1 != len(images):
+            raise ChatError(f"the chat template placed {len(pieces) - 1} of the new messages' {len(images)} images")
+        for k, piece in enumerate(pieces):
+            if piece:
+                self.fill(piece)
+            if k < len(images):
+                self.fill_image(images[k])
 
     def fill_image(self, image: bytes, media_type: str = "") -> None:
         """Append an image: the model's vision tower makes its vectors (WIT 0.5.0 `embed.embed-image`),
