@@ -106,7 +106,7 @@ def test_a_trapped_call_is_recorded_the_same_with_workers_and_replayed(tmp_path:
 @pytest.mark.build
 @pytest.mark.parametrize(("name", "args", "call"), [
     ("text_completion", ("--prompt", "hi", "--max-tokens", "5"), "forward.generate-fresh"),
-    ("constrained_json", ("--max-tokens", "8"), "grammar.[method]matcher.accept"),  # grammar and matcher handles
+    ("constrained_json", ("--max-tokens", "8"), "grammar.[method]grammar.matcher"),  # resource handles both ways
 ])
 def test_standard_inferlets_round_trip_on_the_stand_in_in_both_modes(tmp_path: Path, name: str,
                                                                       args: tuple[str, ...], call: str) -> None:
@@ -322,7 +322,7 @@ def test_the_standard_inferlets_replay_their_fixtures_identically(name: str, tmp
     path = RECORDINGS / f"{name}.rec"
     rec = load(path.read_bytes())
     assert path.stat().st_size < 200 * 1024 and rec.program_name == name and rec.end is not None
-    assert rec.end[0] == "completed" and not rec.truncated and rec.model.startswith("SmolLM2-135M")
+    assert rec.end[0] == "completed" and not rec.truncated and rec.model.lower().startswith("smollm2")
     wasm = tmp_path / f"{name}.wasm"
     wasm.write_bytes(wasm_bytes(name))  # built from inferlets/ as it is now
     assert cli.main([str(path), str(wasm), "--cache-dir", str(tmp_path / "cache")]) == cli.EXIT_IDENTICAL, \

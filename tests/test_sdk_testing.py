@@ -145,4 +145,4 @@ def test_fake_host_chat_with_an_image_part() -> None:
         a.fill_chat([{"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image", "image": img},
                                                   {"type": "text", "text": " what?"}]}])
         b.fill_chat([{"role": "user", "content": "look: XY what?"}])
-        assert [a.decode_step(Sampler.greedy()) for _ in range(3)] == [b.decode_step(Sampler.greedy()) for _ in range(3)]
+        assert a.generate(Sampler.greedy(), max_tokens=5) == b.generate(Sampler.greedy(), max_tokens=5)

@@ -63,6 +63,11 @@ class ServerConfig:
     # /v1/responses: responses kept in memory for previous_response_id, and for how long (oldest dropped first)
     responses_max_stored: int = 1024
     responses_ttl_s: float = 3600.0
+    # chat's image parts (host/server/openai_images.py): one image's bytes, images per request, and the
+    # hosts image URLs may be fetched from (HttpPolicy patterns, "*": any global address; empty: refused)
+    max_image_bytes: int = 20 * MIB
+    max_images: int = 8
+    allow_remote_images: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.tenants]
@@ -79,7 +84,7 @@ class ServerConfig:
             "max_frame_bytes", "max_program_bytes", "max_queued_frames", "max_queued_bytes",
             "max_upload_bytes_in_flight", "max_body_bytes", "max_connections", "max_connections_per_tenant",
             "auth_timeout_s", "read_timeout_s", "write_timeout_s", "max_store_bytes_per_tenant", "program_ttl_s",
-            "responses_max_stored", "responses_ttl_s")}
+            "responses_max_stored", "responses_ttl_s", "max_image_bytes", "max_images")}
         if self.max_instances_per_tenant is not None:
             positive["max_instances_per_tenant"] = self.max_instances_per_tenant
         for name, value in positive.items():

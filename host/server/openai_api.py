@@ -37,6 +37,9 @@ from host.host import HostBusy
 from host.server.http import GuardedStream, read_body, until_disconnect
 from host.server.metrics import CONTENT_TYPE, ServerMetrics
 from host.server.openai_budget import PromptBudget
+from host.server.openai_embeddings import EmbeddingRequest, check_inputs, parse_embeddings
+from host.server.openai_embeddings import response as embeddings_response
+from host.server.openai_images import ImageFetcher, ImageLimits, count_images, resolve_images
 from host.server.openai_request import (
     OpenAIError,
     OpenAIRequest,
@@ -49,10 +52,33 @@ from host.server.openai_responses import ResponseBuilder, ResponseStore, chat_bo
 from host.server.sse import DONE, chat_chunk, completion_chunk, sse_event, sse_typed
 from host.server.tenants import TenantLimitError, TenantLimits
 
-__all__ = ["OpenAIHandler", "PromptBudget", "internal_error", "openai_app", "openai_routes", "service_routes"]
+__all__ = ["ModelFacts", "OpenAIHandler", "PromptBudget", "internal_error", "openai_app", "openai_routes",
+           "service_routes"]
 
 log = logging.getLogger(__name__)
 MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the routes check requests against (None: not known, not checked; a test's fake host)."""
+
+    image_tokens: int | None = None  # vectors per image; 0: no vision tower
+    hidden_size: int | None = None  # an embedding's width; 0: the backend gives no hidden states
+    vocab_size: int | None = None
+    embed_tokens: int | None = None  # the most tokens one embedding input may have (context, KV pages)
+    count: Callable[[str], int] | None = None  # a string's tokens, as the embedding handler tokenizes it
+
+    @classmethod
+    def of(cls, host: Any, budget: PromptBudget | None) -> ModelFacts:
+        backend = getattr(host, "backend", None)
+        info = getattr(backend, "info", None)
+        if backend is None or info is None:
+            return cls()
+        tok = backend.tokenizer
+        limits = [x for x in (info.max_position, budget.kv_tokens if budget is not None else 0) if x]
+        return cls(int(getattr(info, "image_tokens", 0) or 0), int(getattr(info, "hidden_size", 0) or 0),
+                   info.vocab_size, min(limits) if limits else None, lambda text: len(tok.encode_prompt(text)))
 
 
 @dataclasses.dataclass
@@ -81,10 +107,18 @@ class OpenAIHandler:
     budget: PromptBudget | None = None  # None: PromptBudget.of(host)
     stopping: bool = False  # the server is shutting down: new requests get 503
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # for previous_response_id
+    embedding_program: str | None = None  # the /v1/embeddings handler (inferlets/openai_embed); None: not served
+    images: ImageLimits = dataclasses.field(default_factory=ImageLimits)  # chat's image parts
+    facts: ModelFacts | None = None  # None: ModelFacts.of(host)
+    image_fetcher: ImageFetcher | None = None  # None: made when images.allow_remote is set
 
     def __post_init__(self) -> None:
         if self.budget is None:
             self.budget = PromptBudget.of(self.host)
+        if self.facts is None:
+            self.facts = ModelFacts.of(self.host, self.budget)
+        if self.image_fetcher is None and self.images.allow_remote:
+            self.image_fetcher = ImageFetcher(self.images)
 
     def terminate_all(self, reason: str) -> None:
         """Terminate the instances of every request in progress (the server is stopping)."""
@@ -193,7 +227,9 @@ class _Run:
             self.h.metrics.instance_ended("client_disconnected")
 
 
-def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local") -> _Run:
+def _launch(h: OpenAIHandler, req: OpenAIRequest | EmbeddingRequest, tenant: str = "local",
+            program: str | None = None) -> _Run:
+    """Launch `program` (default: the chat handler) with the request as its argument."""
     if req.model != h.model:
         raise OpenAIError(404, f"the model {req.model!r} does not exist; this server has {h.model!r}",
                           param="model", code="model_not_found")
@@ -208,7 +244,7 @@ def _launch(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local") -> _Run
     except TenantLimitError as e:
         raise OpenAIError(429, str(e), type_="rate_limit_error", code="rate_limit_exceeded") from None
     try:
-        run.iid = h.host.launch(h.program_hash, [arg], run.offer, **extra)
+        run.iid = h.host.launch(program or h.program_hash, [arg], run.offer, **extra)
     except BaseException as e:
         h.limits.give_instance(tenant)  # nothing was launched
         if isinstance(e, HostBusy):
@@ -367,8 +403,12 @@ async def _respond(h: OpenAIHandler, request: Request, chat: bool, tenant: str,
     return await _run_request(h, request, req, chat, tenant, release)
 
 
-async def _checked(h: OpenAIHandler, req: OpenAIRequest) -> OpenAIRequest:
-    """The boundary checks that compile or count (off the event loop): the schemas, the prompt's budget."""
+async def _checked(h: OpenAIHandler, req: OpenAIRequest, tenant: str = "local") -> OpenAIRequest:
+    """The boundary checks that decode, fetch, compile or count (off the event loop): the images, the
+    schemas, the prompt's budget."""
+    if count_images(req.messages):
+        assert h.facts is not None
+        req = await resolve_images(req, h.images, h.facts.image_tokens, h.image_fetcher, tenant)
     await asyncio.to_thread(schema_problems, req)
     if h.budget is not None:
         req = await asyncio.to_thread(h.budget.check, req)
@@ -378,7 +418,7 @@ async def _checked(h: OpenAIHandler, req: OpenAIRequest) -> OpenAIRequest:
 async def _run_request(h: OpenAIHandler, request: Request, req: OpenAIRequest, chat: bool, tenant: str,
                        release: Callable[[], None]) -> Response:
     """Check, launch and answer one validated chat or completions request."""
-    req = await _checked(h, req)
+    req = await _checked(h, req, tenant)
     run = _launch(h, req, tenant)
     if req.stream:  # a handler's refusal then comes as the stream's error event (the status is sent)
         def close() -> None:
@@ -433,7 +473,12 @@ async def _respond_responses(h: OpenAIHandler, request: Request, tenant: str,
         raise
     kept = chat["messages"][1:] if body.get("instructions") is not None else chat["messages"]
     builder = ResponseBuilder(body, req.model)
-    req = await _checked(h, req)
+    try:
+        req = await _checked(h, req, tenant)
+    except OpenAIError as e:  # (an image's problem, a prompt too long: name the Responses parameter)
+        if e.param == "messages":
+            e.param, e.message = "input", "input" + e.message.removeprefix("messages")
+        raise
     run = _launch(h, req, tenant)
 
     def store() -> None:
@@ -490,6 +535,48 @@ async def _response_events(h: OpenAIHandler, builder: ResponseBuilder, run: _Run
 def _observe(h: OpenAIHandler, start: float, first: float, usage: dict[str, Any] | None) -> None:
     u = usage or {}
     h.metrics.observe_request(first, time.perf_counter() - start, u.get("input_tokens", 0), u.get("output_tokens", 0))
+
+
+# ---- /v1/embeddings (host/server/openai_embeddings.py has the request and the answer) -------------
+
+async def _respond_embeddings(h: OpenAIHandler, request: Request, tenant: str,
+                              release: Callable[[], None]) -> Response:
+    """Read, check and run one embeddings request; `release` is called once it has ended."""
+    try:
+        raw = await read_body(request, h.max_body_bytes, h.read_timeout_s)
+    except ClientDisconnect:
+        release()
+        return Response(status_code=400)  # nobody reads it
+    req = parse_embeddings(load_body(raw))
+    if h.embedding_program is None:
+        raise OpenAIError(400, "this server serves no embeddings (pie-serve --embedding-handler none)",
+                          param="model")
+    if req.model != h.model:
+        raise OpenAIError(404, f"the model {req.model!r} does not exist; this server has {h.model!r}",
+                          param="model", code="model_not_found")
+    f = h.facts or ModelFacts()
+    await asyncio.to_thread(check_inputs, req, f.hidden_size, f.vocab_size, f.embed_tokens, f.count)
+    run = _launch(h, req, tenant, h.embedding_program)
+    return await _answer(request, _embeddings(req, run), release)
+
+
+async def _embeddings(req: EmbeddingRequest, run: _Run) -> dict[str, Any]:
+    vectors: dict[int, list[float]] = {}
+    tokens = 0
+    try:
+        async for m in _messages(run):
+            if "embedding" in m:
+                vectors[int(m["index"])] = m["embedding"]
+            elif "usage" in m:
+                tokens = int(m["usage"].get("prompt_tokens", 0))
+    finally:  # also when cancelled (the client went away): terminates the instance
+        run.close()
+    missing = [i for i in range(len(req.inputs)) if i not in vectors]
+    if missing:
+        log.warning("embedding handler instance %s completed without input %d's vector", run.iid, missing[0])
+        raise OpenAIError(500, f"the embedding handler (instance {run.iid}) gave no vector for input {missing[0]}",
+                          type_="server_error")
+    return await asyncio.to_thread(embeddings_response, req, vectors, tokens)
 
 
 Respond = Callable[[OpenAIHandler, Request, str, Callable[[], None]], Awaitable[Response]]
@@ -557,6 +644,7 @@ def openai_routes(h: OpenAIHandler) -> list[BaseRoute]:
     return [Route("/v1/chat/completions", _completions(h, True), methods=["POST"]),
             Route("/v1/completions", _completions(h, False), methods=["POST"]),
             Route("/v1/responses", _endpoint(h, _respond_responses), methods=["POST"]),
+            Route("/v1/embeddings", _endpoint(h, _respond_embeddings), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]), *service_routes(h.metrics)]
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jinja2
+from inferlet.context import IMAGE_MARK
 from inferlet.toolcalls import plain_chat, render_chat
 
 from host.server.openai_request import OpenAIError, OpenAIRequest
@@ -55,6 +56,17 @@ class PromptBudget:
                 return len(tok.encode(req.prompt or ""))
             messages = [dict(m) for m in req.messages]
             tools = list(req.tools or ()) if req.tool_choice != "none" else None
+            images = sum(isinstance(p, dict) and p.get("type") in ("image", "image_url")
+                         for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+            if images:  # as the handler fills them: the text around each image, the image's placeholders
+                for m in messages:
+                    if isinstance(m.get("content"), list):
+                        m["content"] = "".join(IMAGE_MARK if p.get("type") != "text" else p.get("text", "")
+                                               for p in m["content"])
+                text = (tok.apply_chat_template(messages, add_generation_prompt=True) if plain_chat(messages, tools)
+                        else render_chat(render, info.chat_template, messages, tools)[0])
+                pieces = text.split(IMAGE_MARK)
+                return sum(len(tok.encode(p)) for p in pieces if p) + images * int(getattr(info, "image_tokens", 0))
             if plain_chat(messages, tools):
                 return len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
             return len(tok.encode(render_chat(render, info.chat_template, messages, tools)[0]))  # as the handler

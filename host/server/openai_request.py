@@ -117,12 +117,46 @@ _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
 
 def _text(content: Any, where: str) -> str:
     if isinstance(content, list):  # content parts: only text parts are supported
-        if not all(isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text") for p in content):
+        if not all(isinstance(p, dict) and p.get("type") in _TEXT_PARTS for p in content):
             raise _bad("messages", f"{where}: only text content parts are supported")
         content = "".join(str(p.get("text", "")) for p in content)
     if not isinstance(content, str):
         raise _bad("messages", f"{where}: content must be a string")
     return content
+
+
+_TEXT_PARTS = ("text", "input_text", "output_text")
+_IMAGE_PARTS = ("image_url", "input_image")
+
+
+def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A user message's content: a string, or (when it has images) text and image parts in order,
+    `{"type": "text", "text"}` and `{"type": "image_url", "url"}` (host/server/openai_images.py
+    resolves the images). Parts: chat's `{"type": "image_url", "image_url": {"url", "detail"}}` and
+    the Responses API's `{"type": "input_image", "image_url": url}`; `detail` is accepted and ignored."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in _IMAGE_PARTS
+                                                 for p in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for p in content:
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind in _TEXT_PARTS:
+            text = p.get("text", "")
+            if not isinstance(text, str):
+                raise _bad("messages", f"{where}: a text part's text must be a string")
+            if parts and parts[-1]["type"] == "text":
+                parts[-1] = {"type": "text", "text": parts[-1]["text"] + text}
+            elif text:
+                parts.append({"type": "text", "text": text})
+        elif kind in _IMAGE_PARTS:
+            image = p.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str) or not url:
+                raise _bad("messages", f"{where}: an image part needs image_url.url (a data: URL), got {str(image)[:100]}")
+            parts.append({"type": "image_url", "url": url})
+        else:
+            raise _bad("messages", f"{where}: content parts must be text or image_url, got {str(kind)[:40]!r}")
+    return parts
 
 
 def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
@@ -155,8 +189,14 @@ def _messages(value: Any) -> tuple[dict[str, Any], ...]:
         if role == "assistant" and msg.get("tool_calls"):
             m["tool_calls"] = _tool_calls(msg["tool_calls"], where)
             m["content"] = None if msg.get("content") is None else _text(msg["content"], where)
+        elif role == "user":
+            m["content"] = _user_content(msg.get("content"), where)
         else:
-            m["content"] = _text(msg.get("content"), where)
+            content = msg.get("content")
+            if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in _IMAGE_PARTS
+                                                 for p in content):
+                raise _bad("messages", f"{where}: only user messages may carry images")
+            m["content"] = _text(content, where)
         if role == "tool":
             if not isinstance(msg.get("tool_call_id"), str):
                 raise _bad("messages", f"{where}: a tool message needs the tool_call_id it answers")

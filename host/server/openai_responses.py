@@ -97,7 +97,12 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad("input", f"{where}: role must be user, system, developer or assistant, got {role!r}")
-            out.append({"role": role, "content": _text(item.get("content"), where)})
+            content = item.get("content")
+            if role == "user" and isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                                    for p in content):
+                out.append({"role": role, "content": content})  # with images: request_of parses the parts
+            else:
+                out.append({"role": role, "content": _text(content, where)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}

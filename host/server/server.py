@@ -40,6 +40,7 @@ from host.server.http import h11_with_header_timeout
 from host.server.instances import InstanceTable
 from host.server.metrics import ServerMetrics
 from host.server.openai_api import OpenAIHandler, internal_error, openai_routes, service_routes
+from host.server.openai_images import ImageLimits
 from host.server.openai_responses import ResponseStore
 from host.server.programs import ProgramStore
 from host.server.tenants import TenantLimitError, TenantLimits
@@ -76,7 +77,8 @@ class Server:
 
     def __init__(self, host: HostFacade, config: ServerConfig,
                  compile_errors: tuple[type[Exception], ...] | None = None,
-                 openai_program: str | None = None, model_name: str | None = None) -> None:
+                 openai_program: str | None = None, model_name: str | None = None,
+                 embedding_program: str | None = None) -> None:
         if compile_errors is None:
             from host.wasm.engine import CompileError  # here, not at the top: it loads wasmtime
 
@@ -104,7 +106,10 @@ class Server:
                                         max_body_bytes=config.max_body_bytes, read_timeout_s=config.read_timeout_s,
                                         write_timeout_s=config.write_timeout_s,
                                         max_queued_bytes=config.max_queued_bytes,
-                                        responses=ResponseStore(config.responses_max_stored, config.responses_ttl_s))
+                                        responses=ResponseStore(config.responses_max_stored, config.responses_ttl_s),
+                                        embedding_program=embedding_program,
+                                        images=ImageLimits(config.max_image_bytes, config.max_images,
+                                                           config.allow_remote_images))
         routes: list[BaseRoute] = (openai_routes(self.openai) if self.openai is not None
                                    else service_routes(self.metrics))
         self.dashboard = Dashboard(host, config, self.limits)

@@ -52,6 +52,9 @@ def generate(
     grammar: Grammar | Matcher | None = None,
 ) -> str:
     """See `Context.generate`."""
+    if ctx._slots:  # pending vectors (an image) run first: the loops below take token ids only
+        ctx._check_idle("generate")
+        ctx._run_slots()
     matcher = None if grammar is None else constrained.as_matcher(grammar)
     cond: Stop = stop if stop is not None else UntilTokens(ctx.model.stop_tokens)
     if max_tokens is not None:

@@ -34,6 +34,7 @@ unlikely". With a seed both paths draw the same tokens (step i uses seed + i).
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from collections.abc import Callable
@@ -52,8 +53,10 @@ from inferlet import (
     TemplateError,
     UntilText,
     UntilTokens,
+    ChatError,
     _host,
     any_json,
+    embed,
     get_model,
     json_schema,
     lark,
@@ -69,6 +72,7 @@ from inferlet.toolcalls import (
     plain_chat,
     render_chat,
 )
+from inferlet.context import IMAGE_MARK
 from inferlet.warmup import warm_up
 
 LOOKUP_K = 20  # probabilities returned per step: the drawn token's logprob is exact when among them
@@ -137,23 +141,51 @@ def _make_plan(req: dict[str, Any], native: bool) -> Plan:
     return Plan("forced", tuple(tools), json_schema(calls_schema(tools, parallel)))
 
 
+def _images(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The image parts of the messages, in order: {"type": "image", "media_type", "data": base64}."""
+    return [p for m in messages if isinstance(m.get("content"), list) for p in m["content"] if p.get("type") == "image"]
+
+
 def _fill_messages(ctx: Context, req: dict[str, Any]) -> bool:
     """Fill the chat; True when the template rendered the tools itself. Without tools or tool
     messages this is `fill_chat`; otherwise the messages (tool calls, tool results) and the tools
-    (not with tool_choice none) are rendered by `inferlet.toolcalls.render_chat`."""
+    (not with tool_choice none) are rendered by `inferlet.toolcalls.render_chat`. An image part goes
+    where the template puts it (a marker in its place in the text the template gets), through the
+    model's vision tower (`Context.fill_image`), on the model's image placeholder tokens."""
     messages = req["messages"]
     tools = req.get("tools") if (req.get("tool_choice") or "none") != "none" else None
-    if plain_chat(messages, tools):
-        ctx.fill_chat(messages, add_generation_prompt=True)
-        return False
-    model = ctx.model
+    images = _images(messages)
     try:
-        text, native = render_chat(lambda m, t: model.apply_chat_template_json(m, t, True), model.chat_template,
-                                   messages, tools)
-    except TemplateError as e:
-        raise ClientError(f"messages: the model's chat template cannot render them: {e}", "messages") from None
-    ctx.fill(text)
-    return native
+        if plain_chat(messages, tools):
+            if images:  # fill_chat takes image parts: {"type": "image", "image": bytes}
+                messages = [{**m, "content": [{"type": "image", "image": base64.b64decode(p["data"])}
+                                              if p.get("type") == "image" else p for p in m["content"]]}
+                            if isinstance(m.get("content"), list) else m for m in messages]
+            ctx.fill_chat(messages, add_generation_prompt=True)
+            return False
+        if images:
+            messages = [{**m, "content": "".join(IMAGE_MARK if p.get("type") == "image" else p.get("text", "")
+                                                 for p in m["content"])}
+                        if isinstance(m.get("content"), list) else m for m in messages]
+        model = ctx.model
+        try:
+            text, native = render_chat(lambda m, t: model.apply_chat_template_json(m, t, True), model.chat_template,
+                                       messages, tools)
+        except TemplateError as e:
+            raise ClientError(f"messages: the model's chat template cannot render them: {e}", "messages") from None
+        pieces = text.split(IMAGE_MARK)
+        if len(pieces) != len(images) + 1:
+            raise ChatError(f"the chat template placed {len(pieces) - 1} of the {len(images)} images")
+        for k, piece in enumerate(pieces):
+            if piece:
+                ctx.fill(piece)
+            if k < len(images):
+                ctx.fill_image(base64.b64decode(images[k]["data"]), images[k].get("media_type") or "")
+        return native
+    except embed.EmbedError as e:  # no vision tower, an image that does not decode, the slot limit
+        raise ClientError(f"messages: an image cannot be used: {e}", "messages") from None
+    except ChatError as e:
+        raise ClientError(f"messages: {e}", "messages") from None
 
 
 def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
