@@ -72,7 +72,8 @@ class Server:
     `compile_errors` are the exceptions `host.compile` raises for a bad component (default: the
     wasm engine's `CompileError`); they are answered as a rejected upload. `openai_program` is the
     hash of a compiled OpenAI handler (e.g. inferlets/openai_chat): with it the OpenAI routes are
-    served too, for model `model_name` (default: the host's first model).
+    served too, for model `model_name` (default: the host's first model); `embedding_program` (e.g.
+    inferlets/openai_embed) answers their /v1/embeddings.
     """
 
     def __init__(self, host: HostFacade, config: ServerConfig,

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 from inferlet import (
     AnyOf,
+    ChatError,
     Context,
     Grammar,
     GrammarError,
@@ -53,7 +54,6 @@ from inferlet import (
     TemplateError,
     UntilText,
     UntilTokens,
-    ChatError,
     _host,
     any_json,
     embed,
@@ -62,6 +62,7 @@ from inferlet import (
     lark,
     send,
 )
+from inferlet.context import IMAGE_MARK
 from inferlet.toolcalls import (
     CALL_OPEN,
     CallStream,
@@ -72,7 +73,6 @@ from inferlet.toolcalls import (
     plain_chat,
     render_chat,
 )
-from inferlet.context import IMAGE_MARK
 from inferlet.warmup import warm_up
 
 LOOKUP_K = 20  # probabilities returned per step: the drawn token's logprob is exact when among them

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from inferlet import _host
+from inferlet.testing.embed import FakeEmbed
 from inferlet.testing.forward import FakeForward
 from inferlet.testing.grammar import FakeGrammarInterface
-from inferlet.testing.embed import FakeEmbed
 from inferlet.testing.http import FakeHttp, Handler
 from inferlet.testing.kv import FakeKv
 from inferlet.testing.services import FakeMessaging, FakeModel, FakeRuntime, FakeStore
