@@ -25,6 +25,7 @@ SCRIPTS: dict[str, tuple[list[pytest.MarkDecorator], str]] = {
     "backend_decode": ([SLOW], "meta"),  # ~46 s: two backends and two transformers models loaded
     "cold_launch": ([BUILD], "modes"),  # ~13 s
     "conversions": ([], "conversions"),  # ~2 s
+    "embeddings": ([SLOW], "image"),  # ~50 s: the default model and a LLaVA-shaped one, both ways
     "engine": ([SLOW, BUILD], "standin"),  # ~18 s
     "flex_attention": ([SLOW], "results"),  # ~27 s: flex compiles each shape on CPU
     "grammar": ([SLOW], "host_loop"),  # ~17 s

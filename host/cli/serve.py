@@ -25,6 +25,7 @@ __all__ = ["main", "parse_args", "server_config_from_args"]
 EXIT_ERROR, EXIT_USAGE = 1, 2
 MIB = 2**20
 DEFAULT_OPENAI_HANDLER = "openai_chat"
+DEFAULT_EMBEDDING_HANDLER = "openai_embed"
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="pie-serve",
         description="Serve inferlets on one port: WebSocket protocol v1 (docs/protocol.md), the OpenAI-compatible "
-                    "routes /v1/chat/completions, /v1/completions, /v1/models (docs/openai.md), /health and /metrics.")
+                    "routes /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/models "
+                    "(docs/openai.md), /health and /metrics.")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8080, help="port (0 picks a free one; default 8080)")
     ap.add_argument("--auth-token", default=os.environ.get("PIE_AUTH_TOKEN"),
@@ -50,6 +52,18 @@ def _parser() -> argparse.ArgumentParser:
                     help="the inferlet that answers the OpenAI routes: a .wasm, an inferlet source folder or a "
                          f"standard inferlet name, like pie-run's INFERLET (default {DEFAULT_OPENAI_HANDLER}; "
                          "'none' serves no OpenAI routes)")
+    ap.add_argument("--embedding-handler", default=DEFAULT_EMBEDDING_HANDLER, metavar="PATH_OR_NAME",
+                    help="the inferlet that answers POST /v1/embeddings, as --openai-handler (default "
+                         f"{DEFAULT_EMBEDDING_HANDLER}: last-token pooling, normalized; 'none' serves no embeddings)")
+    ap.add_argument("--max-image-mb", type=float, default=_server_default("max_image_bytes") / MIB,
+                    help="largest image in a chat request (its encoded bytes; a data: URL also counts against "
+                         "--max-body-mb); larger is a 400 (default %(default)g MiB)")
+    ap.add_argument("--max-images", type=int, default=_server_default("max_images"),
+                    help="images one chat request may carry; more is a 400 (default %(default)s)")
+    ap.add_argument("--allow-remote-images", nargs="*", default=None, metavar="HOST[:PORT]",
+                    help="fetch http(s) image URLs of chat requests (default: refused, 400; data: URLs only): "
+                         "alone, from any host on a global address (never loopback, private or link-local); "
+                         "with patterns, from those only (the forms of --http-allow)")
     ap.add_argument("--warm-start", nargs="+", default=["text_completion"], metavar="PATH_OR_NAME",
                     help="inferlets whose instances the host starts ahead of demand before it serves, together "
                          "with the OpenAI handler's, sharing --warm-auto: a fresh host's first burst then skips "
@@ -140,7 +154,20 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_store_bytes_per_tenant=int(args.max_store_mb * MIB),
                         program_ttl_s=args.program_ttl_h * 3600,
                         responses_max_stored=args.responses_max_stored, responses_ttl_s=args.responses_ttl_s,
+                        max_image_bytes=int(args.max_image_mb * MIB), max_images=args.max_images,
+                        allow_remote_images=_remote_images(args.allow_remote_images),
                         max_instances_per_tenant=_instances_per_tenant(args))
+
+
+def _remote_images(patterns: list[str] | None) -> tuple[str, ...]:
+    """--allow-remote-images: absent, none; alone, any global address ("*"); else its patterns (checked now)."""
+    if patterns is None:
+        return ()
+    from host.net.policy import HttpPolicy
+
+    out = tuple(patterns) or ("*",)
+    HttpPolicy(out)  # a bad pattern is a usage error (ValueError)
+    return out
 
 
 def _instances_per_tenant(args: argparse.Namespace) -> int | None:
@@ -176,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         except (BuildError, OSError) as exc:
             print(f"pie-serve: --openai-handler: {exc}", file=sys.stderr)
             return EXIT_USAGE
+    embedding_wasm = None
+    if args.openai_handler != "none" and args.embedding_handler != "none":
+        try:
+            embedding_wasm = resolve_inferlet(args.embedding_handler, quiet=True).read_bytes()
+        except (BuildError, OSError) as exc:
+            print(f"pie-serve: --embedding-handler: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     from gpu_backend.engine.client import EngineDied
 
     try:
@@ -192,9 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         program = host.compile(handler_wasm) if handler_wasm is not None else None
-        server = Server(host, server_config, openai_program=program, model_name=args.served_model_name)
-        if warm_wasms:  # (with the OpenAI handler's: each OpenAI request starts one)
-            warm_wasms += [handler_wasm] if handler_wasm is not None else []
+        embedding = host.compile(embedding_wasm) if embedding_wasm is not None else None
+        server = Server(host, server_config, openai_program=program, model_name=args.served_model_name,
+                        embedding_program=embedding)
+        if warm_wasms:  # (with the OpenAI handlers': each OpenAI request starts one)
+            warm_wasms += [w for w in (handler_wasm, embedding_wasm) if w is not None]
             log.info("starting instances of %d inferlet(s) ahead of demand", len(warm_wasms))
             host.warm_start(warm_wasms, args.warm_start_instances)
     except Exception:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 
 from inferlet import InferletError, embed, get_model, send
-from inferlet.warmup import warm_up
 
 POOLING = "last"
 
@@ -45,9 +44,3 @@ def main(args: list[str]) -> None:
         send(json.dumps({"index": i, "embedding": embed.embed_tokens(ids, POOLING, normalize=True)}))
         total += len(ids)
     send(json.dumps({"usage": {"prompt_tokens": total}}))
-
-
-# A request as the server sends it, run while pie-build snapshots the component (inferlet/warmup.py):
-# its parsing and tokenizing are then specialized in every instance (the stand-in has no `embed`; the
-# run stops there, which the warm-up ignores).
-warm_up(main, [json.dumps({"model": "m", "input": ["Hello there"]})])
