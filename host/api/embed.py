@@ -26,6 +26,9 @@ from host.wasm.instance import Instance
 
 __all__ = ["SlotLimits", "Slots", "imports"]
 
+# an engine in its own process (--engine process, --tp, --replicas) has no call for these yet
+_NOT_HERE = ("this host's engine runs in another process (--engine process, --tp or --replicas), which does not "
+             "embed yet: run it with --engine inproc")
 MAX_IMAGE_BYTES = 20 << 20  # an image's encoded bytes (the OpenAI routes bound them first: --max-image-mb)
 
 
@@ -134,6 +137,8 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, slots: Slots) -> dic
             own = getattr(backend, "embed_image", None)
             if own is not None:
                 return bytes(own(bytes(image), media_type))
+            if not hasattr(backend, "vision"):
+                raise ValueError(_NOT_HERE)
             from gpu_backend.images import embed_image as tower  # (the torch backend's vision tower)
 
             return np.ascontiguousarray(tower(backend, bytes(image), media_type), dtype="<f4").tobytes()
@@ -152,7 +157,15 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, slots: Slots) -> dic
         for t in tokens:
             if t >= info.vocab_size:
                 raise GuestError(f"token {t} is outside the vocabulary (size {info.vocab_size})")
-        data = on_backend(inst, lambda backend: backend.input_embeddings(tokens))
+        def run(backend: Any) -> bytes:
+            if not hasattr(backend, "input_embeddings"):
+                raise ValueError(_NOT_HERE)
+            return bytes(backend.input_embeddings(tokens))
+
+        try:
+            data = on_backend(inst, run)
+        except ValueError as e:
+            return str(e)
         return slots.add(inst, data)
 
     @guest_import("embed.slot-len")
