@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from fakes import FakeBackend
-from helpers import wait_for, wasm_bytes
+from helpers import Run, wait_for, wasm_bytes
 from server_support import WASM, FakeHost, running_server
 
 from host import Host, HostConfig
@@ -37,10 +37,11 @@ def _ignore(_event: InstanceEvent) -> None:
 class LoggingHost(FakeHost):
     """A scripted host that keeps one log line per instance (`Host.logs`' shape)."""
 
-    def logs(self, instance_id: str) -> list[dict[str, Any]] | None:
-        if instance_id not in self.tenants:
+    def logs(self, instance_id: str, tenant: str | None = None) -> list[dict[str, Any]] | None:
+        owner = self.tenants.get(instance_id)
+        if owner is None or tenant not in (None, owner):  # as Host.logs: another tenant's is unknown
             return None
-        return [{"t": 1.0, "stream": "stdout", "text": f"hello from {self.tenants[instance_id]}"}]
+        return [{"t": 1.0, "stream": "stdout", "text": f"hello from {owner}"}]
 
 
 @pytest.fixture
@@ -99,7 +100,7 @@ def test_a_bad_or_missing_token_is_refused_but_the_page_is_served(server: Any) -
 
 def test_without_tokens_everyone_sees_everything(tmp_path: Path) -> None:
     fake = FakeHost()
-    with running_server(tmp_path, host=fake) as srv:
+    with running_server(tmp_path, host=fake, openai=True) as srv:  # (the routes are there with the OpenAI ones too)
         iid = fake.launch(fake.compile(WASM), ["hold"], _ignore)
         try:
             snap = _get(srv, "/dashboard/snapshot").json()
@@ -109,13 +110,15 @@ def test_without_tokens_everyone_sees_everything(tmp_path: Path) -> None:
             fake.terminate(iid)
 
 
-def _events(response: httpx.Response, n: int) -> list[dict[str, Any]]:
-    """The first `n` data events of an SSE response, checking the framing on the way."""
-    lines = response.iter_lines()
-    assert next(lines) == "retry: 2000" and next(lines) == ""
+def _events(lines: Iterator[str], n: int) -> list[dict[str, Any]]:
+    """The next `n` data events of an SSE response's `iter_lines()`, checking the framing on the way
+    (the caller keeps `lines`: dropping it closes the connection)."""
     out = []
     while len(out) < n:
         line = next(lines)
+        if line.startswith("retry: "):  # the stream's first field
+            assert line == "retry: 2000" and next(lines) == ""
+            continue
         assert line.startswith("data: ")
         out.append(json.loads(line[len("data: "):]))
         assert next(lines) == ""
@@ -126,7 +129,7 @@ def test_events_are_one_snapshot_a_second_and_a_stream_counts_as_a_connection(se
     t0 = time.monotonic()
     with httpx.stream("GET", f"{server.http_url}/dashboard/events?token={ADMIN}", timeout=10) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        first, second = _events(r, 2)
+        first, second = _events(r.iter_lines(), 2)
         assert second["time"] > first["time"] and 0.8 < time.monotonic() - t0 < 5
         assert second["server"]["dashboards"] == 1 and second["tenants"]["default"]["connections"] == 1
     wait_for(lambda: server.dashboard.streams == 0 and not server.limits.connections, 5, "the stream to be given back")
@@ -138,16 +141,19 @@ def test_streams_are_capped_per_tenant_and_in_all(tmp_path: Path, monkeypatch: p
                         max_connections_per_tenant=1) as srv:
         url = f"{srv.http_url}/dashboard/events?token="
         with httpx.stream("GET", url + ALICE, timeout=10) as a:
-            _events(a, 1)
+            alice = a.iter_lines()
+            _events(alice, 1)
             second = httpx.get(url + ALICE, timeout=10)
             assert second.status_code == 429 and "--max-connections-per-tenant" in second.text
             with httpx.stream("GET", url + BOB, timeout=10) as b:
-                _events(b, 1)
+                bob = b.iter_lines()
+                _events(bob, 1)
                 third = httpx.get(url + ADMIN, timeout=10)
                 assert third.status_code == 503 and "maximum of 2 viewers" in third.text
         t0 = time.monotonic()
         with httpx.stream("GET", url + ALICE, timeout=10) as a:
-            _events(a, 1)
+            again = a.iter_lines()
+            _events(again, 1)
             srv.stop_background()  # an open stream ends with the server, not after uvicorn's grace period
             assert time.monotonic() - t0 < 4
 
@@ -155,7 +161,7 @@ def test_streams_are_capped_per_tenant_and_in_all(tmp_path: Path, monkeypatch: p
 def test_logs_of_an_instance_are_its_tenants_only(server: Any, fake: LoggingHost) -> None:
     iid = fake.launch(fake.compile(WASM), ["hold"], _ignore, tenant="alice")
     try:
-        assert _get(server, "/dashboard/snapshot", ADMIN).json()["logs"] is True  # (also: the id is now known)
+        assert _get(server, "/dashboard/snapshot", ADMIN).json()["logs"] is True
         for token in (ALICE, ADMIN):
             r = _get(server, f"/dashboard/logs?id={iid}", token)
             assert r.status_code == 200 and r.json()["lines"][0]["text"] == "hello from alice"
@@ -278,6 +284,21 @@ def test_the_batch_counters_move_while_instances_generate(browser: Any, live: tu
                 pass  # it has ended
 
 
+@pytest.mark.build
+def test_an_instance_shows_the_pages_it_holds_and_the_tokens_in_them(live: tuple[Host, Any]) -> None:
+    host, srv = live
+    prog = host.compile(wasm_bytes("pressure"))  # "export NAME TOKEN...": prefill, export, hold until a message
+    run = Run(host, prog, ["export", "dash", *map(str, range(1, 21))], tenant="alice")
+    try:
+        assert run.events.get(timeout=30).message == "exported"
+        row = next(i for i in _get(srv, "/dashboard/snapshot", ALICE).json()["instances"] if i["id"] == run.id)
+        # 20 tokens, pages of 16; `flush` runs all but the last (the next step's input): 19 K/V slots written
+        assert (row["pages"], row["tokens"], row["swapped"]) == (2, 19, 0)
+    finally:
+        host.signal(run.id, "go")
+    assert run.finish(30).event == "completed"
+
+
 def test_a_tenants_token_shows_its_own_instances_only(browser: Any, live: tuple[Host, Any]) -> None:
     host, srv = live
     prog = host.compile(wasm_bytes("blocked_receive"))
@@ -292,6 +313,9 @@ def test_a_tenants_token_shows_its_own_instances_only(browser: Any, live: tuple[
         assert browser.find_element("id", "tenants-body").text.split()[0] == "alice"
         assert browser.find_element("id", "viewer").text == "alice"
         assert not browser.find_element("id", "admin").is_displayed()
+        browser.find_element("css selector", f"#instances-body tr[data-id='{mine}']").click()  # its log (Host.logs)
+        _until(browser, lambda d: d.find_element("id", "logs").text == "(no log lines yet)", "its log panel")
+        assert browser.find_element("id", "logs-id").text == mine
     finally:
         host.terminate(mine)
         host.terminate(theirs)

@@ -45,9 +45,12 @@ def _probe(last: str = LAST) -> bytes:
     return bytes(wasmtime.wat2wasm(PROBE.replace(LAST, last)))
 
 
-def _host(tmp_path: Path, workers: int = 0, **config: object) -> Host:
-    return Host(HostConfig(data_dir=tmp_path, cache_dir=tmp_path / "cache", workers=workers, warm_auto=0,
-                           **config), backend=FakeBackend())  # type: ignore[arg-type]
+def _host(tmp_path: Path, workers: int | None = None, **config: object) -> Host:
+    """A host on the stand-in; `workers` None: the suite's mode (pytest --workers N)."""
+    if workers is not None:
+        config["workers"] = workers
+    return Host(HostConfig(data_dir=tmp_path, warm_auto=0, **config),  # type: ignore[arg-type]
+                backend=FakeBackend())  # (compiled components in the usual cache: compiled once)
 
 
 def _record(host: Host, wasm: bytes, args: tuple[str, ...] = ()) -> bytes:
@@ -147,13 +150,19 @@ def test_a_changed_guest_diverges_at_its_first_different_call(host: Host, probe_
     assert d.recorded == (PROBE_CALLS[position] if position < 3 else None)
 
 
-def test_a_different_end_is_a_divergence(host: Host, probe_recording: bytes) -> None:
+def test_a_different_end_is_a_divergence(host: Host, probe_recording: bytes, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
     """Same calls, but then the guest traps instead of completing."""
     changed = PROBE.replace(f"{LAST}\n      i32.const 0))", f"{LAST}\n      unreachable))")
     assert changed != PROBE
     out = _replay(host, probe_recording, bytes(wasmtime.wat2wasm(changed)))
     assert out.divergence is not None and out.replayed == 3
     assert "ended differently: recorded completed: ; replayed exception: trap" in out.divergence.reason
+    rec, wasm = tmp_path / "probe.rec", tmp_path / "trapping.wasm"
+    rec.write_bytes(probe_recording)
+    wasm.write_bytes(bytes(wasmtime.wat2wasm(changed)))
+    assert cli.main([str(rec), str(wasm)]) == cli.EXIT_DIVERGED
+    assert "diverged at the end, after all 3 recorded calls (identical)" in capsys.readouterr().out
 
 
 def test_the_cli_reports_the_divergence_and_exits_1(host: Host, probe_recording: bytes, tmp_path: Path,
@@ -192,7 +201,7 @@ def test_only_recorded_instances_are_recorded_and_the_tap_goes_off(host: Host) -
     """While one instance records (blocked in receive), another's calls are not in its recording; a
     launch without `record` has none; once no instance records, calls go straight to the imports."""
     waiting = host.launch(host.compile(wasm_bytes("blocked_receive")), [], record=True)
-    assert fastcall._tap is not None
+    assert (fastcall._tap is not None) == (host.workers is None)  # (with workers: tapped in the worker)
     plain = host.launch(host.compile(_probe()), [])
     assert host.wait(plain, 30) and host.recording(plain) is None
     host.close_input(waiting)
@@ -200,6 +209,16 @@ def test_only_recorded_instances_are_recorded_and_the_tap_goes_off(host: Host) -
     rec = load(host.recording(waiting) or b"")
     assert [(c.name, c.args, c.value) for c in rec.calls] == [("messaging.receive", [None], None)]
     assert fastcall._tap is None and host.recording(waiting, tenant="someone-else") is None
+
+
+def test_a_recorded_launch_that_waits_in_the_launch_queue_is_recorded(tmp_path: Path) -> None:
+    with _host(tmp_path, max_instances=1) as h:
+        busy = h.launch(h.compile(wasm_bytes("blocked_receive")), [])
+        queued = h.launch(h.compile(_probe()), [], record=True)
+        assert h.instances()[-1]["state"] == "queued"
+        h.close_input(busy)
+        assert h.wait(queued, 30)
+        assert load(h.recording(queued) or b"").calls == PROBE_CALLS
 
 
 # ---- the protocol and the CLIs ----
@@ -246,6 +265,7 @@ def test_pie_run_record_writes_a_file_pie_replay_accepts(tmp_path: Path, monkeyp
 
     real = host_pkg.Host
     monkeypatch.setenv("PIE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(pie_run, "_pump_stdin", lambda send, close: None)  # (no stdin to forward)
     monkeypatch.setattr(host_pkg, "Host", lambda config: real(dataclasses.replace(config, warm_auto=0),
                                                               backend=FakeBackend()))
     out = tmp_path / "run.rec"
@@ -326,8 +346,7 @@ def test_the_standard_inferlets_replay_their_fixtures_identically(name: str, tmp
     assert rec.end[0] == "completed" and not rec.truncated and rec.model.lower().startswith("smollm2")
     wasm = tmp_path / f"{name}.wasm"
     wasm.write_bytes(wasm_bytes(name))  # built from inferlets/ as it is now
-    assert cli.main([str(path), str(wasm), "--cache-dir", str(tmp_path / "cache")]) == cli.EXIT_IDENTICAL, \
-        capsys.readouterr().out
+    assert cli.main([str(path), str(wasm)]) == cli.EXIT_IDENTICAL, capsys.readouterr().out
     assert f"replayed {len(rec.calls)} calls: identical" in capsys.readouterr().out
 
 
@@ -339,7 +358,36 @@ def test_a_fixture_replayed_against_another_inferlet_diverges(tmp_path: Path,
     wasm = tmp_path / "beam_search.wasm"
     wasm.write_bytes(wasm_bytes("beam_search"))
     path = RECORDINGS / "text_completion.rec"
-    assert cli.main([str(path), str(wasm), "--cache-dir", str(tmp_path / "cache")]) == cli.EXIT_DIVERGED
+    assert cli.main([str(path), str(wasm)]) == cli.EXIT_DIVERGED
     out = capsys.readouterr().out
     assert f"diverged at call 6 of {len(load(path.read_bytes()).calls)} (position 5" in out
     assert "recorded: forward.generate-fresh([" in out and "guest:    forward.generate-fresh" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.build
+def test_pie_run_records_on_the_real_model_and_pie_replay_says_identical(tmp_path: Path) -> None:
+    """The two commands end to end, as a user runs them (the default model on CPU)."""
+    bin_dir, out = Path(sys.executable).parent, tmp_path / "tc.rec"
+    done = subprocess.run([str(bin_dir / "pie-run"), "text_completion", "--device", "cpu", "--record", str(out),
+                           "--", "--prompt", "Hi", "-n", "4"], capture_output=True, text=True, timeout=900,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0 and f"recorded the inferlet's host calls in {out}" in done.stderr, done.stderr
+    rec = load(out.read_bytes())
+    assert rec.program_name == "text_completion" and rec.end is not None and rec.end[0] == "completed"
+    assert rec.end[1].strip() == done.stdout.strip()  # (pie-run printed the return value)
+    done = subprocess.run([str(bin_dir / "pie-replay"), str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and f"replayed {len(rec.calls)} calls: identical" in done.stdout, done.stderr
+
+
+@pytest.mark.build
+def test_without_a_program_the_standard_inferlet_the_recording_names_is_replayed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A program hash not in the compiled cache: the recording's `program_name` is built and replayed."""
+    doc = msgpack.unpackb((RECORDINGS / "text_completion.rec").read_bytes(), raw=False)
+    doc["program"] = "f" * 64
+    path = tmp_path / "elsewhere.rec"
+    path.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    assert cli.main([str(path)]) == cli.EXIT_IDENTICAL
+    out = capsys.readouterr().out
+    assert "calls: identical" in out and "note: replaying text_completion (sha256" in out

@@ -40,9 +40,9 @@ def test_messages_and_values_round_trip() -> None:
     guest = wire.loads(wire.dumps(wire.Call("i5", "$drop.grammar.matcher", (wire.RemoteHandle(12),)))).args[0]
     assert isinstance(guest, wire.RemoteHandle) and guest.remote_rep == 12
     for msg in (wire.Launch("i6", "prog", True, ("--a", "b")), wire.Unpark("i6", ("x",)), wire.Stop("i6", "why"),
-                wire.Quit()):
+                wire.Quit(), wire.Launch("i7", "prog", False, (), record=1024)):
         assert wire.loads(wire.dumps(msg), wire.FROM_HOST) == msg
-    for msg in (wire.Ended("i6", "completed", "done"), wire.Ready(3)):
+    for msg in (wire.Ended("i6", "completed", "done"), wire.Ready(3), wire.Recorded("i7", b"\x94\xa1x", 1, False)):
         assert wire.loads(wire.dumps(msg)) == msg
 
 

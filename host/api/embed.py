@@ -12,6 +12,8 @@ placeholders), never split by chunked prefill.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -126,10 +128,16 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, slots: Slots) -> dic
         return image_token
 
     @guest_import("embed.embed-image")
-    def embed_image(inst: Instance, image: bytes, media_type: str) -> int | str:
+    def embed_image(inst: Instance, image_b64: str, media_type: str) -> int | str:
         inst.check_alive()
         if not image_tokens:
             return "this model has no vision tower: it takes no images"
+        if len(image_b64) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+            return f"the image is over the host's {MAX_IMAGE_BYTES} bytes"
+        try:
+            image = base64.b64decode(image_b64, validate=True)
+        except (binascii.Error, ValueError):
+            return "the image is not valid base64"
         if len(image) > MAX_IMAGE_BYTES:
             return f"the image is {len(image)} bytes, over the host's {MAX_IMAGE_BYTES}"
 

@@ -119,6 +119,9 @@ def _report(recording: Recording, outcome: Outcome) -> int:
             print(f"replayed {outcome.replayed} calls: identical")
             print(f"end: {outcome.end[0]}: {show(outcome.end[1])}")
         return EXIT_IDENTICAL
+    if d.recorded is None and d.guest is None:  # every call the same; the ends differ
+        print(f"diverged at the end, after all {d.position} recorded calls (identical): {d.reason}")
+        return EXIT_DIVERGED
     print(f"diverged at call {d.position + 1} of {len(recording.calls)} (position {d.position}; "
           f"the {d.position} before it identical): {d.reason}")
     print(f"  recorded: {_call(d.recorded) if d.recorded is not None else '(nothing: the recording ends here)'}")

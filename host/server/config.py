@@ -65,7 +65,7 @@ class ServerConfig:
     responses_ttl_s: float = 3600.0
     # chat's image parts (host/server/openai_images.py): one image's bytes, images per request, and the
     # hosts image URLs may be fetched from (HttpPolicy patterns, "*": any global address; empty: refused)
-    max_image_bytes: int = 20 * MIB
+    max_image_bytes: int = 20 * MIB  # one image's encoded bytes (the host takes at most 20 MiB: openai_images.py)
     max_images: int = 8
     allow_remote_images: tuple[str, ...] = ()
 

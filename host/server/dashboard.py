@@ -14,7 +14,8 @@ admin (`--auth-token`) sees every tenant, and the workers, outbound HTTP and ser
 
 Bounds: at most `MAX_STREAMS` event streams at once, each counted as a connection of its tenant
 (`TenantLimits`), each dropped when it takes longer than `write_timeout_s` to take an event; one
-collection a second serves every open stream (`_collect`).
+collection a second serves every open stream (`_collect`; a /dashboard/snapshot request collects
+afresh).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -42,7 +42,6 @@ INTERVAL_S = 1.0  # between two snapshots of a stream
 MAX_STREAMS = 64  # event streams open at once, all tenants together
 MAX_LOG_LINES = 200  # the most recent lines /dashboard/logs returns
 _FRESH_S = 0.5  # a collection this recent serves another stream's tick
-_SEEN = 4096  # instance id -> tenant, remembered for /dashboard/logs after an instance ended
 _PAGE_HEADERS = {
     "cache-control": "no-store", "referrer-policy": "no-referrer", "x-content-type-options": "nosniff",
     # the page loads nothing from elsewhere and runs only its own inline script
@@ -62,7 +61,6 @@ class Dashboard:
         self._closing = asyncio.Event()
         self._refresh = asyncio.Lock()
         self._last: tuple[float, dict[str, Any]] | None = None  # (monotonic time, full snapshot)
-        self._seen: OrderedDict[str, str] = OrderedDict()
         self._page: bytes | None = None
 
     def routes(self) -> list[BaseRoute]:
@@ -99,7 +97,8 @@ class Dashboard:
         tenant = self._tenant(request)
         if tenant is None:
             return self._refused()
-        return JSONResponse(self.view(await self._collect(), tenant), headers={"cache-control": "no-store"})
+        snapshot = self.view(await self._collect(max_age_s=0.0), tenant)  # afresh, as a /metrics scrape
+        return JSONResponse(snapshot, headers={"cache-control": "no-store"})
 
     async def _events(self, request: Request) -> Response:
         tenant = self._tenant(request)
@@ -144,28 +143,21 @@ class Dashboard:
         if logs is None:
             return PlainTextResponse("this host keeps no instance logs", 404)
         iid = request.query_params.get("id", "")
-        owner = self._seen.get(iid)
-        lines = None
-        if owner is not None and (self.config.is_admin(tenant) or owner == tenant):
-            lines = await asyncio.to_thread(logs, iid)
-        if lines is None:  # another tenant's instance is as unknown as one that never was
-            return PlainTextResponse(f"unknown instance {iid[:80]!r}", 404)
+        # (`Host.logs` answers None for another tenant's instance: as unknown as one that never was)
+        lines = await asyncio.to_thread(logs, iid, None if self.config.is_admin(tenant) else tenant)
+        if lines is None:
+            return PlainTextResponse(f"unknown instance {iid[:80]!r} (or its log has expired)", 404)
         return JSONResponse({"id": iid, "lines": list(lines)[-MAX_LOG_LINES:]}, headers={"cache-control": "no-store"})
 
     # ---- snapshots ----------------------------------------------------------------------------
 
-    async def _collect(self) -> dict[str, Any]:
-        """Every tenant's numbers now: collected at most once per `_FRESH_S` for all streams, on a
-        thread (the host's locks are not the event loop's to wait on)."""
+    async def _collect(self, max_age_s: float = _FRESH_S) -> dict[str, Any]:
+        """Every tenant's numbers, at most `max_age_s` old: the streams' ticks share one collection;
+        on a thread (the host's locks are not the event loop's to wait on)."""
         async with self._refresh:
             now = time.monotonic()
-            if self._last is None or now - self._last[0] >= _FRESH_S:
+            if self._last is None or now - self._last[0] >= max_age_s:
                 stats, instances = await asyncio.to_thread(lambda: (self.host.stats(), self.host.instances()))
-                for i in instances:
-                    self._seen[i["id"]] = i.get("tenant", LOCAL_TENANT)
-                    self._seen.move_to_end(i["id"])
-                while len(self._seen) > _SEEN:
-                    self._seen.popitem(last=False)
                 self._last = (now, full_snapshot(stats, instances, dict(self.limits.connections), self.streams,
                                                  logs=getattr(self.host, "logs", None) is not None))
             return self._last[1]
@@ -183,8 +175,8 @@ class Dashboard:
         return out
 
 
-def _tenant_row() -> dict[str, int]:
-    return {"running": 0, "queued": 0, "pages": 0, "tokens": 0, "connections": 0, "forwards": 0}
+def _tenant_row() -> dict[str, float]:
+    return {"running": 0, "queued": 0, "pages": 0, "tokens": 0, "connections": 0, "forward_wait_ms": 0.0}
 
 
 def full_snapshot(stats: dict[str, Any], instances: list[dict[str, Any]], connections: dict[str, int],
@@ -202,7 +194,7 @@ def full_snapshot(stats: dict[str, Any], instances: list[dict[str, Any]], connec
              "priority": i.get("priority", 0), "pages": i.get("pages", 0), "tokens": i.get("tokens", 0),
              "swapped": i.get("swapped", 0)} for i in instances]
     rows.sort(key=lambda r: -r["age_s"])
-    tenants: dict[str, dict[str, int]] = {}
+    tenants: dict[str, dict[str, float]] = {}
     for r in rows:
         t = tenants.setdefault(r["tenant"], _tenant_row())
         t["queued" if r["state"] == "queued" else "running"] += 1
@@ -211,7 +203,7 @@ def full_snapshot(stats: dict[str, Any], instances: list[dict[str, Any]], connec
     for name, n in connections.items():
         tenants.setdefault(name, _tenant_row())["connections"] = n
     for name, row in stats.get("levels", {}).get("forwards", {}).get("by_tenant", {}).items():
-        tenants.setdefault(name, _tenant_row())["forwards"] = row.get("count", 0)
+        tenants.setdefault(name, _tenant_row())["forward_wait_ms"] = round(1000 * row.get("wait_s_mean", 0.0), 2)
     lq = stats.get("launch_queue", {})
     return {
         "time": now, "interval_s": INTERVAL_S, "model": stats.get("model", ""), "logs": logs,

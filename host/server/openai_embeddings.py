@@ -132,9 +132,10 @@ def response(req: EmbeddingRequest, vectors: dict[int, list[float]], prompt_toke
         if req.dimensions is not None:
             if req.dimensions > len(v):
                 raise _bad("dimensions", f"{req.dimensions} is more than the model's {len(v)} dimensions")
-            v = v[: req.dimensions]
-            norm = float(np.linalg.norm(v))
-            v = v / np.float32(norm) if norm > 0 else v
+            if req.dimensions < len(v):  # (all of them: the vector as it is)
+                w = v[: req.dimensions].astype(np.float64)
+                norm = float(np.linalg.norm(w))
+                v = (w / norm if norm > 0 else w).astype(np.float32)
         emb: Any = (base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
                     else v.astype(np.float32).tolist())
         data.append({"object": "embedding", "index": i, "embedding": emb})

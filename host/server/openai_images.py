@@ -24,9 +24,13 @@ from typing import Any
 
 from host.server.openai_request import OpenAIError, OpenAIRequest
 
-__all__ = ["ImageFetcher", "ImageLimits", "count_images", "resolve_images"]
+__all__ = ["EMBED_IMAGE_MAX_BYTES", "ImageFetcher", "ImageLimits", "count_images", "resolve_images"]
 
 MIB = 2**20
+# The most bytes the host's `embed.embed-image` takes (host/api/embed.py MAX_IMAGE_BYTES; the image
+# crosses in base64, a string, so wasmtime's per-call bound on a list<u8> does not apply). Whatever
+# --max-image-mb says, a larger image is a 400 here, not a failed handler.
+EMBED_IMAGE_MAX_BYTES = 20 * MIB
 _DATA_URL = re.compile(r"data:(?P<type>[^,;]*)(?P<params>(?:;[^,;]*)*),(?P<data>.*)", re.S | re.I)
 
 
@@ -34,7 +38,7 @@ _DATA_URL = re.compile(r"data:(?P<type>[^,;]*)(?P<params>(?:;[^,;]*)*),(?P<data>
 class ImageLimits:
     """Bounds on a chat request's images (pie-serve --max-image-mb, --max-images, --allow-remote-images)."""
 
-    max_bytes: int = 20 * MIB  # one image's encoded bytes
+    max_bytes: int = 20 * MIB  # one image's encoded bytes (at most EMBED_IMAGE_MAX_BYTES take effect)
     max_images: int = 8  # images in one request
     # HttpPolicy patterns the server may fetch image URLs from ("*": any host on a global address);
     # empty: http(s) image URLs are refused
@@ -115,6 +119,9 @@ def _checked(items: list[tuple[str, bytes | None, str, str]], limits: ImageLimit
         if len(data) > limits.max_bytes:
             raise _bad(where, f"the image is {len(data)} bytes, over the server's bound of {limits.max_bytes} "
                        "(--max-image-mb)")
+        if len(data) > EMBED_IMAGE_MAX_BYTES:
+            raise _bad(where, f"the image is {len(data)} bytes, over the {EMBED_IMAGE_MAX_BYTES} the host takes; "
+                       "send a smaller encoding (JPEG, or fewer pixels)")
         try:
             decode_image(data, media or None).close()
         except ImageError as e:

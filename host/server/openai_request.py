@@ -118,7 +118,7 @@ _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
 def _text(content: Any, where: str) -> str:
     if isinstance(content, list):  # content parts: only text parts are supported
         if not all(isinstance(p, dict) and p.get("type") in _TEXT_PARTS for p in content):
-            raise _bad("messages", f"{where}: only text content parts are supported")
+            raise _bad("messages", f"{where}: content parts must be text (or image_url, in user messages)")
         content = "".join(str(p.get("text", "")) for p in content)
     if not isinstance(content, str):
         raise _bad("messages", f"{where}: content must be a string")

@@ -10,6 +10,9 @@ client, one JSON object each:
   {"index": i, "text": t, "finish_reason": "stop"|"length"|"tool_calls", "completion_tokens": k
    [, "logprobs": [entry, ...]][, "tool_calls": [call, ...]]] per choice;
   {"usage": {"prompt_tokens": p, "completion_tokens": c}}    last.
+A user message with images has a list as content: {"type": "text", "text"} and {"type": "image",
+"media_type", "data": base64} parts; each image is filled where the template puts it (docs/openai.md,
+"Images"), its placeholders counted in prompt_tokens.
 Tool calls (docs/openai.md, "Tool calls"): the tools reach the model through its template when it
 reads `tools`, else in Hermes' text (`inferlet.toolcalls`); `required` or a named function draws an
 array of calls under a grammar of the tools' schemas; `auto` parses the model's `<tool_call>` blocks,

@@ -9,6 +9,7 @@ normalized as asked: enough to test an inferlet's plumbing, not a model.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from inferlet._host import Err
@@ -34,7 +35,8 @@ class FakeEmbed:
     def image_token_id(self) -> int | None:
         return (self.vocab_size - 1) if self._image_tokens else None
 
-    def embed_image(self, image: bytes, media_type: str) -> int:
+    def embed_image(self, image_b64: str, media_type: str) -> int:
+        image = base64.b64decode(image_b64)
         if not self._image_tokens:
             raise Err("this model has no vision tower: it takes no images")
         if len(image) < self._image_tokens:
