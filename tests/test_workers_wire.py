@@ -34,7 +34,7 @@ def test_messages_and_values_round_trip() -> None:
     # a dataclass an import returns (forward.wait's OutputResult) crosses as a record of its fields
     out = wire.loads(wire.dumps(wire.Reply("i3", [OutputResult(token=5, ids=[1, 2], probs=[0.5, 0.25])])),
                      wire.FROM_HOST)
-    assert vars(out.value[0]) == {"token": 5, "ids": [1, 2], "probs": [0.5, 0.25], "logprob": None}
+    assert vars(out.value[0]) == {"token": 5, "ids": [1, 2], "probs": [0.5, 0.25], "logprob": None, "hidden": None}
     handle = wire.loads(wire.dumps(wire.Reply("i4", ResourceHost.own(3, 9))), wire.FROM_HOST).value
     assert isinstance(handle, ResourceHost) and (handle.rep, handle.type, handle.owned) == (3, 9, True)
     guest = wire.loads(wire.dumps(wire.Call("i5", "$drop.grammar.matcher", (wire.RemoteHandle(12),)))).args[0]

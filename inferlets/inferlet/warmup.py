@@ -113,6 +113,10 @@ def _stand_in(saved: dict[str, Any]) -> dict[str, Any]:
         "messaging": _Interface(saved["messaging"], (), send=lambda message: None),
         "store": _Interface(saved["store"], ()),
         "grammar": _Interface(saved["grammar"], ()),
+        "embed": _Interface(saved["embed"], (), hidden_size=lambda: 8, image_tokens=lambda: 0,
+                            image_token_id=lambda: None,
+                            hidden=lambda pages, last_len, tokens, positions, embeds, pooling, normalize: [0.125] * 8),
+        "http": _Interface(saved["http"], ()),
     }
 
 

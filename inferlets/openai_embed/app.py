@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 
 from inferlet import InferletError, embed, get_model, send
+from inferlet.warmup import warm_up
 
 POOLING = "last"
 
@@ -44,3 +45,7 @@ def main(args: list[str]) -> None:
         send(json.dumps({"index": i, "embedding": embed.embed_tokens(ids, POOLING, normalize=True)}))
         total += len(ids)
     send(json.dumps({"usage": {"prompt_tokens": total}}))
+
+
+# (the start path runs once while pie-build snapshots the guest: inferlet/warmup.py)
+warm_up(main, ['{"model": "warm-up", "input": ["Hello there", [3, 4, 5]]}'])
