@@ -252,6 +252,7 @@ def _summary(runs: list[dict[str, Any]], n: int) -> dict[str, Any]:
         "completion_tokens_per_agent": statistics.mean(a["completion_tokens"] + a["peer_tokens"] for a in per_agent),
         "backend_tokens_per_agent": statistics.median(r["backend_tokens"] / n for r in runs),
         "load_1m": [round(r["load_1m"], 2) for r in runs],  # the machine's load average before each run
+        "suspensions": sum(r["suspensions"] for r in runs),  # instances the host suspended (KV pressure)
     }
 
 
@@ -327,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=8, help="tokens per generation (8)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per cell and way; medians (2)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the host's choice)")
+    ap.add_argument("--kv-mib", type=int, default=1024,
+                    help="KV cache budget in MiB (1024; 0: the host's default, 256 MiB on CPU, which 8 agents "
+                         "at 32 I/Os overflow: the host then suspends instances, and both ways measure swapping)")
     ap.add_argument("--quick", action="store_true",
                     help="a small, fast run (CI): every kind at ios 2, 4 tokens, agents 1 and 2, tool-ms 0, 1 repeat")
     a = ap.parse_args(argv)
@@ -346,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     agent_wasm = resolve_inferlet(AGENT_DIR, quiet=True).read_bytes()
     openai_wasm = resolve_inferlet("openai_chat", quiet=True).read_bytes()
     data_dir = Path(tempfile.mkdtemp(prefix="pie-bench-agent-io-"))
-    host = Host(HostConfig(data_dir=data_dir, device=a.device, http_allow=(f"127.0.0.1:{tools.server_address[1]}",)),
-                progress=False)
+    host = Host(HostConfig(data_dir=data_dir, device=a.device, kv_memory_bytes=a.kv_mib * 2**20 if a.kv_mib else None,
+                           http_allow=(f"127.0.0.1:{tools.server_address[1]}",)), progress=False)
     results: list[dict[str, Any]] = []
     phases = {"start_s": 0.0, "warm_up_s": 0.0, "settle_s": 0.0}
     settle_failures: list[str] = []
@@ -373,11 +377,13 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"settle: {settle_failures[-1]}", file=sys.stderr, flush=True)
                 phases["settle_s"] += time.perf_counter() - t
                 tokens0, load = host.scheduler.stats.tokens, os.getloadavg()[0]
+                suspended0 = host.memory_stats().get("suspensions", 0)
                 bursts[0] += 1
                 r = pool.submit(drive, way, info, kind, n, ios, a.tokens, f"{tool_base}/ms{tool_ms:g}",
                                 bursts[0]).result()
                 r["backend_tokens"] = host.scheduler.stats.tokens - tokens0
                 r["load_1m"] = load
+                r["suspensions"] = host.memory_stats().get("suspensions", 0) - suspended0
                 short = [x["ios_done"] for x in r["agents"] if x["ios_done"] != ios]
                 if short:
                     raise RuntimeError(f"{way} {kind}: agents did {short} I/Os, not {ios}")
@@ -408,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{row['client']['agents_per_s']:.3f} (x{row['throughput_ratio']:.2f})",
                                   file=sys.stderr, flush=True)
             pool.submit(close_clients).result()
+        stats = host.stats()
+        host_stats = {k: stats[k] for k in ("memory", "prefix_cache", "http", "children", "total_pages")}
         device = str(getattr(host.backend.info, "device", a.device or "?"))
         model = host.model_name
     finally:
@@ -419,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"kinds": kinds, "ios": a.ios, "tool_ms": a.tool_ms, "agents": a.agents, "tokens": a.tokens,
                    "repeats": a.repeats, "quick": a.quick, "model": model, "device": device,
                    "prefix_cache": host.config.prefix_cache, "workers": host.config.worker_count,
+                   "kv_mib": a.kv_mib, "kv_pages": host.total_pages, "page_size": host.config.page_size,
                    "tool_ms_applies_to": ["react"]},
         "results": results,
         "targets": targets(results, a.agents, a.ios),
@@ -429,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - t_start, 1),
         "phases_s": {k: round(v, 1) for k, v in phases.items()},
         "settle_failures": settle_failures,
+        "host_stats": host_stats,
     }
     print(table(results))
     tg = next(v for key, v in out["targets"].items() if key.startswith("ios_"))
