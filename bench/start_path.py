@@ -55,11 +55,11 @@ def _instrument() -> None:
             _local.t0 = None
         end_start(self)
 
-    def counting_add_func(li: Any, name: str, fn: Any) -> None:
+    def counting_add_func(li: Any, name: str, fn: Any, **kw: Any) -> None:
         def counted(store: Any, *args: Any) -> Any:
             _local.calls = getattr(_local, "calls", 0) + 1
             return fn(store, *args)
-        add_func(li, name, counted)
+        add_func(li, name, counted, **kw)
 
     instance_module.Instance.await_launch = timed_await  # type: ignore[method-assign]
     instance_module.Instance._end_start = timed_end  # type: ignore[method-assign]
