@@ -81,6 +81,13 @@ ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "runtime.child-receive": st.tuples(U32, st.none() | TIMEOUT), "runtime.child-wait": st.tuples(U32, TIMEOUT),
     "runtime.child-terminate": st.tuples(U32), "runtime.child-release": st.tuples(U32),
     "runtime.parent": st.just(()),
+    "embed.hidden-size": st.just(()), "embed.image-tokens": st.just(()), "embed.image-token-id": st.just(()),
+    "embed.embed-image": st.tuples(TEXT | st.sampled_from(["", "AQID", "!!not base64", "AQIDBA=="]), TEXT),
+    "embed.embed-text": st.tuples(SMALL_LIST), "embed.slot-len": st.tuples(U32), "embed.release": st.tuples(SMALL_LIST),
+    "embed.run": st.tuples(SMALL_LIST, U32, SMALL_LIST, SMALL_LIST, st.lists(st.tuples(U32, U32), max_size=2),
+                           st.lists(OUTPUT_SPEC, max_size=3)),
+    "embed.hidden": st.tuples(SMALL_LIST, U32, SMALL_LIST, SMALL_LIST, st.lists(st.tuples(U32, U32), max_size=2),
+                              st.sampled_from(["last", "mean"]), st.booleans()),
     # (the rig's host allows no host: every request ends as an error result, none leaves the machine)
     "http.fetch": st.tuples(st.builds(lambda m, u, h, b, t: record(**{"method": m, "url": u, "headers": h, "body": b,
                                                                       "timeout-ms": t}),
