@@ -287,10 +287,10 @@ def targets(results: list[dict[str, Any]], levels: list[int], ios_levels: list[i
     lat = [r["latency_ratio"] for r in results if r["ios"] == at and r["agents"] == min(levels)]
     thr = [r["throughput_ratio"] for r in results if r["ios"] == at and r["agents"] == max(levels)]
     out: dict[str, Any] = {f"ios_{at}": {
-        "ios": at, "latency_ratio_min": min(lat), "throughput_ratio_min": min(thr),
+        "ios": at, "latency_ratio_min": min(lat) if lat else None, "throughput_ratio_min": min(thr) if thr else None,
         "latency_ratio_target": TARGET_LATENCY, "throughput_ratio_target": TARGET_THROUGHPUT,
         "latency_at_agents": min(levels), "throughput_at_agents": max(levels),
-        "met": min(lat) >= TARGET_LATENCY and min(thr) >= TARGET_THROUGHPUT}}
+        "met": min(lat) >= TARGET_LATENCY and min(thr) >= TARGET_THROUGHPUT if lat and thr else None}}
     trend: dict[str, Any] = {}
     for r in results:
         key = f"{r['kind']}/tool_ms={r['tool_ms']:g}/agents={r['agents']}"
@@ -318,9 +318,22 @@ def table(results: list[dict[str, Any]]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+SWEEP_KEYS = ("kinds", "ios", "tool_ms", "agents", "tokens", "repeats", "quick", "kv_mib")
+
+
+def _resumed(path: Path | None, config: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The finished cells and sessions of an earlier, interrupted run of the same sweep in `path`."""
+    if path is None or not path.is_file():
+        return [], []
+    old = json.loads(path.read_text())
+    if old.get("complete", True) or any(old["config"].get(k) != config[k] for k in SWEEP_KEYS):
+        return [], []
+    return old["results"], old.get("sessions", [])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here (after every cell too)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated agent kinds (react,codeact,swarm)")
     ap.add_argument("--ios", type=int, nargs="+", default=[2, 8, 32], help="I/O counts per agent (2 8 32)")
     ap.add_argument("--tool-ms", type=float, nargs="+", default=[0.0, 50.0], help="tool latencies, react (0 50)")
@@ -331,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-mib", type=int, default=1024,
                     help="KV cache budget in MiB (1024; 0: the host's default, 256 MiB on CPU, which 8 agents "
                          "at 32 I/Os overflow: the host then suspends instances, and both ways measure swapping)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the cells an interrupted run of the same sweep left in --json; run the rest")
     ap.add_argument("--quick", action="store_true",
                     help="a small, fast run (CI): every kind at ios 2, 4 tokens, agents 1 and 2, tool-ms 0, 1 repeat")
     a = ap.parse_args(argv)
@@ -343,8 +358,19 @@ def main(argv: list[str] | None = None) -> int:
     script()  # fail early on the inferlet's module
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("host.wasm.warm").setLevel(logging.INFO)  # a warm pool that gives up is said
+    config: dict[str, Any] = {"kinds": kinds, "ios": a.ios, "tool_ms": a.tool_ms, "agents": a.agents,
+                              "tokens": a.tokens, "repeats": a.repeats, "quick": a.quick, "kv_mib": a.kv_mib,
+                              "tool_ms_applies_to": ["react"]}
+    results, sessions = _resumed(a.json, config) if a.resume else ([], [])
+    done = {(r["kind"], r["ios"], r["tool_ms"], r["agents"]) for r in results}
+    cells = [(kind, ios, tool_ms, n) for kind in kinds for ios in a.ios
+             for tool_ms in (a.tool_ms if kind == "react" else [0.0]) for n in a.agents]
+    todo = [c for c in cells if c not in done]
 
     t_start, load_at_start = time.perf_counter(), os.getloadavg()[0]
+    session: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "cells": len(todo),
+                               "load_1m_at_start": load_at_start}
+    sessions.append(session)
     tools = start_tool_server()
     tool_base = f"http://127.0.0.1:{tools.server_address[1]}"
     agent_wasm = resolve_inferlet(AGENT_DIR, quiet=True).read_bytes()
@@ -352,9 +378,28 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = Path(tempfile.mkdtemp(prefix="pie-bench-agent-io-"))
     host = Host(HostConfig(data_dir=data_dir, device=a.device, kv_memory_bytes=a.kv_mib * 2**20 if a.kv_mib else None,
                            http_allow=(f"127.0.0.1:{tools.server_address[1]}",)), progress=False)
-    results: list[dict[str, Any]] = []
-    phases = {"start_s": 0.0, "warm_up_s": 0.0, "settle_s": 0.0}
+    config.update(model=host.model_name, device=str(getattr(host.backend.info, "device", a.device or "?")),
+                  prefix_cache=host.config.prefix_cache, workers=host.config.worker_count, kv_pages=host.total_pages,
+                  page_size=host.config.page_size)
+    phases = session["phases_s"] = {"start_s": 0.0, "warm_up_s": 0.0, "settle_s": 0.0}
     settle_failures: list[str] = []
+    session["settle_failures"] = settle_failures
+
+    def document(complete: bool) -> dict[str, Any]:
+        session["wall_s"] = round(time.perf_counter() - t_start, 1)
+        stats = host.stats()
+        session["host_stats"] = {k: stats[k] for k in ("memory", "prefix_cache", "http", "children")}
+        out = {"config": config, "results": results, "targets": targets(results, a.agents, a.ios) if results else {},
+               "machine": {"platform": platform.platform(), "machine": platform.machine(),
+                           "python": platform.python_version(), "cpus": multiprocessing.cpu_count(),
+                           "device": config["device"], "load_1m_at_start": sessions[0]["load_1m_at_start"]},
+               "commit": _commit(), "date": session["date"], "complete": complete,
+               "wall_s": round(sum(x.get("wall_s", 0.0) for x in sessions), 1), "sessions": sessions}
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(out, indent=2) + "\n")
+        return out
+
     server: Server | None = None
     try:
         agent_prog = host.compile(agent_wasm)
@@ -364,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         assert asyncio.run(_upload(server.url, agent_wasm)) == agent_prog  # protocol v1 runs programs from its store
         info = {"http": server.http_url, "ws": server.url, "model": host.model_name, "program": agent_prog}
         bursts = [0]
-        phases["start_s"] = time.perf_counter() - t_start
+        phases["start_s"] = round(time.perf_counter() - t_start, 1)
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             def burst(way: str, kind: str, n: int, ios: int, tool_ms: float) -> dict[str, Any]:
                 t = time.perf_counter()
@@ -375,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                         settle_failures.append(f"{way} {kind} ios {ios} agents {n}: "
                                                f"{'agent_io' if program == agent_prog else 'openai_chat'}: {e}")
                         print(f"settle: {settle_failures[-1]}", file=sys.stderr, flush=True)
-                phases["settle_s"] += time.perf_counter() - t
+                phases["settle_s"] = round(phases["settle_s"] + time.perf_counter() - t, 1)
                 tokens0, load = host.scheduler.stats.tokens, os.getloadavg()[0]
                 suspended0 = host.memory_stats().get("suspensions", 0)
                 bursts[0] += 1
@@ -389,65 +434,38 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"{way} {kind}: agents did {short} I/Os, not {ios}")
                 return r
 
-            for kind in kinds if not a.quick else []:  # warm-up at the largest agent count: the client
-                for way in WAYS:  # process, the warm pools (--quick measures nothing: none)
-                    burst(way, kind, max(a.agents), 1, 0.0)
-            phases["warm_up_s"] = time.perf_counter() - t_start - phases["start_s"]
-            k = 0
-            for kind in kinds:
-                for ios in a.ios:
-                    for tool_ms in a.tool_ms if kind == "react" else [0.0]:
-                        for n in a.agents:
-                            runs: dict[str, list[dict[str, Any]]] = {w: [] for w in WAYS}
-                            for _ in range(a.repeats):
-                                for way in WAYS if k % 2 == 0 else WAYS[::-1]:  # neither way always first
-                                    runs[way].append(burst(way, kind, n, ios, tool_ms))
-                                k += 1
-                            row: dict[str, Any] = {"kind": kind, "ios": ios, "tool_ms": tool_ms, "agents": n,
-                                                   **{w: _summary(runs[w], n) for w in WAYS}}
-                            row["latency_ratio"] = row["client"]["latency_s_median"] / row["inferlet"]["latency_s_median"]
-                            row["throughput_ratio"] = row["inferlet"]["agents_per_s"] / row["client"]["agents_per_s"]
-                            results.append(row)
-                            print(f"{kind:8s} ios {ios:3d} tool {tool_ms:3g} ms agents {n:2d}: latency "
-                                  f"{row['inferlet']['latency_s_median']:.3f} s vs {row['client']['latency_s_median']:.3f} s "
-                                  f"(x{row['latency_ratio']:.2f}), agents/s {row['inferlet']['agents_per_s']:.3f} vs "
-                                  f"{row['client']['agents_per_s']:.3f} (x{row['throughput_ratio']:.2f})",
-                                  file=sys.stderr, flush=True)
+            for kind in sorted({c[0] for c in todo}, key=kinds.index) if not a.quick else []:
+                for way in WAYS:  # warm-up at the largest agent count: the client process, the warm pools
+                    burst(way, kind, max(a.agents), 1, 0.0)  # (--quick measures nothing: none)
+            phases["warm_up_s"] = round(time.perf_counter() - t_start - phases["start_s"], 1)
+            for k, (kind, ios, tool_ms, n) in enumerate(todo):
+                runs: dict[str, list[dict[str, Any]]] = {w: [] for w in WAYS}
+                for rep in range(a.repeats):
+                    for way in WAYS if (k + rep) % 2 == 0 else WAYS[::-1]:  # neither way always first
+                        runs[way].append(burst(way, kind, n, ios, tool_ms))
+                row: dict[str, Any] = {"kind": kind, "ios": ios, "tool_ms": tool_ms, "agents": n,
+                                       **{w: _summary(runs[w], n) for w in WAYS}}
+                row["latency_ratio"] = row["client"]["latency_s_median"] / row["inferlet"]["latency_s_median"]
+                row["throughput_ratio"] = row["inferlet"]["agents_per_s"] / row["client"]["agents_per_s"]
+                results.append(row)
+                results.sort(key=lambda r: cells.index((r["kind"], r["ios"], r["tool_ms"], r["agents"])))
+                document(complete=False)
+                print(f"{kind:8s} ios {ios:3d} tool {tool_ms:3g} ms agents {n:2d}: latency "
+                      f"{row['inferlet']['latency_s_median']:.3f} s vs {row['client']['latency_s_median']:.3f} s "
+                      f"(x{row['latency_ratio']:.2f}), agents/s {row['inferlet']['agents_per_s']:.3f} vs "
+                      f"{row['client']['agents_per_s']:.3f} (x{row['throughput_ratio']:.2f})", file=sys.stderr, flush=True)
             pool.submit(close_clients).result()
-        stats = host.stats()
-        host_stats = {k: stats[k] for k in ("memory", "prefix_cache", "http", "children", "total_pages")}
-        device = str(getattr(host.backend.info, "device", a.device or "?"))
-        model = host.model_name
+        out = document(complete=True)
     finally:
         if server is not None:
             server.stop_background()
         host.shutdown()
         tools.shutdown()
-    out = {
-        "config": {"kinds": kinds, "ios": a.ios, "tool_ms": a.tool_ms, "agents": a.agents, "tokens": a.tokens,
-                   "repeats": a.repeats, "quick": a.quick, "model": model, "device": device,
-                   "prefix_cache": host.config.prefix_cache, "workers": host.config.worker_count,
-                   "kv_mib": a.kv_mib, "kv_pages": host.total_pages, "page_size": host.config.page_size,
-                   "tool_ms_applies_to": ["react"]},
-        "results": results,
-        "targets": targets(results, a.agents, a.ios),
-        "machine": {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
-                    "cpus": multiprocessing.cpu_count(), "device": device, "load_1m_at_start": load_at_start},
-        "commit": _commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "wall_s": round(time.perf_counter() - t_start, 1),
-        "phases_s": {k: round(v, 1) for k, v in phases.items()},
-        "settle_failures": settle_failures,
-        "host_stats": host_stats,
-    }
     print(table(results))
     tg = next(v for key, v in out["targets"].items() if key.startswith("ios_"))
     print(f"targets at {tg['ios']} I/Os: latency x{tg['latency_ratio_min']:.2f} (>= {TARGET_LATENCY}), "
           f"throughput x{tg['throughput_ratio_min']:.2f} (>= {TARGET_THROUGHPUT}): "
           f"{'met' if tg['met'] else 'not met'}; growing with the I/O count: {out['targets']['grows_with_ios']}")
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 
