@@ -33,7 +33,11 @@ largest agent count), growing with the I/O count.
     python bench/agent_io.py --json bench/agent_io.json [--quick]
 
 Defaults: --kinds react,codeact,swarm --ios 2 8 32 --tool-ms 0 50 --agents 1 8 --tokens 8
---repeats 2 (T = 8 tokens per generation keeps the full run near 15 minutes on a 2-core CPU).
+--repeats 2 --kv-mib 1024. T = 8 tokens per generation is small on purpose (the run's length), and it
+favours the inferlet: the per-turn overheads it saves weigh more against short generations. The full
+run took 62 minutes on the 2-core CPU VM (bench/agent_io.md), most of it the 32-I/O, 8-agent cells;
+`--ios 2 8` or `--repeats 1` shorten it. The JSON is rewritten after every cell; `--resume` runs only
+the cells an interrupted run of the same sweep did not finish.
 `--quick` (CI): every kind at ios 2, 4 tokens, agents 1 and 2, tool-ms 0, 1 repeat, no warm-up
 (~45 s; its numbers are not measurements).
 """

@@ -314,6 +314,8 @@ class Suspender:
         time.sleep(0.05)  # a forward may have just been submitted: look once more
         if self.scheduler.busy() or req.result is not None:
             return False
+        if self._grant(req):  # an instance ended (and freed its pages) since the first try
+            return True
         why = ("the backend cannot move KV pages to host memory (tensor parallel engines)" if self.swapper is None
                else f"the swap space ({self.pages.swap_used} of {self.swap_limit} bytes used) cannot take more")
         with self._lock:
