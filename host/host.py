@@ -110,7 +110,8 @@ class Host:
             self.engines = _start_engines(config)
             backend = self.engines[0]
         schedulers = [Scheduler(policy(), max_batch_tokens=config.max_batch_tokens, prefill_chunk=config.prefill_chunk,
-                                aging_s=config.priority_aging_s) for _ in range(max(1, len(self.engines)))]
+                                aging_s=config.priority_aging_s, prefill_ratio=config.prefill_ratio)
+                      for _ in range(max(1, len(self.engines)))]
         if backend is None:  # loaded on the scheduler thread, where its forwards will run
             try:
                 backend = schedulers[0].call(lambda: _load_backend(config, progress))
@@ -529,10 +530,14 @@ class Host:
         inst.drop_inbox()  # and unread client messages: an ended instance is kept (for wait) without them,
         inst.args, inst.return_value = [], None  # and without its request (an OpenAI body: up to --max-body-mb)
         # A forward still queued or running finishes on its own (its pages stay pinned until it
-        # has, so the backend never writes into a page someone else owns); waiting for it here
-        # means the instance's pages are all free by the time its end is reported.
-        ahead = inst.stepper.close() if inst.stepper is not None else None  # a decode-step run ahead
-        for fut in [*inst.forwards.values(), *([ahead] if ahead is not None else [])]:
+        # has, so the backend never writes into a page someone else owns); waiting for the guest's
+        # own forwards here means its pages are all free by the time its end is reported. Not for a
+        # decode-step run ahead that the guest never claimed (host/api/lookahead.py): a guest that
+        # stops stepping (its max_tokens reached) would report its end one step late, every time;
+        # that step's pages stay pinned and come free when it ends (`PageManager.unpin`).
+        if inst.stepper is not None:
+            inst.stepper.close()  # (withdrawn if still queued)
+        for fut in inst.forwards.values():
             if not fut.done():
                 try:
                     fut.wait()

@@ -187,8 +187,8 @@ class Stepper:
             self.dropped = fut  # the owner's later jobs run after it anyway (same owner, in order)
 
     def close(self) -> ForwardFuture | None:
-        """The instance ends: no more predictions. Returns one still running: its pages stay pinned
-        until it ends, so the end waits for it as for the instance's other forwards."""
+        """The instance ends: no more predictions. Returns one still running (its pages stay pinned
+        until it ends; the instance's end does not wait for it)."""
         with self.lock:
             self.closed = True
         self.drop()
