@@ -47,11 +47,10 @@ test: $(VENV)/.installed browser lint
 test-fast: $(VENV)/.installed browser
 	$(PYTEST) -q -n 2 -m "not slow and not build and not gpu"
 
+# Every benchmark suite in its small mode (~10 min on 2 cores; the numbers mean nothing): the suites run,
+# and their JSON lands in out/bench.json. A real run: `python -m bench SUITE --json OUT` (bench/README.md).
 bench: $(VENV)/.installed
-	mkdir -p out
-	$(BIN)/python bench/backend_decode.py --json out/backend_decode.json
-	$(BIN)/python bench/host_overhead.py --json out/host_overhead.json
-	$(BIN)/python bench/host_scale.py --json out/host_scale.json
+	$(BIN)/python -m bench all --quick --json out/bench.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
