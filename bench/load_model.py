@@ -10,7 +10,7 @@ directory) in the same run, alternating with this tree's, for a before / after o
     .venv/bin/python bench/load_model.py --dtype float32 --dtype bfloat16 --baseline c19d5fe --json bench/load_model.json
     .venv/bin/python bench/load_model.py --quick --json OUT       # CI: one cold and one cached load, float32
 
-Results and history: bench/README.md.
+Results: bench/README.md; history: bench/HISTORY.md.
 """
 
 from __future__ import annotations

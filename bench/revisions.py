@@ -18,7 +18,7 @@ process's CPU per instance), `warm` (parked instances the burst's launches found
 alternate the revisions, so the machine's drift falls on all of them alike; `by_size` is the
 median of each size's bursts over the rounds, as issue 56 counts them.
 
-Single bursts on a 2-vCPU VM spread by +-0.15 (bench/README.md, "Issue 56"): compare medians over
+Single bursts on a 2-vCPU VM spread by +-0.15 (bench/HISTORY.md, "Issue 56"): compare medians over
 three or more rounds. `--quick` (CI): HEAD only, one round, bursts of 8 16 8, 16 tokens.
 Writes JSON to --json and a markdown table next to it (.md).
 """
