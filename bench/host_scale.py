@@ -94,7 +94,7 @@ from host import Host, HostConfig
 from host.api import fastcall
 from host.cli.build import resolve_inferlet
 from host.wasm.engine import WasmEngine
-from host.wasm.instance import Starts
+from host.wasm.starts import Starts
 
 PROMPT = "Write a story about a lighthouse."
 BACKENDS = {"forward": {"run_ahead": False}, "overlap": {"run_ahead": True}, "forward_only": {"forward_only": True}}

@@ -43,10 +43,12 @@ from host.state.topics import Topics
 from host.suspend import Suspender
 from host.wasm import priority
 from host.wasm.engine import WasmEngine
-from host.wasm.instance import InboxFull, Instance, InstanceEnv, Starts
+from host.wasm.inbox import InboxFull
+from host.wasm.instance import Instance, InstanceEnv
 from host.wasm.limits import InstanceLimits
 from host.wasm.pooling import PoolingConfig
 from host.wasm.starter import Starter
+from host.wasm.starts import Starts
 from host.wasm.warm import WarmPool
 from host.workers.pool import RemoteInstance, WorkerPool
 from host.workers.worker import WorkerSpec

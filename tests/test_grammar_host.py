@@ -18,12 +18,12 @@ import pytest
 import wasmtime
 from wasmtime.component import Record, ResourceHost
 
-import host.wasm.instance as instance_mod
 from gpu_backend.standin import StandInBackend, StandInStep
 from gpu_backend.types import ForwardError, ForwardRequest, OutputResult
 from host import Host, HostConfig
 from host.api import import_tables
 from host.api.grammar import MAX_GRAMMARS, MAX_SOURCE_BYTES
+from host.wasm.calling import calling
 from host.wasm.instance import Instance
 
 
@@ -64,7 +64,7 @@ class Guest:
         self.host, self.flat = host, flat
         self.inst = Instance(host._env, "0" * 64, ["test"], lambda ev: None)
         self.store = wasmtime.Store(host.wasm.engine)
-        instance_mod._current.instance = self.inst
+        calling.instance = self.inst
 
     def __call__(self, name: str, *args: Any) -> Any:
         return self.flat[name](self.store, *args)
@@ -73,7 +73,7 @@ class Guest:
         return ResourceHost.borrow(own.rep, own.type).to_any(self.store)
 
     def end(self) -> None:
-        instance_mod._current.instance = None
+        calling.instance = None
         self.host._instance_ended(self.inst)
 
 

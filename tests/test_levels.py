@@ -192,10 +192,10 @@ def _guest(iid: str, tenant: str, priority: int):  # noqa: ANN202
 def test_a_guest_lowering_its_priority_runs_after_a_higher_one_in_a_full_batch() -> None:
     import wasmtime
 
-    import host.wasm.instance as instance_mod
     from host.api import runtime
     from host.replicas import Replica
     from host.state.pages import PageManager
+    from host.wasm.calling import calling
 
     rec = Recorder()
     s = make(rec, max_batch_tokens=4)
@@ -203,7 +203,7 @@ def test_a_guest_lowering_its_priority_runs_after_a_higher_one_in_a_full_batch()
     g = _guest("g", "t", -5)  # launched ahead of "o"...
     s.set_class("g", -5, "t")
     s.set_class("o", 0, "t")
-    instance_mod._current.instance = g
+    calling.instance = g
     try:
         assert table["priority"](None) == -5
         table["set-priority"](None, 10)  # ...then lowers itself behind it
@@ -214,7 +214,7 @@ def test_a_guest_lowering_its_priority_runs_after_a_higher_one_in_a_full_batch()
         assert str(e.value) == msg and g.trap_reason == msg
         assert g.pages.priority == 10  # a refused value changes nothing
     finally:
-        instance_mod._current.instance = None
+        calling.instance = None
     rec.hold(s)
     mine = [s.submit(req([i], 2, 2, tag=i), "g") for i in range(1, 3)]
     other = [s.submit(req([10 + i], 2, 2, tag=10 + i), "o") for i in range(1, 3)]

@@ -139,7 +139,7 @@ def test_signal_past_the_inbox_is_refused_and_an_ended_instance_lets_its_inbox_g
                     await client.terminate(iid)
                     assert [e.event async for e in client.events(iid)] == ["aborted"]
                     ended = host._ended[iid]  # kept for wait(), without its unread messages or arguments
-                    assert not ended.inbox and ended.inbox_bytes == 0 and ended.args == []
+                    assert not ended.inbox and ended.inbox.bytes == 0 and ended.args == []
 
             asyncio.run(main())
     finally:

@@ -234,7 +234,7 @@ def test_a_before_launch_import_answers_a_parked_instance_and_another_import_par
     from types import SimpleNamespace
 
     from host.api.guest import guest_import
-    from host.wasm import instance as instance_module
+    from host.wasm.calling import calling
 
     seen: list[object] = []
     parked = SimpleNamespace(parked=True, stepper=None, await_launch=lambda: seen.append("parked"))
@@ -249,12 +249,12 @@ def test_a_before_launch_import_answers_a_parked_instance_and_another_import_par
         seen.append(inst)
         return 8
 
-    instance_module._current.instance = parked
+    calling.instance = parked
     try:
         assert constant(None) == 7 and seen == [parked]  # answered, not parked
         assert specific(None) == 8 and seen == [parked, "parked", parked]  # parked first, then answered
     finally:
-        instance_module._current.instance = None
+        calling.instance = None
 
 
 @pytest.mark.build
@@ -262,7 +262,7 @@ def test_a_warm_text_completion_asked_for_the_model_constants_before_it_parked(t
     """The SDK asks for the stop tokens and the chat template before its arguments; the host answers
     them while the instance warms, so it parks at `runtime.arguments` and its launch is exact."""
     import host.api.model as model_api
-    from host.wasm import instance as instance_module
+    from host.wasm.calling import calling
 
     fb = FakeBackend(page_size=16, num_pages=256)
     calls: list[tuple[str, bool]] = []
@@ -274,7 +274,7 @@ def test_a_warm_text_completion_asked_for_the_model_constants_before_it_parked(t
             fn = table[name]
 
             def wrapped(store: object, *a: object, _fn: object = fn, _name: str = name) -> object:
-                inst = getattr(instance_module._current, "instance", None)
+                inst = getattr(calling, "instance", None)
                 calls.append((_name, bool(inst is not None and inst.parked)))
                 return _fn(store, *a)  # type: ignore[operator]
 

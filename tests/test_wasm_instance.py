@@ -14,8 +14,9 @@ from wasmtime.component import Linker
 from host.batching.gate import RunGate
 from host.events import InstanceEvent
 from host.wasm.engine import CompileError, WasmEngine
-from host.wasm.instance import Instance, InstanceEnv, _split_wasmtime_error, current
+from host.wasm.instance import Instance, InstanceEnv, current
 from host.wasm.limits import InstanceLimits
+from host.wasm.traps import split_wasmtime_error
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -172,12 +173,12 @@ def test_trap_message_keeps_wasmtimes_cause_first(engine: WasmEngine) -> None:
     assert rest[0] == "wasm backtrace:" and "limit" not in first
 
 
-def test_split_wasmtime_error() -> None:
+def testsplit_wasmtime_error() -> None:
     text = ("error while executing at wasm backtrace:\n" + "".join(f"    {i}: 0x1 - m!f{i}\n" for i in range(10))
             + "\nCaused by:\n    0: outer context\n    1: invalid utf-8 sequence")
-    cause, frames = _split_wasmtime_error(text)
+    cause, frames = split_wasmtime_error(text)
     assert cause == "outer context: invalid utf-8 sequence"
     assert frames.splitlines()[0] == "  0: 0x1 - m!f0" and frames.splitlines()[-1] == "  ... 2 more frames"
-    assert _split_wasmtime_error("resource limit exceeded: memory count too high at 2\n") == \
+    assert split_wasmtime_error("resource limit exceeded: memory count too high at 2\n") == \
         ("resource limit exceeded: memory count too high at 2", "")
-    assert _split_wasmtime_error("failed to call `run`\n\nCaused by:\n    bad thing") == ("failed to call `run`: bad thing", "")
+    assert split_wasmtime_error("failed to call `run`\n\nCaused by:\n    bad thing") == ("failed to call `run`: bad thing", "")

@@ -20,12 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wasmtime.component import Record, ResourceHost
 
-import host.wasm.instance as instance_mod
 from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
 from host.api import import_tables
 from host.api.grammar import MATCHER_TYPE
 from host.state.pages import InstancePages
+from host.wasm.calling import calling
 from host.wasm.instance import Instance
 
 EXAMPLES = int(os.environ.get("PIE_FUZZ_EXAMPLES", "40"))
@@ -154,13 +154,13 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Host, dict[s
 def bound_instance(host: Host) -> Instance:
     """An instance (not started: the test thread plays its guest) bound to the calling thread."""
     inst = Instance(host._env, "0" * 64, ["fuzz"], lambda ev: None)
-    instance_mod._current.instance = inst
+    calling.instance = inst
     return inst
 
 
 def end(host: Host, inst: Instance) -> None:
     """What the host does when an instance ends, trapped or not."""
-    instance_mod._current.instance = None
+    calling.instance = None
     host._instance_ended(inst)
 
 

@@ -23,7 +23,7 @@ from wasmtime.component import ResourceAny
 
 from host.api import fastcall
 from host.replay import format as fmt
-from host.wasm import instance as instance_module
+from host.wasm.calling import calling
 from host.workers import wire
 
 __all__ = ["MAX_RECORDING_BYTES", "PIECE_BYTES", "Recorder"]
@@ -135,7 +135,6 @@ class Recorder:
 
 _taps = 0  # recorders tapped in this process
 _taps_lock = threading.Lock()
-_current = instance_module._current
 
 
 def _resolved(handle: ResourceAny, store: Any) -> Any:
@@ -147,7 +146,7 @@ def _resolved(handle: ResourceAny, store: Any) -> Any:
 
 def _tap(name: str, fn: Callable[..., Any], store: Any, args: list[Any]) -> Any:
     """fastcall's hook while some recorder is tapped: record the call if its instance records."""
-    inst = getattr(_current, "instance", None)
+    inst = getattr(calling, "instance", None)
     rec = None if inst is None else inst.recorder
     if rec is None:
         return fn(store, *args)

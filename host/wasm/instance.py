@@ -8,11 +8,9 @@ The WIT imports find the instance calling them with `current()` (each runs on it
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,8 +23,12 @@ from host.events import InstanceEvent
 from host.state.pages import InstancePages
 from host.state.topics import Mailbox
 from host.wasm import priority
+from host.wasm.calling import calling
+from host.wasm.inbox import Inbox
 from host.wasm.limits import InstanceLimits, unwatch_epochs, watch_epochs
 from host.wasm.logs import InstanceLog
+from host.wasm.starts import Starts
+from host.wasm.traps import explain_trap, memory_note
 
 if TYPE_CHECKING:
     from host.batching.future import ForwardFuture
@@ -34,12 +36,11 @@ if TYPE_CHECKING:
     from host.replay.recorder import Recorder
     from host.wasm.engine import WasmEngine
 
-__all__ = ["START_MAX_WAIT_S", "START_POLL_S", "Instance", "InstanceEnv", "Starts", "Terminated", "current"]
+__all__ = ["Instance", "InstanceEnv", "Terminated", "current"]
 
 log = logging.getLogger(__name__)
 
 _OUTPUT_TAIL = 4096
-_current = threading.local()
 
 
 def current(park: bool = True) -> Instance:
@@ -47,43 +48,12 @@ def current(park: bool = True) -> Instance:
     been launched yet waits here, at its first host call, until it is (see `Instance.warm`);
     `park` False: an import whose answer is the same for every launch (the model's constants) is
     answered before the launch, and the instance parks at its first call of another import."""
-    inst: Instance | None = getattr(_current, "instance", None)
+    inst: Instance | None = getattr(calling, "instance", None)
     if inst is None:
         raise wasmtime.WasmtimeError("host import called outside an inferlet thread")
     if park and inst.parked:
         inst.await_launch()
     return inst
-
-
-START_POLL_S = 0.002  # how often work that waits for `Starts` looks again
-START_MAX_WAIT_S = 0.25  # and the longest it waits (a guest computing before its first call, sustained load)
-
-
-class Starts:
-    """How many launched instances are starting: between their launch and their first wait (the
-    first forward of most inferlets) or their end.
-
-    Why: a burst's instances are its critical path until each has queued its first forward (the
-    backend's batches fill no faster), and the work that can wait, the warm pool's refills and the
-    reaper's frees (host/wasm/warm.py, reaper.py), should not take the cores and the GIL from them.
-    That work waits while `active()` (for at most a bound of its own). Measured (bench/README.md,
-    "Issue 40, second round"): 33-76 of the last burst's frees ran inside each ramp of 256 before,
-    1-9 after; burst efficiency on 2 vCPUs moved within the noise."""
-
-    def __init__(self) -> None:
-        self._n = 0
-        self._lock = threading.Lock()
-
-    def begin(self) -> None:
-        with self._lock:
-            self._n += 1
-
-    def done(self) -> None:
-        with self._lock:
-            self._n -= 1
-
-    def active(self) -> bool:
-        return self._n > 0
 
 
 @dataclass(frozen=True)
@@ -103,10 +73,6 @@ class InstanceEnv:
 
 class Terminated(Exception):
     """Raised inside a blocking import when the instance has been told to stop."""
-
-
-class InboxFull(Exception):
-    """A client message refused: the instance's unread messages would pass `max_inbox_bytes`."""
 
 
 class StepLookahead(Protocol):
@@ -159,8 +125,7 @@ class Instance:
         self._kick.acquire()
         self._waiting = False  # the thread is blocked on `_kick` (guarded by cond)
         self._handed = False  # the gate has woken it for its turn (guarded by cond)
-        self.inbox: deque[str] = deque()
-        self.inbox_bytes = 0  # UTF-8 bytes of the messages in `inbox` (guarded by cond)
+        self.inbox = Inbox(env.limits.max_inbox_bytes)  # unread client messages (guarded by cond)
         self.input_closed = False
         self.published = Mailbox(env.limits.max_published_messages, env.limits.max_published_bytes)
         self.topics: set[str] = set()
@@ -355,33 +320,21 @@ class Instance:
 
     def signal(self, message: str) -> None:
         """A client message for the guest's receive(); InboxFull past `max_inbox_bytes` unread."""
-        size = len(message.encode("utf-8", "surrogatepass"))
-        limit = self.env.limits.max_inbox_bytes
         with self.cond:
             if self.finished.is_set():
                 return  # nobody will read it
-            if self.inbox_bytes + size > limit:
-                raise InboxFull(f"instance {self.id} has {self.inbox_bytes} bytes of unread messages; this "
-                                f"{size}-byte message would pass its inbox limit of {limit} bytes "
-                                "(--max-inbox-kb); wait until it reads them")
-            self.inbox.append(message)
-            self.inbox_bytes += size
+            self.inbox.put(message, self.id)
             self._wake_all()
 
     def take_message(self) -> str | None:
         """The oldest unread client message, or None (cond held by the caller or not)."""
         with self.cond:
-            if not self.inbox:
-                return None
-            message = self.inbox.popleft()
-            self.inbox_bytes -= len(message.encode("utf-8", "surrogatepass"))
-            return message
+            return self.inbox.take()
 
     def drop_inbox(self) -> None:
         """The instance has ended: its unread messages go."""
         with self.cond:
             self.inbox.clear()
-            self.inbox_bytes = 0
 
     def close_input(self) -> None:
         """From now on receive() returns none once the inbox is empty."""
@@ -513,7 +466,7 @@ class Instance:
         finally:
             self._end_start()
             self.env.gate.leave()
-            _current.instance = None
+            calling.instance = None
             self._release()
             for stream, line in self.log.flush():  # a last line with no newline
                 self.log_line(stream, line)
@@ -545,10 +498,10 @@ class Instance:
         if run is None:
             raise wasmtime.WasmtimeError("the component exports no `run` function")
         self.state = "warm" if self.parked else "running"
-        _current.instance = self
+        calling.instance = self
         result = run(store)
         if isinstance(result, str):
-            return "exception", f"inferlet returned an error: {result}{self._memory_note(result)}"
+            return "exception", f"inferlet returned an error: {result}{memory_note(result, self.env.limits)}"
         return "completed", self.return_value or ""
 
     def _release(self) -> None:
@@ -557,57 +510,15 @@ class Instance:
 
     def _classify_trap(self, e: wasmtime.WasmtimeError) -> tuple[str, str]:
         """The end event of a guest that trapped: the host's own reason if it stopped the guest,
-        else wasmtime's root cause first, then the guest's stderr tail and a short backtrace."""
+        else its trap explained (host/wasm/traps.py)."""
         if self.stop_reason is not None:
             return self.stop_event, self.stop_reason
         if self.trap_reason is not None:
             return "exception", self.trap_reason
-        cause, backtrace = _split_wasmtime_error(str(e))
         pool = self.env.engine.pooling
-        limit = self.env.limits.explain(cause)
-        if limit is None and pool is not None:
-            limit = pool.explain(cause)
-            if limit is not None:  # the pool's slots ran out: not the guest's doing
-                self.failed_in_host = True
-        if limit is not None:
-            return "exception", limit
-        stderr = self._stderr.decode("utf-8", "replace").strip()
-        first = f"trap: {cause}{self._memory_note(stderr)}"
-        detail = f"\n{stderr[-2000:]}" if stderr else ""
-        frames = f"\nwasm backtrace:\n{backtrace}" if backtrace else ""
-        return "exception", f"{first}{detail}{frames}"
-
-    def _memory_note(self, guest_output: str) -> str:
-        """" (memory limit ...)" when the guest's last words are a Python MemoryError: its heap
-        could not grow, which in wasm means the memory limit refused it. Else ""."""
-        lines = guest_output.strip().splitlines()
-        if lines and lines[-1].startswith("MemoryError"):
-            return f" ({self.env.limits.memory_note()})"
-        return ""
-
-
-_BACKTRACE_FRAMES = 8
-
-
-def _split_wasmtime_error(text: str) -> tuple[str, str]:
-    """wasmtime's error text as (cause, backtrace).
-
-    A trap reads "error while executing at wasm backtrace: <frames> Caused by: <causes>", the
-    causes outermost first ("0: ...", "1: ..."). The cause is those joined by ": " (after the
-    first line when that is not the backtrace header, as in anyhow's "outer: inner"), or the
-    first line alone when there is no "Caused by:" section. At most 8 frames are kept.
-    """
-    head, sep, tail = text.strip().partition("\nCaused by:")
-    head_lines = [ln.strip() for ln in head.splitlines() if ln.strip()] or ["trap"]
-    if not sep:
-        return head_lines[0], ""
-    causes = [re.sub(r"^\d+: ", "", ln.strip()) for ln in tail.splitlines() if ln.strip()]
-    has_frames = head_lines[0].startswith("error while executing")
-    frames = head_lines[1:] if has_frames else []
-    causes = causes if has_frames else head_lines[:1] + causes
-    if len(frames) > _BACKTRACE_FRAMES:
-        frames = frames[:_BACKTRACE_FRAMES] + [f"... {len(frames) - _BACKTRACE_FRAMES} more frames"]
-    return ": ".join(causes) or "trap", "\n".join(f"  {f}" for f in frames)
+        message, host_fault = explain_trap(str(e), self.env.limits, pool, self._stderr.decode("utf-8", "replace"))
+        self.failed_in_host = self.failed_in_host or host_fault
+        return "exception", message
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from host.wasm import priority
-from host.wasm.instance import START_MAX_WAIT_S, START_POLL_S
+from host.wasm.starts import START_MAX_WAIT_S, START_POLL_S
 
 __all__ = ["StoreReaper"]
 

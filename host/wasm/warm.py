@@ -47,7 +47,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from host.wasm.instance import START_MAX_WAIT_S, START_POLL_S, Instance
+from host.wasm.instance import Instance
+from host.wasm.starts import START_MAX_WAIT_S, START_POLL_S
 
 __all__ = ["WarmPool"]
 

@@ -19,7 +19,7 @@ from host.api.guest import as_trap
 from host.api.lookahead import Stepper
 from host.batching.future import ForwardFuture
 from host.events import TERMINAL_EVENTS, InstanceEvent
-from host.wasm import instance as instance_module
+from host.wasm.calling import calling
 from host.wasm.instance import Instance, InstanceEnv, Terminated
 from host.workers import wire
 
@@ -114,7 +114,7 @@ class RemoteInstance(Instance):
 
     def _run(self) -> tuple[str, str]:
         """Launch the guest in a worker and serve its host calls until it ends there."""
-        instance_module._current.instance = self
+        calling.instance = self
         self.check_alive()  # (terminated before it started: ends at once, as in-process)
         self.pool.place(self)
         if self.stop_reason is not None and self.worker is not None:  # terminated while placed
