@@ -33,11 +33,17 @@ class HostConfig:
     model: None for the default SmolLM2 GGUF, else a .gguf path or an HF safetensors dir.
     policy: "adaptive" (one batch in flight, fire all queued when it returns) or "k-or-t"
         (fire when `batch_k` forwards are queued or the oldest waited `batch_t_ms`).
-    prefill_chunk: a forward of more new tokens than this runs in chunks of at most this many, one
-        batch each, the running generation loops stepping in every one (docs/architecture.md,
-        "Chunked prefill"); the chunks in one batch take at most this many tokens together; 0 = never
-        split. 256: the largest power of two that met issue 52's targets in bench/qos.py (see the
-        `--prefill-chunk` help).
+    prefill_chunk: "auto" (the default) or an int. "auto": a batch with running decodes takes at
+        most as many prefill tokens as keep its predicted time within `prefill_ratio` decode-only
+        steps, predicted from a running fit of the batches' times (fixed + per token) the scheduler
+        measures (host/batching/stepcost.py); longer prompts run in chunks, one batch each, the
+        running decodes stepping in every one (docs/architecture.md, "Chunked prefill"); a batch with
+        no running decodes is capped by `max_batch_tokens` only. An int: a forward of more new tokens
+        than this runs in chunks of at most this many, the chunks in one batch at most this many
+        together, whatever a token costs; 0 = never split.
+    prefill_ratio: with `prefill_chunk="auto"`, a batch with prefill chunks and running decodes is
+        sized to take at most this many times a decode-only step's time (1.5: issue 52's bound on the
+        decodes' mean TPOT while a long prompt prefills).
     launch_grace_ms: with "adaptive", how long after the last launch onto an idle host a batch waits
         for the launched instances' first forwards (it fires as soon as all have come, or blocked on
         something else). 2 ms: a burst's instances join the batches as they come, best in front of the
@@ -128,7 +134,8 @@ class HostConfig:
     gpu_memory_utilization: float = 0.9
     policy: str = "adaptive"
     max_batch_tokens: int = 10240
-    prefill_chunk: int = 256
+    prefill_chunk: int | str = "auto"
+    prefill_ratio: float = 1.5
     batch_k: int = 8
     batch_t_ms: float = 16.0
     launch_grace_ms: float = 2.0
@@ -198,8 +205,11 @@ class HostConfig:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
-        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be an int >= 0 (0 = never split), got {self.prefill_chunk!r}")
+        if self.prefill_chunk != "auto" and (isinstance(self.prefill_chunk, bool) or not isinstance(
+                self.prefill_chunk, int) or self.prefill_chunk < 0):
+            raise ValueError(f"prefill_chunk must be 'auto' or an int >= 0 (0 = never split), got {self.prefill_chunk!r}")
+        if not 1.0 < self.prefill_ratio <= 100.0:
+            raise ValueError(f"prefill_ratio must be in (1, 100], got {self.prefill_ratio}")
         if not 0 <= self.launch_grace_ms <= 10_000:
             raise ValueError(f"launch_grace_ms must be in [0, 10000], got {self.launch_grace_ms}")
         if self.batch_k < 1 or self.batch_t_ms < 0:

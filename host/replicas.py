@@ -102,8 +102,8 @@ def total_stats(replicas: Sequence[Replica]) -> SchedulerStats:
         st = r.scheduler.stats
         for f in fields(SchedulerStats):
             a, b = getattr(total, f.name), getattr(st, f.name)
-            if f.name == "max_batch_size":
-                total.max_batch_size = max(a, b)
+            if f.name in ("max_batch_size", "prefill_budget", "step_fixed_ms", "step_token_us"):
+                setattr(total, f.name, max(a, b))  # (per replica: the largest)
             elif isinstance(a, list):
                 setattr(total, f.name, [x + y for x, y in zip(a, b, strict=True)])
             else:

@@ -16,6 +16,7 @@ from host.batching.chunks import chunk_request
 from host.batching.generation import Generation, StopRules
 from host.batching.policy import AdaptivePolicy
 from host.batching.scheduler import Scheduler
+from host.batching.stepcost import PROBE_TOKENS, StepCost
 from host.state.pages import InstancePages, PageManager
 from host.state.prefix_cache import PrefixCache
 
@@ -87,7 +88,7 @@ class Recording(FakeBackend):
         return super().start_forward(reqs, feed)
 
 
-def _scheduler(be: Recording, chunk: int, pm: PageManager | None = None) -> Scheduler:
+def _scheduler(be: Recording, chunk: int | str, pm: PageManager | None = None) -> Scheduler:
     s = Scheduler(AdaptivePolicy(), prefill_chunk=chunk)
     s.bind(be.forward, be.copy_tokens, PS, pins=pm, start=be.start_forward, feeds=True)
     return s
@@ -156,9 +157,12 @@ def test_a_failed_chunk_fails_its_forward_and_frees_its_pins() -> None:
         s.stop()
 
 
-def _loops(chunk: int, prompt_len: int, loops: int = 4, delay_s: float = 0.002) -> tuple[dict[str, Any], Recording]:
-    """`loops` host-side loops start, then one with a `prompt_len` prompt: every loop's result, the backend."""
+def _loops(chunk: int | str, prompt_len: int, loops: int = 4, delay_s: float = 0.002, token_s: float = 0.0,
+           stats: dict[str, Any] | None = None, loop_prompt: int = 2) -> tuple[dict[str, Any], Recording]:
+    """`loops` host-side loops start, then one with a `prompt_len` prompt: every loop's result, the
+    backend (a step of `delay_s` + `token_s` a new token); `stats`: filled with the scheduler's."""
     be = Recording(delay_s=delay_s)
+    be.token_s = token_s
     pm = PageManager(128, None, PrefixCache(PS))
     s = _scheduler(be, chunk, pm)
     futs = {}
@@ -178,12 +182,15 @@ def _loops(chunk: int, prompt_len: int, loops: int = 4, delay_s: float = 0.002) 
             futs[name] = s.submit(req, name, generation=gen)
 
         for k in range(loops):
-            start(f"loop{k}", [10 + k, 20 + k], 30, seed=k if k % 2 else None)
+            start(f"loop{k}", [10 + k, 20 + k] + [(5 * i + k) % 190 + 3 for i in range(loop_prompt - 2)], 30,
+                  seed=k if k % 2 else None)
         while len(be.rows) < 3:  # the loops are running
             threading.Event().wait(0.001)
         start("long", [(7 * i) % 190 + 3 for i in range(prompt_len)], 5)
         results = {name: tuple(f.wait(30).tokens) for name, f in futs.items()}
         assert all(pm.pinned(p) == 0 for p in range(128))
+        if stats is not None:
+            stats.update(s.stats.as_dict())
         return results, be
     finally:
         s.stop()
@@ -222,6 +229,112 @@ def test_the_flag_reaches_the_config_and_a_bad_value_is_refused() -> None:
     ap = argparse.ArgumentParser()
     add_host_options(ap)
     assert host_config_from_args(ap.parse_args(["--prefill-chunk", "64"])).prefill_chunk == 64
-    assert host_config_from_args(ap.parse_args([])).prefill_chunk == HostConfig().prefill_chunk > 0
+    assert host_config_from_args(ap.parse_args([])).prefill_chunk == HostConfig().prefill_chunk == "auto"
+    cfg = host_config_from_args(ap.parse_args(["--prefill-chunk", "auto", "--prefill-ratio", "2"]))
+    assert cfg.prefill_chunk == "auto" and cfg.prefill_ratio == 2.0
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--prefill-chunk", "big"])
+    for bad in (-1, "big", 1.5, True):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            HostConfig(prefill_chunk=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prefill_ratio"):
+        HostConfig(prefill_ratio=1.0)
     with pytest.raises(ValueError, match="prefill_chunk"):
-        HostConfig(prefill_chunk=-1)
+        Scheduler(prefill_chunk="often")
+
+
+# ---- --prefill-chunk auto (host/batching/stepcost.py) ----
+
+def _fitted(fixed_s: float, token_s: float, sizes: tuple[int, ...] = (16, 16, 272, 16, 1024)) -> StepCost:
+    cost = StepCost()
+    for n in sizes:
+        cost.observe(n, fixed_s + token_s * n)
+    return cost
+
+
+def test_the_step_cost_fit_and_the_budget_it_gives() -> None:
+    dev = _fitted(0.010, 20e-6)  # a device: a step is mostly its fixed part
+    assert dev.fit is not None and dev.fit == pytest.approx((0.010, 20e-6))
+    assert dev.prefill_budget(16, 10240) == int(0.5 * (0.010 / 20e-6 + 16)) == 258
+    cpu = _fitted(0.050, 15e-3)  # the model on CPU: a token costs about what the fixed part does
+    assert cpu.prefill_budget(16, 10240) == int(0.5 * (0.050 / 15e-3 + 16)) == 9
+    assert cpu.fit_ms_us() == (50.0, 15000.0)
+    assert dev.prefill_budget(0, 10240) == 10240  # no running decodes: max_batch_tokens only
+    assert dev.prefill_budget(16, 200) == 184  # never past max_batch_tokens
+    assert StepCost().prefill_budget(16, 10240) == PROBE_TOKENS  # no fit yet: a probe
+    one = StepCost()
+    one.observe(16, 0.01)
+    one.observe(16, 0.012)
+    assert one.fit is None  # one size class: no slope
+    one.observe(40, 0.011)
+    assert one.fit is None  # 16 and 40 tokens: too narrow a range to trust (noise)
+    free = _fitted(0.010, 0.0)
+    assert free.prefill_budget(16, 10240) == 10240 - 16  # tokens cost nothing: no cap
+    r2 = StepCost(ratio=2.0)
+    for n in (16, 1024):
+        r2.observe(n, 0.010 + 20e-6 * n)
+    assert r2.prefill_budget(16, 10240) == 516
+    with pytest.raises(ValueError, match="ratio"):
+        StepCost(ratio=1.0)
+
+
+def test_auto_takes_the_prefills_within_the_budget_and_decodes_whole() -> None:
+    from host.batching.future import ForwardFuture
+    from host.batching.queue import JobQueue
+
+    q = JobQueue()
+    q.append(ForwardFuture(long_request(list(range(10)), context=0, n=40), "a"))
+    q.append(ForwardFuture(long_request(list(range(20, 30)), context=0, n=40, base=50), "b"))
+    step = ForwardRequest(pages=[40], last_page_len=2, tokens=[5], positions=[1],
+                          outputs=[OutputSpec(index=0, sample=GREEDY)], name="c")
+    q.append(ForwardFuture(step, "c"))
+    _copies, batch = q.take(True, [], PS, 10240, budget=10)
+    sent = [(f.owner, len((f.chunks.part if f.parent is None and f.chunks else f.request).tokens)) for f in batch]
+    assert sent == [("a", 10), ("c", 1)]  # a's first chunk takes the budget; b waits; the decode joins
+    _copies, batch = q.take(True, [], PS, 10240, budget=64)
+    assert [(f.owner, len(f.request.tokens)) for f in batch] == [("b", 40)]  # (a's chunk is in flight) whole
+
+
+def test_auto_serves_tenants_in_turn_within_the_budget() -> None:
+    from host.batching.future import ForwardFuture
+    from host.batching.queue import JobQueue
+    from host.levels import Turns
+
+    q = JobQueue()
+    futs = []
+    for k in range(3):
+        f = ForwardFuture(long_request(list(range(10 * k, 10 * k + 8)), context=0, n=30, base=k), f"a{k}")
+        f.tenant = "A"
+        futs.append(f)
+    late = ForwardFuture(long_request(list(range(40, 48)), context=0, n=30, base=9), "b0")
+    late.tenant = "B"
+    for f in [*futs, late]:
+        q.append(f)
+    chosen = q.choose(0, 10240, 0, Turns(), 0.0, budget=40)
+    assert chosen == {futs[0], late}  # A's first and B's, in turn; not A's backlog
+    assert q.choose(0, 10240, 0, Turns(), 0.0, budget=1000) is None  # all fit
+
+
+@pytest.mark.parametrize(("token_s", "chunked"), [(0.5e-3, True), (20e-6, False)])
+def test_auto_sizes_the_chunk_by_the_measured_step_cost(token_s: float, chunked: bool) -> None:
+    """A stand-in whose step takes 5 ms + `token_s` a new token; 4 loops start with 24-token prompts
+    (a 96-token batch, then 4-token steps: the fit's range). On a CPU-like cost (0.5 ms a token) the
+    budget with 4 decodes is ~0.5 * (10 + 4) = 7 tokens, so a 100-token prompt runs in many small
+    chunks; on a device-like one (20 us) ~0.5 * (250 + 4) = 127, so it runs at once. Outputs as
+    unchunked."""
+    whole, _ = _loops(0, 100, delay_s=0.005, token_s=token_s, loop_prompt=24)
+    st: dict[str, Any] = {}
+    auto, be = _loops("auto", 100, delay_s=0.005, token_s=token_s, stats=st, loop_prompt=24)
+    assert auto == whole
+    long_rows: list[int] = []  # its prefill's chunks (its decode steps after them)
+    for n in (n for batch in be.rows for name, n in batch if name == "long"):
+        if sum(long_rows) < 100:
+            long_rows.append(n)
+    assert sum(long_rows) == 100
+    if chunked:
+        assert len(long_rows) >= 4 and max(long_rows) <= 30, long_rows  # (7 on an idle machine)
+        assert st["chunked_prefills"] == 1 and 1 <= st["prefill_budget"] <= 30, st
+        assert st["step_token_us"] > 100, st  # the fit saw the per-token cost
+    else:
+        assert len(long_rows) <= 2 and long_rows[0] >= 60, long_rows
+        assert st["prefill_budget"] >= 60 and st["step_token_us"] <= 60, st

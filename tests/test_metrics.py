@@ -11,7 +11,8 @@ from host.server.metrics import ServerMetrics
 
 def _stats() -> dict[str, Any]:
     sched = {"batches": 7, "forwards": 21, "tokens": 90, "backend_errors": 1, "mean_batch_size": 3.0,
-             "lookaheads": 12, "lookaheads_withdrawn": 2, "chunked_prefills": 3, "prefill_chunks": 17}
+             "lookaheads": 12, "lookaheads_withdrawn": 2, "chunked_prefills": 3, "prefill_chunks": 17,
+             "prefill_budget": 258, "step_fixed_ms": 10.0, "step_token_us": 20.0}
     return {"scheduler": sched, "instances": 2, "free_pages": 10, "total_pages": 64}
 
 
@@ -38,6 +39,8 @@ def test_host_view_and_requests() -> None:
     assert s["pie_batches_total"] == 7 and s["pie_forward_errors_total"] == 1
     assert s["pie_step_lookaheads_total"] == 12 and s["pie_step_lookaheads_withdrawn_total"] == 2
     assert s["pie_chunked_prefills_total"] == 3 and s["pie_prefill_chunks_total"] == 17
+    assert s["pie_prefill_budget_tokens"] == 258 and abs(s["pie_step_fixed_seconds"] - 0.010) < 1e-12
+    assert abs(s["pie_step_token_seconds"] - 20e-6) < 1e-12
     assert s["pie_tokens_prefilled_total"] == 5 and s["pie_tokens_generated_total"] == 11
     assert s["pie_time_to_first_token_seconds_count"] == 1
     assert abs(s["pie_time_per_output_token_seconds_sum"] - 0.1) < 1e-9

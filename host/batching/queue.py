@@ -20,7 +20,25 @@ from host.batching.chunks import Chunks
 from host.batching.future import CopyRequest, ForwardFuture, Job
 from host.levels import Turns
 
-__all__ = ["JobQueue", "job_pages", "footprint"]
+__all__ = ["JobQueue", "job_pages", "footprint", "DECODE_TOKENS", "decode_tokens"]
+
+DECODE_TOKENS = 16  # with `--prefill-chunk auto`: a forward of at most this many new tokens is a decode step
+
+
+def _split(chunk: int, budget: int | None) -> int:
+    """Forwards of more new tokens than this run in chunks (0: none): `chunk`, or with a prefill
+    `budget` (`--prefill-chunk auto`) every forward longer than a decode step."""
+    return DECODE_TOKENS if budget is not None else chunk
+
+
+def decode_tokens(jobs: Iterable[ForwardFuture]) -> int:
+    """The new tokens of the queued decode steps among `jobs` (`--prefill-chunk auto`)."""
+    n = 0
+    for f in jobs:
+        req = f.request
+        if isinstance(req, ForwardRequest) and f.chunks is None and len(req.tokens) <= DECODE_TOKENS:
+            n += len(req.tokens)
+    return n
 
 
 def job_pages(job: Job) -> list[int]:
@@ -77,35 +95,51 @@ class JobQueue:
         jobs, self.jobs, self.copies = self.jobs, [], 0
         return jobs
 
-    def choose(self, ahead: int, max_tokens: int, chunk: int, turns: Turns, now: float) -> set[ForwardFuture] | None:
+    def choose(self, ahead: int, max_tokens: int, chunk: int, turns: Turns, now: float,
+               budget: int | None = None) -> set[ForwardFuture] | None:
         """The queued forwards a batch after `ahead` tokens should take when they do not all fit in
-        `max_tokens` (None: they do), in the service levels' order (`turns`); a forward whose owner
-        has one left out before it is left out too (its order)."""
+        `max_tokens`, or the chunked ones not in their share (`chunk`, or with `--prefill-chunk auto`
+        the batch's prefill `budget`) (None: they do), in the service levels' order (`turns`); a
+        forward whose owner has one left out before it is left out too (its order)."""
         costs: dict[ForwardFuture, int] = {}
-        total = ahead
+        split = _split(chunk, budget)
+        cap = budget if budget is not None else chunk
+        chunked: set[ForwardFuture] = set()
+        total, pre = ahead, 0
         for f in self.jobs:
             req = f.request
             if isinstance(req, CopyRequest):
                 continue
             n = len(req.tokens) - (f.chunks.done if f.chunks is not None else 0)
-            costs[f] = min(n, chunk) if chunk and req.embeds is None and (f.chunks is not None or n > chunk) else n
-            total += costs[f]
-        if total <= max_tokens:
+            if split and req.embeds is None and (f.chunks is not None or n > split):
+                chunked.add(f)
+                n = min(n, cap)
+                pre += n
+            costs[f] = n
+            total += n
+        if total <= max_tokens and pre <= cap:
             return None
         chosen: set[ForwardFuture] = set()
         left: set[str] = set()
-        tokens = ahead
+        tokens, used = ahead, 0
         for f in turns.order(list(costs), lambda f: f.priority, lambda f: f.tenant, lambda f: f.submitted, now):
-            if f.owner not in left and (tokens + costs[f] <= max_tokens or not (chosen or ahead)):
+            if f in chunked:  # it takes what is left of the share (a chunk of it), if anything is
+                n = min(costs[f], cap - used, max_tokens - tokens if chosen or ahead else costs[f])
+                if f.owner not in left and n > 0:
+                    chosen.add(f)
+                    tokens += n
+                    used += n
+                    continue
+            elif f.owner not in left and (tokens + costs[f] <= max_tokens or not (chosen or ahead)):
                 chosen.add(f)
                 tokens += costs[f]
-            else:
-                left.add(f.owner)
+                continue
+            left.add(f.owner)
         return chosen
 
     def take(self, fire: bool, ahead: Sequence[ForwardFuture], page_size: int, max_tokens: int,
-             dry: bool = False, chunk: int = 0,
-             chosen: set[ForwardFuture] | None = None) -> tuple[list[ForwardFuture], list[ForwardFuture]]:
+             dry: bool = False, chunk: int = 0, chosen: set[ForwardFuture] | None = None,
+             budget: int | None = None) -> tuple[list[ForwardFuture], list[ForwardFuture]]:
         """The copies that may run now and, if `fire`, the queued forwards that may join a batch after
         `ahead` (the running loops' steps, which go first): nothing they touch is touched by a job
         ahead of them, and the batch stays within `max_tokens` tokens. `dry`: leave the queue as is.
@@ -115,7 +149,12 @@ class JobQueue:
         last joins the batch as a job of its own (`ForwardFuture.parent`); the forward stays queued
         in its place, so everything behind it waits as for any job ahead. Its last chunk is the
         forward itself (`chunks.part` is what runs). `chosen` (from `choose`): only these forwards
-        may join."""
+        may join.
+
+        `budget` (`--prefill-chunk auto`, host/batching/stepcost.py): instead of a fixed chunk, every
+        forward of more than `DECODE_TOKENS` new tokens (a prefill) is chunked as needed so that the
+        prefills in this batch take at most `budget` tokens together; shorter ones (decode steps)
+        join whole. A forward with input embeddings runs whole either way."""
         copies: list[ForwardFuture] = []
         batch: list[ForwardFuture] = []
         rest: list[ForwardFuture] = []
@@ -124,7 +163,8 @@ class JobQueue:
         behind: set[str] = set()  # owners with a job ahead that stays queued
         owners = {f.owner for f in ahead}
         tokens = len(ahead)
-        chunk_left = chunk  # tokens the chunks taken so far leave to others
+        split = _split(chunk, budget)  # forwards of more new tokens than this are chunked (0: none)
+        chunk_left = budget if budget is not None else chunk  # tokens the chunks taken so far leave to others
         if self.jobs:  # the loops' pages count as ahead of every queued job
             for fut in ahead:
                 r, w = footprint(fut.request, page_size)
@@ -142,15 +182,14 @@ class JobQueue:
                 # no conflict with any job ahead (taken or staying queued): order of page access kept
                 ch = fut.chunks
                 # (a forward with input embeddings runs whole: its vectors' runs are not split)
-                if chunk and req.embeds is None and (ch is not None or len(req.tokens) > chunk):
+                if split and req.embeds is None and (ch is not None or len(req.tokens) > split):
                     left = len(req.tokens) - (ch.done if ch is not None else 0)
                     n = min(left, chunk_left, max_tokens - tokens if batch or ahead else left)
                     if n > 0 and not (ch is not None and ch.running):
                         chunk_left -= n
                         tokens += n
-                        if n == left:  # its last chunk: the forward itself runs
-                            if not dry:
-                                assert ch is not None
+                        if n == left:  # its last chunk (or, with a budget, all of it): the forward itself runs
+                            if not dry and ch is not None:
                                 ch.take(req, n, page_size)
                             batch.append(fut)
                             reads |= r

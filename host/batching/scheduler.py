@@ -22,8 +22,9 @@ from host.batching.future import CopyRequest, ForwardFuture, Job
 from host.batching.generation import Generation
 from host.batching.loops import Loops
 from host.batching.policy import AdaptivePolicy, BatchPolicy
-from host.batching.queue import JobQueue, job_pages
+from host.batching.queue import JobQueue, decode_tokens, job_pages
 from host.batching.stats import BATCH_SIZE_BUCKETS, SchedulerStats
+from host.batching.stepcost import DEFAULT_RATIO, StepCost
 from host.levels import DEFAULT_AGING_S, LevelStats, Turns
 
 __all__ = ["Scheduler", "SchedulerStats", "ForwardFn", "StartFn", "CopyFn", "BATCH_SIZE_BUCKETS"]
@@ -71,13 +72,17 @@ class Scheduler:
     """
 
     def __init__(self, policy: BatchPolicy | None = None, max_batch_tokens: int = 10240,
-                 prefill_chunk: int = 0, aging_s: float = DEFAULT_AGING_S) -> None:
+                 prefill_chunk: int | str = 0, aging_s: float = DEFAULT_AGING_S,
+                 prefill_ratio: float = DEFAULT_RATIO) -> None:
         self.policy = policy or AdaptivePolicy()
         self.max_batch_tokens = max_batch_tokens
         # a forward of more new tokens runs in chunks of at most this many, one batch each, so the
-        # running loops step between them (host/batching/chunks.py); 0 = never split
-        self.prefill_chunk = prefill_chunk
+        # running loops step between them (host/batching/chunks.py); 0 = never split; "auto": sized
+        # per batch from the measured step cost (host/batching/stepcost.py), `prefill_ratio` its bound
         self.stats = SchedulerStats()
+        self.cost = StepCost(prefill_ratio)  # the running fit of a batch's time on its tokens
+        self._last_end = 0.0  # when the last batch waited for ended (a batch's time starts no earlier)
+        self.set_prefill_chunk(prefill_chunk)
         # service levels (host/levels.py): each owner's (priority, tenant), set by the host; a full
         # batch takes queued forwards in their order; waits counted per priority and tenant
         self._classes: dict[str, tuple[int, str]] = {}
@@ -155,6 +160,15 @@ class Scheduler:
             if idle or isinstance(request, CopyRequest) or self.policy.ready(self._pending(), time.perf_counter()):
                 self._cv.notify()
         return fut
+
+    def set_prefill_chunk(self, chunk: int | str) -> None:
+        """`--prefill-chunk`: an int >= 0 (0 = never split) or "auto"."""
+        if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+            raise ValueError(f"prefill_chunk must be an int >= 0 or 'auto', got {chunk!r}")
+        self.prefill_chunk = chunk
+        self._auto = chunk == "auto"
+        self._chunk = 0 if self._auto else int(chunk)
+        self._chunking = self._auto or self._chunk > 0
 
     def set_class(self, owner: str, priority: int, tenant: str) -> None:
         """`owner`'s service level from its next job on (host/levels.py; a checked priority)."""
@@ -292,10 +306,14 @@ class Scheduler:
                 lp.ahead, lp.ahead_reqs, lp.ahead_rows, lp.resident = [], [], [], []
                 self._loops_in_batch = len(loops)
         now = time.perf_counter()
-        chosen = self._queue.choose(len(loops), self.max_batch_tokens, self.prefill_chunk, self.turns, now) \
+        budget = None
+        if self._auto and fire and self._queue:  # prefill tokens this batch may take (stepcost.py)
+            budget = self.cost.prefill_budget(len(loops) + decode_tokens(self._queue.jobs), self.max_batch_tokens)
+            self.stats.prefill_budget = self.cost.budget
+        chosen = self._queue.choose(len(loops), self.max_batch_tokens, self._chunk, self.turns, now, budget) \
             if fire and self._queue else None
-        copies, queued = self._queue.take(fire, loops, self._page_size, self.max_batch_tokens, dry, self.prefill_chunk,
-                                          chosen)
+        copies, queued = self._queue.take(fire, loops, self._page_size, self.max_batch_tokens, dry, self._chunk,
+                                          chosen, budget)
         if not dry and queued:
             self._waited(queued, now, chosen is not None)
         return copies, loops + queued
@@ -388,9 +406,14 @@ class Scheduler:
             self._fail([f for f in run.batch if not f.done()], e)
             return False
         end = time.perf_counter()
+        # the batch's own time: a device runs its queue in order, so from the last one's end if later
+        self.cost.observe(run.tokens, end - max(run.start, self._last_end))
+        self._last_end = end
         self._after_run(run.batch, results, getattr(run.handle, "tokens", None), run.loops, run.ahead, run.start,
                         end, fed)
         self.stats.record(len(run.batch), run.tokens, run.waited, run.start, end)
+        if self._auto:
+            self.stats.step_fixed_ms, self.stats.step_token_us = self.cost.fit_ms_us()
         return True
 
     def _launch(self, batch: list[ForwardFuture], reqs: list[ForwardRequest], loops: int, ahead: int,
@@ -435,7 +458,7 @@ class Scheduler:
         """The batch has run: plain forwards finish (or queue their follow-up), the loops' drawn
         tokens go into their prepared steps (`fed`: launched already), the loops that cannot run
         ahead take their step."""
-        if self.prefill_chunk:
+        if self._chunking:
             self._chunks_ran(batch, results, loops)
         rest, rest_results = batch[loops:], results[loops:]
         come_back: list[str] = []

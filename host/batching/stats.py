@@ -25,6 +25,11 @@ class SchedulerStats:
     lookaheads_withdrawn: int = 0  # follow-ups taken back before they ran
     chunked_prefills: int = 0  # forwards split into chunks (`--prefill-chunk`, host/batching/chunks.py)
     prefill_chunks: int = 0  # the chunks they ran as, one batch each
+    # `--prefill-chunk auto` (host/batching/stepcost.py): the prefill tokens the last batch with running
+    # decodes could take, and the fit of a batch's time it came from (fixed ms + us per token)
+    prefill_budget: int = 0
+    step_fixed_ms: float = 0.0
+    step_token_us: float = 0.0
     # batches by size: [i] counts sizes <= BATCH_SIZE_BUCKETS[i] (and > the bound before); the last, larger ones
     batch_size_counts: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SIZE_BUCKETS) + 1))
 
@@ -49,5 +54,7 @@ class SchedulerStats:
             "mean_backend_ms": 1000 * self.backend_s / b, "backend_errors": self.errors,
             "lookaheads": self.lookaheads, "lookaheads_withdrawn": self.lookaheads_withdrawn,
             "chunked_prefills": self.chunked_prefills, "prefill_chunks": self.prefill_chunks,
+            "prefill_budget": self.prefill_budget, "step_fixed_ms": self.step_fixed_ms,
+            "step_token_us": self.step_token_us,
             "batch_size_counts": list(self.batch_size_counts),
         }

@@ -32,6 +32,16 @@ MODEL_FAMILIES = ("Families: Llama 2/3 (SmolLM2), Mistral (sliding window), Qwen
                   "SentencePiece (tokenizer.json; GGUF gpt2 and llama vocabularies). See docs/models.md.")
 
 
+def _prefill_chunk(value: str) -> int | str:
+    """`--prefill-chunk`: "auto" or an int."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {value!r}") from None
+
+
 def _default(name: str) -> Any:
     """HostConfig's default for field `name`, shown in the help so it is stated in one place."""
     return next(f.default for f in dataclasses.fields(HostConfig) if f.name == name)
@@ -57,14 +67,17 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=list(POLICIES), help=f"batching policy (default {_default('policy')})")
     parser.add_argument("--max-batch-tokens", type=int,
                         help=f"cap on tokens per batch (default {_default('max_batch_tokens')})")
-    parser.add_argument("--prefill-chunk", type=int, metavar="N",
-                        help="a forward of more than N new tokens runs in chunks of N, one batch each, so running "
-                             "decodes step between them instead of waiting for the whole prefill; 0 = never split "
-                             f"(default {_default('prefill_chunk')}: measured by bench/qos.py on a step of 10 ms + "
-                             "20 us a token, the largest power of two that keeps 16 decodes' longest gap while a "
-                             "4,096-token prompt prefills within 3x their TPOT and their mean within 1.5x: 1.55x and "
-                             "1.46x; 512 gave 1.76x mean. Smaller suits a backend whose tokens cost more per step, "
-                             "as on CPU)")
+    parser.add_argument("--prefill-chunk", type=_prefill_chunk, metavar="auto|N",
+                        help="how long prompts share batches with running decodes, so those keep stepping "
+                             "instead of waiting for a whole prefill. auto: a batch with running decodes takes "
+                             "as many prefill tokens as keep its predicted time within --prefill-ratio "
+                             "decode-only steps, from a running fit of the batches' measured times (fixed + per "
+                             "token), so the chunk suits the backend (a few tokens on CPU, hundreds on a GPU); N: "
+                             "a forward of more than N new tokens runs in chunks of N, one batch each; 0 = never "
+                             f"split (default {_default('prefill_chunk')}; bench/qos.py measures both)")
+    parser.add_argument("--prefill-ratio", type=float, metavar="R",
+                        help="with --prefill-chunk auto: a batch with prefill chunks takes at most R times a "
+                             f"decode-only step (default {_default('prefill_ratio')})")
     parser.add_argument("--memory-limit-mb", type=int,
                         help=f"memory limit per instance, all linear memories and tables together (default {_default('memory_limit_bytes') // MIB} MiB)")
     parser.add_argument("--wall-budget-s", type=float, help="wall-clock budget per instance in seconds (default: none)")
@@ -189,6 +202,7 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "model": args.model, "device": args.device, "dtype": args.dtype, "page_size": args.page_size,
         "num_pages": args.num_pages, "kv_memory_bytes": _mib(args.kv_memory), "policy": args.policy,
         "max_batch_tokens": args.max_batch_tokens, "prefill_chunk": args.prefill_chunk,
+        "prefill_ratio": args.prefill_ratio,
         "memory_limit_bytes": _mib(args.memory_limit_mb),
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
         "max_pages_per_tenant": args.max_pages_per_tenant, "swap_memory_bytes": _mib(args.swap_memory),

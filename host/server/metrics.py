@@ -45,7 +45,8 @@ class _HostCollector(Collector):
         s = self._stats()
         sched: dict[str, Any] = {"batches": 0, "forwards": 0, "tokens": 0, "backend_errors": 0,
                                  "mean_batch_size": 0.0, "lookaheads": 0, "lookaheads_withdrawn": 0,
-                                 "chunked_prefills": 0, "prefill_chunks": 0, **s.get("scheduler", {})}
+                                 "chunked_prefills": 0, "prefill_chunks": 0, "prefill_budget": 0,
+                                 "step_fixed_ms": 0.0, "step_token_us": 0.0, **s.get("scheduler", {})}
         free, total = s["free_pages"], s["total_pages"]
         yield GaugeMetricFamily("pie_instances_running", "Instances running", value=s["instances"])
         lq = {"queued": self._queued(), "queued_total": 0, "timeouts": 0, **s.get("launch_queue", {})}
@@ -68,6 +69,12 @@ class _HostCollector(Collector):
                                   "between them (--prefill-chunk)", value=sched["chunked_prefills"])
         yield CounterMetricFamily("pie_prefill_chunks", "Chunks the chunked forwards ran as, one batch each",
                                   value=sched["prefill_chunks"])
+        yield GaugeMetricFamily("pie_prefill_budget_tokens", "With --prefill-chunk auto: the prefill tokens the "
+                                "last batch with running decodes could take", value=sched["prefill_budget"])
+        yield GaugeMetricFamily("pie_step_fixed_seconds", "With --prefill-chunk auto: a batch's fixed time, "
+                                "fitted from the batches run", value=sched["step_fixed_ms"] / 1000)
+        yield GaugeMetricFamily("pie_step_token_seconds", "With --prefill-chunk auto: a batch's time per new "
+                                "token, fitted from the batches run", value=sched["step_token_us"] / 1e6)
         yield GaugeMetricFamily("pie_batch_size_mean", "Mean forwards per batch",
                                 value=sched["mean_batch_size"])
         mem: dict[str, int] = {"suspensions": 0, "resumes": 0, "swapped_pages": 0, "swapped_bytes": 0,

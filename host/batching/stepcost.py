@@ -1,0 +1,98 @@
+"""`--prefill-chunk auto`: how many prefill tokens a batch with running decodes may take.
+
+The scheduler times every batch it runs (from its launch, or the previous batch's end if that is
+later: a device runs its queue in order) and keeps a running fit of
+
+    step time = fixed + per_token * tokens      (tokens: every new token in the batch)
+
+over the batches it actually ran. Points are kept per size class (a power of two of tokens, an
+exponentially weighted mean each), so the many decode-only steps do not drown the few batches
+with prefills, and a class seen long ago still anchors the line. The fit is least squares over the
+classes' means, once the largest has at least `_SPAN` times the tokens of the smallest (a narrower
+range measures the timing noise, not the slope).
+
+A batch whose running decodes bring `d` tokens may then add `P` prefill tokens such that its
+predicted time stays within `ratio` times a decode-only step's:
+
+    fixed + per_token * (d + P) <= ratio * (fixed + per_token * d)
+    P <= (ratio - 1) * (fixed / per_token + d)
+
+So on a device where a step is mostly its fixed part (10 ms + 20 us a token: P ~ 250 + d / 2 at
+1.5) prefills go in large chunks, and on CPU, where a token costs about what a step's fixed part
+does, in a few tokens. A batch with no running decodes is not capped beyond `max_batch_tokens`.
+Before there is a fit a batch with decodes takes `PROBE_TOKENS` prefill tokens, which widen the range.
+"""
+
+from __future__ import annotations
+
+__all__ = ["StepCost", "PROBE_TOKENS", "DEFAULT_RATIO"]
+
+PROBE_TOKENS = 32  # prefill tokens per batch with decodes before there is a fit
+DEFAULT_RATIO = 1.5  # a batch with prefill chunks: at most this many decode-only steps' time
+_ALPHA = 0.25  # weight of a new batch in its class's mean
+_SPAN = 4  # a fit needs batches of at least this many times the fewest tokens seen
+
+
+class StepCost:
+    """The running fit of a batch's time on its tokens (not thread-safe: the scheduler thread's)."""
+
+    def __init__(self, ratio: float = DEFAULT_RATIO) -> None:
+        if not ratio > 1.0:
+            raise ValueError(f"the prefill ratio must be > 1 (a batch may take longer than a decode step), got {ratio}")
+        self.ratio = ratio
+        self._classes: dict[int, list[float]] = {}  # size class -> [mean tokens, mean seconds]
+        self._fit: tuple[float, float] | None = None  # (fixed s, per-token s), None until two classes
+        self.budget = 0  # the last budget given to a batch with decodes (0: none yet)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A batch of `tokens` new tokens took `seconds`."""
+        if tokens <= 0 or not seconds > 0:
+            return
+        c = self._classes.get(tokens.bit_length())
+        if c is None:
+            self._classes[tokens.bit_length()] = [float(tokens), seconds]
+        else:
+            c[0] += _ALPHA * (tokens - c[0])
+            c[1] += _ALPHA * (seconds - c[1])
+        self._fit = self._refit()
+
+    def _refit(self) -> tuple[float, float] | None:
+        pts = list(self._classes.values())
+        if len(pts) < 2 or max(p[0] for p in pts) < _SPAN * min(p[0] for p in pts):
+            return None  # too narrow a range of sizes: the slope would be the timing noise's
+        n = len(pts)
+        mx = sum(p[0] for p in pts) / n
+        my = sum(p[1] for p in pts) / n
+        sxx = sum((p[0] - mx) ** 2 for p in pts)
+        if sxx <= 0:
+            return None
+        slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
+        slope = max(slope, 0.0)
+        return max(my - slope * mx, 0.0), slope
+
+    @property
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None before two size classes were seen."""
+        return self._fit
+
+    def prefill_budget(self, decode_tokens: int, max_tokens: int) -> int:
+        """Prefill tokens a batch whose decodes bring `decode_tokens` may add (at least 1)."""
+        room = max(max_tokens - decode_tokens, 1)
+        if decode_tokens <= 0:
+            return room
+        fit = self._fit
+        if fit is None:
+            p = PROBE_TOKENS
+        else:
+            fixed, per_token = fit
+            if per_token <= 0:
+                p = room
+            else:
+                p = int((self.ratio - 1.0) * (fixed / per_token + decode_tokens))
+        self.budget = p = max(1, min(p, room))
+        return p
+
+    def fit_ms_us(self) -> tuple[float, float]:
+        """The fit as (fixed ms, us per token); zeros before there is one."""
+        fixed, per_token = self._fit or (0.0, 0.0)
+        return round(1000 * fixed, 3), round(1e6 * per_token, 3)
