@@ -1,13 +1,15 @@
 """Service levels under long prompts: running decodes' TPOT while a long prompt prefills, chunked
 (`--prefill-chunk`, host/batching/chunks.py) against unchunked (the baseline) in the same run.
 
-Usage: python bench/qos.py --json OUT [--chunks 0 128 256 512 1024] [--prompt 4096] [--decodes 16]
+Usage: python bench/qos.py --json OUT [--chunks 0 128 256 512 1024 auto] [--prompt 4096] [--decodes 16]
                            [--step-ms 10] [--token-us 20] [--real] [--real-prompt 1024] [--quick]
+                           [--level-chunk auto] [--parts standin priority tenants]
 
 On the scheduler alone (no instances): `--decodes` host-side loops run; once steady, one prompt of
 `--prompt` tokens arrives (a host-side loop too). For each batch the decodes' tokens come out at the
 batch's end, so a decode's gap between two tokens is the time between two batch ends. Reported per
-chunk size (0 = unchunked): the steady TPOT (median before the prompt), over the window from the
+chunk size (0 = unchunked; `auto`: sized per batch from the measured step cost,
+host/batching/stepcost.py): the steady TPOT (median before the prompt), over the window from the
 prompt's arrival to its first token the longest gap and the mean gap, both as ratios of the steady
 TPOT (issue 52's targets: <= 3 and <= 1.5), and the prompt's time to first token (what chunking
 costs it). Backends: the stand-in with a step of a fixed `--step-ms` plus `--token-us` per token
@@ -20,7 +22,8 @@ and half at +1, alternating; the mean TTFT and TPOT of each half, against the sa
 priority 0 (the baseline). Tenants (`tenants`): tenant A floods `--flood` such requests at once, tenant
 B sends one every `--interval` s (`--b-requests` of them); B's mean and max TTFT against an idle
 host's (B alone, the baseline) and against the same flood with B counted as A (no turns between
-tenants). Writes JSON to --json.
+tenants). The priority and tenant runs use `--level-chunk` (the host's default, `auto`), their
+baselines too. `--parts`: which of these to run (`real` runs with `--real`). Writes JSON to --json.
 """
 
 from __future__ import annotations
@@ -43,17 +46,22 @@ from host.state.pages import InstancePages, PageManager
 PS = 16
 
 
+def _chunk(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, required=True, help="where to write the results")
-    ap.add_argument("--chunks", type=int, nargs="+", default=[0, 128, 256, 512, 1024],
-                    help="--prefill-chunk values (0 = unchunked, the baseline)")
+    ap.add_argument("--chunks", type=_chunk, nargs="+", default=[0, 128, 256, 512, 1024, "auto"],
+                    help="--prefill-chunk values (0 = unchunked, the baseline; auto)")
     ap.add_argument("--prompt", type=int, default=4096, help="the long prompt's tokens (stand-in)")
     ap.add_argument("--decodes", type=int, default=16, help="decodes running while it arrives")
     ap.add_argument("--step-ms", type=float, default=10.0, help="the stand-in's fixed time per batch")
     ap.add_argument("--token-us", type=float, default=20.0, help="the stand-in's time per new token in a batch")
     ap.add_argument("--real", action="store_true", help="also the default model on CPU")
-    ap.add_argument("--real-chunks", type=int, nargs="+", default=[0, 16, 64, 256], help="chunks for --real")
+    ap.add_argument("--real-chunks", type=_chunk, nargs="+", default=[0, 16, 64, 256, "auto"],
+                    help="chunks for --real")
     ap.add_argument("--real-prompt", type=int, default=1024, help="the long prompt's tokens with --real")
     ap.add_argument("--requests", type=int, default=64, help="priority run: requests arriving at once")
     ap.add_argument("--req-prompt", type=int, default=256, help="priority / tenant runs: each request's prompt")
@@ -62,11 +70,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--flood", type=int, default=256, help="tenant run: tenant A's requests at once")
     ap.add_argument("--interval", type=float, default=1.0, help="tenant run: seconds between B's requests")
     ap.add_argument("--b-requests", type=int, default=5, help="tenant run: B's requests")
+    ap.add_argument("--level-chunk", type=_chunk, default="auto",
+                    help="--prefill-chunk of the priority and tenant runs (default auto, the host's)")
+    ap.add_argument("--parts", nargs="+", choices=["standin", "priority", "tenants"],
+                    default=["standin", "priority", "tenants"], help="which runs (--real adds the model's)")
     ap.add_argument("--quick", action="store_true", help="a small, fast run (CI): a 512-token prompt, 4 decodes")
     opts = ap.parse_args()
     if opts.quick:  # the defaults shrink; what is given on the command line stays
-        ap.set_defaults(chunks=[0, 128], prompt=512, decodes=4, step_ms=2.0, token_us=20.0,
-                        real_chunks=[0, 64], real_prompt=128, requests=16, req_prompt=128, req_tokens=4,
+        ap.set_defaults(chunks=[0, 128, "auto"], prompt=512, decodes=4, step_ms=2.0, token_us=20.0,
+                        real_chunks=[0, "auto"], real_prompt=128, requests=16, req_prompt=128, req_tokens=4,
                         batch_tokens=512, flood=32, interval=0.05, b_requests=3)
         opts = ap.parse_args()
     return opts
@@ -99,7 +111,7 @@ class Ends:
         self._backend.start_forward = self._original
 
 
-def one_run(backend: Any, chunk: int, prompt_len: int, decodes: int) -> dict[str, float]:
+def one_run(backend: Any, chunk: int | str, prompt_len: int, decodes: int) -> dict[str, Any]:
     """Decodes run, a prompt arrives: the ratios and times (see the module docstring)."""
     ends = Ends(backend)
     pm = PageManager(backend.info.num_pages, None, None)
@@ -147,16 +159,17 @@ def one_run(backend: Any, chunk: int, prompt_len: int, decodes: int) -> dict[str
     gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
     return {"steady_tpot_ms": round(1000 * steady, 3), "max_gap_ratio": round(max(gaps) / steady, 2),
             "mean_gap_ratio": round(statistics.mean(gaps) / steady, 2), "ttft_ms": round(1000 * (done - arrive), 1),
-            "chunks": sched.stats.prefill_chunks}
+            "chunks": sched.stats.prefill_chunks, "prefill_budget": sched.stats.prefill_budget,
+            "step_fixed_ms": sched.stats.step_fixed_ms, "step_token_us": sched.stats.step_token_us}
 
 
 class Requests:
     """Host-side loops on one scheduler, each with its owner's service level; times their first
     token and their end."""
 
-    def __init__(self, backend: Any, batch_tokens: int) -> None:
+    def __init__(self, backend: Any, batch_tokens: int, chunk: int | str = 0) -> None:
         self.pm = PageManager(backend.info.num_pages, None, None)
-        self.sched = Scheduler(AdaptivePolicy(), max_batch_tokens=batch_tokens)
+        self.sched = Scheduler(AdaptivePolicy(), max_batch_tokens=batch_tokens, prefill_chunk=chunk)
         self.sched.bind(backend.forward, backend.copy_tokens, PS, pins=self.pm, start=backend.start_forward,
                         feeds=bool(getattr(backend, "feeds", False)))
         self.vocab = backend.info.vocab_size
@@ -203,7 +216,7 @@ def priority_run(opts: argparse.Namespace, prioritized: bool) -> dict[str, Any]:
     """`--requests` at once, alternating high / low (or all 0): each half's TTFT and TPOT."""
     need = opts.requests * (-(-(opts.req_prompt + opts.req_tokens) // PS) + 1) + 64
     be = StandInBackend(page_size=PS, num_pages=need, delay_s=opts.step_ms / 1000, token_s=opts.token_us / 1e6)
-    rq = Requests(be, opts.batch_tokens)
+    rq = Requests(be, opts.batch_tokens, opts.level_chunk)
     try:
         recs = [rq.submit(opts.req_prompt, opts.req_tokens, (-1 if k % 2 == 0 else 1) if prioritized else 0)
                 for k in range(opts.requests)]
@@ -220,7 +233,7 @@ def tenant_run(opts: argparse.Namespace, flood: int, b_tenant: str) -> dict[str,
     """Tenant A floods `flood` requests; B sends one every `--interval` s: B's TTFT."""
     need = (flood + opts.b_requests) * (-(-(opts.req_prompt + opts.req_tokens) // PS) + 1) + 64
     be = StandInBackend(page_size=PS, num_pages=need, delay_s=opts.step_ms / 1000, token_s=opts.token_us / 1e6)
-    rq = Requests(be, opts.batch_tokens)
+    rq = Requests(be, opts.batch_tokens, opts.level_chunk)
     try:
         flooded = [rq.submit(opts.req_prompt, opts.req_tokens, 0, "A") for _ in range(flood)]
         bs = []
@@ -234,7 +247,14 @@ def tenant_run(opts: argparse.Namespace, flood: int, b_tenant: str) -> dict[str,
     finally:
         rq.close()
     ttft = [r["first"] - r["arrive"] for r in bs]
-    return {"b_ttft_ms": round(1000 * statistics.mean(ttft), 1), "b_ttft_max_ms": round(1000 * max(ttft), 1)}
+    out = {"b_ttft_ms": round(1000 * statistics.mean(ttft), 1), "b_ttft_max_ms": round(1000 * max(ttft), 1),
+           "b_ttft_all_ms": [round(1000 * t, 1) for t in ttft]}
+    if flooded:  # how long A's flood took to prefill and to finish, and how many of B's came meanwhile
+        t0 = flooded[0]["arrive"]
+        last_first = max(r["first"] for r in flooded)
+        out.update({"a_prefilled_s": round(last_first - t0, 3), "a_done_s": round(max(r["done"] for r in flooded) - t0, 3),
+                    "b_during_flood": sum(1 for r in bs if r["arrive"] < last_first)})
+    return out
 
 
 def main() -> None:
@@ -242,23 +262,26 @@ def main() -> None:
     results: dict[str, Any] = {"standin": {}, "meta": {"prompt": opts.prompt, "decodes": opts.decodes,
                                                        "step_ms": opts.step_ms, "token_us": opts.token_us}}
     need = -(-opts.prompt // PS) + opts.decodes * 64 + 64
-    for chunk in opts.chunks:
+    for chunk in opts.chunks if "standin" in opts.parts else []:
         be = StandInBackend(page_size=PS, num_pages=need, delay_s=opts.step_ms / 1000, token_s=opts.token_us / 1e6)
         results["standin"][str(chunk)] = r = one_run(be, chunk, opts.prompt, opts.decodes)
         print("standin", chunk, json.dumps(r), flush=True)
-    pr = {"baseline": priority_run(opts, False), "prioritized": priority_run(opts, True)}
-    pr["meta"] = {"requests": opts.requests, "prompt": opts.req_prompt, "tokens": opts.req_tokens,
-                  "batch_tokens": opts.batch_tokens}
-    results["priority"] = pr
-    print("priority", json.dumps(pr), flush=True)
-    idle = tenant_run(opts, 0, "B")
-    turns = tenant_run(opts, opts.flood, "B")
-    fifo = tenant_run(opts, opts.flood, "A")
-    results["tenants"] = {"idle": idle, "turns": turns, "one_tenant": fifo,
-                          "b_ttft_vs_idle": round(turns["b_ttft_ms"] / idle["b_ttft_ms"], 2),
-                          "b_ttft_max_vs_idle": round(turns["b_ttft_max_ms"] / idle["b_ttft_ms"], 2),
-                          "meta": {"flood": opts.flood, "interval_s": opts.interval, "b_requests": opts.b_requests}}
-    print("tenants", json.dumps(results["tenants"]), flush=True)
+    if "priority" in opts.parts:
+        pr = {"baseline": priority_run(opts, False), "prioritized": priority_run(opts, True)}
+        pr["meta"] = {"requests": opts.requests, "prompt": opts.req_prompt, "tokens": opts.req_tokens,
+                      "batch_tokens": opts.batch_tokens, "prefill_chunk": opts.level_chunk}
+        results["priority"] = pr
+        print("priority", json.dumps(pr), flush=True)
+    if "tenants" in opts.parts:
+        idle = tenant_run(opts, 0, "B")
+        turns = tenant_run(opts, opts.flood, "B")
+        fifo = tenant_run(opts, opts.flood, "A")
+        results["tenants"] = {"idle": idle, "turns": turns, "one_tenant": fifo,
+                              "b_ttft_vs_idle": round(turns["b_ttft_ms"] / idle["b_ttft_ms"], 2),
+                              "b_ttft_max_vs_idle": round(turns["b_ttft_max_ms"] / idle["b_ttft_ms"], 2),
+                              "meta": {"flood": opts.flood, "interval_s": opts.interval, "b_requests": opts.b_requests,
+                                       "prefill_chunk": opts.level_chunk}}
+        print("tenants", json.dumps(results["tenants"]), flush=True)
     if opts.real:
         import torch
 

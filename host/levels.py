@@ -7,8 +7,12 @@ for a full batch, `host/batching/queue.py`):
   default. It matters only where not everything fits: a full batch, a full instance cap, KV
   pressure (the highest number is suspended first).
 - **Aging.** A waiter that has waited `aging_s` (`HostConfig.priority_aging_s`, 2 s) is promoted
-  ahead of every priority (counted once in `aged`); promoted waiters go oldest first. So nothing
-  waits more than `aging_s` plus the turns of those promoted before it for its priority's sake.
+  to the best priority waiting (counted once in `aged`), where tenants still take turns; among
+  waiters of the same rank and turn, promoted ones go first, oldest first. So nothing waits more
+  than `aging_s` plus its tenant's turns at the best priority for its priority's sake. (Until
+  issue 52's re-measure aging put aged waiters ahead of every tenant: a tenant's flood, all aged
+  after 2 s, then went ahead of another tenant's new request until the flood had prefilled:
+  bench/qos.py's tenant B waited 2-3 s.)
 - **Tenants in turn.** Within one (effective) priority, tenants are served round-robin: the
   k-th waiter of each tenant goes before the (k+1)-th of any, and among tenants with the same
   k the one served least recently goes first. A tenant that floods the host delays only itself.
@@ -52,22 +56,31 @@ class Turns:
     def order(self, items: Sequence[T], priority: Callable[[T], int], tenant: Callable[[T], str],
               since: Callable[[T], float], now: float) -> list[T]:
         """`items` (in arrival order) in the order they should be served."""
+        waits = [now - since(it) for it in items]
+        prios = [priority(it) for it in items]
+        top = min(prios, default=0)
         ranks: dict[tuple[int, str], int] = {}
-        keys: list[tuple[int, float, int, int, int]] = []
+        keys: list[tuple[int, int, int, int, float, int]] = []
         for i, it in enumerate(items):
-            waited = now - since(it)
-            prio = AGED if waited >= self.aging_s else priority(it)
+            waited = waits[i]
+            aged = waited >= self.aging_s
+            prio = min(prios[i], top) if aged else prios[i]  # aged: up to the best priority waiting
             ten = tenant(it)
             rank = ranks.get((prio, ten), 0)
             ranks[(prio, ten)] = rank + 1
-            # aged waiters go oldest first; the others by rank, then the tenant served least lately
-            keys.append((prio, -waited if prio == AGED else 0.0, rank, self._served.get(ten, -1), i))
+            # by rank, then the tenant served least lately, then aged waiters (oldest first)
+            keys.append((prio, rank, self._served.get(ten, -1), 0 if aged else 1, -waited if aged else 0.0, i))
         return [items[k[-1]] for k in sorted(keys)]
 
-    def served(self, tenants: Iterable[str]) -> None:
-        """These tenants were served in this turn (they go after the others at the same rank next)."""
-        self._turn += 1
-        for t in tenants:
+    def served(self, tenants: Iterable[str] | dict[str, int]) -> None:
+        """These tenants were served in this turn (they go after the others at the same rank next).
+        A dict: how much each got (tokens); the more a tenant got, the later it goes next time, so
+        tenants sharing a batch's prefill budget take turns at its head (else a tie would go to the
+        earliest queued, every batch)."""
+        if not isinstance(tenants, dict):
+            self._turn += 1
+        for t in sorted(tenants, key=tenants.__getitem__) if isinstance(tenants, dict) else tenants:
+            self._turn += isinstance(tenants, dict)
             self._served[t] = self._turn
         if len(self._served) > 4096:  # tenants come and go: keep the most recent
             keep = sorted(self._served.items(), key=lambda kv: -kv[1])[:1024]

@@ -310,8 +310,13 @@ def test_auto_serves_tenants_in_turn_within_the_budget() -> None:
     late.tenant = "B"
     for f in [*futs, late]:
         q.append(f)
-    chosen = q.choose(0, 10240, 0, Turns(), 0.0, budget=40)
-    assert chosen == {futs[0], late}  # A's first and B's, in turn; not A's backlog
+    turns = Turns()
+    chosen = q.choose(0, 10240, 0, turns, 0.0, budget=40)
+    assert chosen == {futs[0]: 30, late: 10}  # A's first and B's, in turn (a tie: queue order); not A's backlog
+    turns.served({"A": 30, "B": 10})
+    assert q.choose(0, 10240, 0, turns, 0.0, budget=40) == {late: 30, futs[0]: 10}  # B got less: B first now
+    _copies, batch = q.take(True, [], PS, 10240, budget=40, chosen={late: 30, futs[0]: 10})
+    assert [(f.owner, len(f.request.tokens)) for f in batch] == [("a0", 10), ("b0", 30)]  # the shares chosen
     assert q.choose(0, 10240, 0, Turns(), 0.0, budget=1000) is None  # all fit
 
 

@@ -96,11 +96,12 @@ class JobQueue:
         return jobs
 
     def choose(self, ahead: int, max_tokens: int, chunk: int, turns: Turns, now: float,
-               budget: int | None = None) -> set[ForwardFuture] | None:
+               budget: int | None = None) -> dict[ForwardFuture, int] | None:
         """The queued forwards a batch after `ahead` tokens should take when they do not all fit in
         `max_tokens`, or the chunked ones not in their share (`chunk`, or with `--prefill-chunk auto`
         the batch's prefill `budget`) (None: they do), in the service levels' order (`turns`); a
-        forward whose owner has one left out before it is left out too (its order)."""
+        forward whose owner has one left out before it is left out too (its order). Each chosen one
+        with the tokens it may take (a chunked one: its part of the share, in that order)."""
         costs: dict[ForwardFuture, int] = {}
         split = _split(chunk, budget)
         cap = budget if budget is not None else chunk
@@ -119,26 +120,26 @@ class JobQueue:
             total += n
         if total <= max_tokens and pre <= cap:
             return None
-        chosen: set[ForwardFuture] = set()
+        chosen: dict[ForwardFuture, int] = {}
         left: set[str] = set()
         tokens, used = ahead, 0
         for f in turns.order(list(costs), lambda f: f.priority, lambda f: f.tenant, lambda f: f.submitted, now):
             if f in chunked:  # it takes what is left of the share (a chunk of it), if anything is
                 n = min(costs[f], cap - used, max_tokens - tokens if chosen or ahead else costs[f])
                 if f.owner not in left and n > 0:
-                    chosen.add(f)
+                    chosen[f] = n
                     tokens += n
                     used += n
                     continue
             elif f.owner not in left and (tokens + costs[f] <= max_tokens or not (chosen or ahead)):
-                chosen.add(f)
+                chosen[f] = costs[f]
                 tokens += costs[f]
                 continue
             left.add(f.owner)
         return chosen
 
     def take(self, fire: bool, ahead: Sequence[ForwardFuture], page_size: int, max_tokens: int,
-             dry: bool = False, chunk: int = 0, chosen: set[ForwardFuture] | None = None,
+             dry: bool = False, chunk: int = 0, chosen: dict[ForwardFuture, int] | None = None,
              budget: int | None = None) -> tuple[list[ForwardFuture], list[ForwardFuture]]:
         """The copies that may run now and, if `fire`, the queued forwards that may join a batch after
         `ahead` (the running loops' steps, which go first): nothing they touch is touched by a job
@@ -149,7 +150,8 @@ class JobQueue:
         last joins the batch as a job of its own (`ForwardFuture.parent`); the forward stays queued
         in its place, so everything behind it waits as for any job ahead. Its last chunk is the
         forward itself (`chunks.part` is what runs). `chosen` (from `choose`): only these forwards
-        may join.
+        may join, a chunked one with at most the tokens chosen for it (the share goes in the service
+        levels' order, not the queue's).
 
         `budget` (`--prefill-chunk auto`, host/batching/stepcost.py): instead of a fixed chunk, every
         forward of more than `DECODE_TOKENS` new tokens (a prefill) is chunked as needed so that the
@@ -184,7 +186,8 @@ class JobQueue:
                 # (a forward with input embeddings runs whole: its vectors' runs are not split)
                 if split and req.embeds is None and (ch is not None or len(req.tokens) > split):
                     left = len(req.tokens) - (ch.done if ch is not None else 0)
-                    n = min(left, chunk_left, max_tokens - tokens if batch or ahead else left)
+                    n = min(left, chunk_left, max_tokens - tokens if batch or ahead else left,
+                            left if chosen is None else chosen[fut])
                     if n > 0 and not (ch is not None and ch.running):
                         chunk_left -= n
                         tokens += n

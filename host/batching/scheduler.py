@@ -325,7 +325,10 @@ class Scheduler:
                  if (ch := (f.parent or f).chunks) is None or ch.done == 0]
         self.levels.waited_many(waits)
         if full:
-            self.turns.served({f.tenant for f in taken})
+            got: dict[str, int] = {}
+            for f in taken:
+                got[f.tenant] = got.get(f.tenant, 0) + len(_sent(f).tokens)
+            self.turns.served(got)
             aged = sum(1 for p, _t, w in waits if w >= self.turns.aging_s)
             if aged:
                 self.levels.promoted(aged)
