@@ -1,119 +1,41 @@
-"""KV page ownership: the host-wide free list, ref-counts, per-instance holdings and exports.
+"""KV page ownership: `PageManager`, the page allocator shared by all instances of a host.
 
-Export names belong to a tenant (the client identity that launched the exporter; "local" for
-the embedded host and a server without tokens): an instance sees, imports and unexports only
-its own tenant's exports, and a name in use within a tenant cannot be taken over.
+It is made of parts over one page book (host/state/page_book.py: the free list, ref-counts,
+pins, the guest-id mapping): allocation, release, pins, page-list checks and the prefix cache's
+notes here; sharing in host/state/exports.py; suspension's moves in host/state/swap.py. The page
+tables it fills are host/state/page_table.py's `InstancePages`.
 
-Invariants (checked by tests): a page is on the free list iff its ref-count is 0 and no job
-pins it; the ref-count of a page = holds by instances + 1 per export name that lists it; a page
-is pinned while a forward or copy that reads or writes it is queued or running (the scheduler
-pins at submit and unpins when the job ends), so a page an instance releases with a write still
-queued cannot be handed to another instance before that write has landed.
-
-Page ids a guest holds are its own (`InstancePages.held` is keyed by them): the same as the
-physical page while the instance has never been suspended, and mapped to another one after it
-was resumed into whatever pages were free (`InstancePages.phys` / `guest`, empty when identical,
-so the common path does no translation). While suspended, its own pages' K/V sit in host memory
-(host/suspend.py) and their ids map to SWAPPED. Everything the page manager stores in its
-arrays, exports and the prefix cache is physical; what it hands a guest is the guest's id.
+A page is pinned while a forward or copy that reads or writes it is queued or running (the
+scheduler pins at submit and unpins when the job ends), so a page an instance releases with a
+write still queued cannot be handed to another instance before that write has landed.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from host.state.prefix_cache import PrefixCache
+from host.state.exports import PageExports
+from host.state.page_table import (
+    ACTIVE,
+    RESUMING,
+    SUSPENDED,
+    SUSPENDING,
+    SWAPPED,
+    InstancePages,
+    PageError,
+)
+from host.state.swap import PageSwap
 
 if TYPE_CHECKING:
     from gpu_backend.types import ForwardRequest
-    from host.batching.generation import Generation
+
+# (the page table's names, for the manager's users)
+__all__ = ["ACTIVE", "RESUMING", "SUSPENDED", "SUSPENDING", "SWAPPED", "InstancePages", "PageError", "PageManager"]
 
 
-SWAPPED = -1  # InstancePages.phys value of a page whose K/V is in host memory while its instance is suspended
-
-# InstancePages.state (host/suspend.py)
-ACTIVE, SUSPENDING, SUSPENDED, RESUMING = "active", "suspending", "suspended", "resuming"
-
-
-class PageError(Exception):
-    """Guest misuse of page ids (a bug: the caller traps the instance)."""
-
-
-@dataclass
-class InstancePages:
-    """The pages one instance holds: page -> [hold count, writable]."""
-
-    owner: str
-    tenant: str = "local"  # whose export names this instance sees (set by the host at launch)
-    priority: int = 0  # its service level (host/levels.py: lower runs sooner; set at launch, runtime.set-priority)
-    held: dict[int, list] = field(default_factory=dict)
-    owned_count: int = 0  # pages this instance allocated and still holds (for its cap)
-    replica: int = 0  # the engine replica the instance lives on (host/replicas.py); its pages are that one's
-    drops: int = 0  # pages this instance stopped holding, ever: a page list checked before may be stale
-    # the page list of its last per-token pass, found held and free of repeats while `drops` was
-    # `checked_drops` (PageManager.check_step_pages)
-    checked: list[int] = field(default_factory=list)
-    checked_set: set[int] = field(default_factory=set)
-    checked_drops: int = -1
-    checked_phys: list[int] = field(default_factory=list)  # `checked` translated (when `phys` is not empty)
-    # guest id -> physical page where they differ, and back (both empty until a resume moved a page;
-    # a swapped-out page maps to SWAPPED). Synthetic guest ids count up from `next_id` (>= num_pages).
-    phys: dict[int, int] = field(default_factory=dict)
-    guest: dict[int, int] = field(default_factory=dict)
-    next_id: int = 0
-    # suspension (host/suspend.py): the state, guarded by `touch`, which the instance's thread holds
-    # from checking it to having pinned the pages a call queues work on
-    state: str = ACTIVE
-    touch: threading.Lock = field(default_factory=threading.Lock)
-    ended: bool = False  # release_all ran: nothing may be restored into this table
-    moves: int = 0  # suspensions so far: work prepared on the physical pages of before is stale
-    swapped: list[int] = field(default_factory=list)  # guest ids of the pages swapped out, in order
-    swap_filled: list[int] = field(default_factory=list)  # their `filled` marks
-    swap: object = None  # the backend's host-memory copy of their K/V
-    swap_bytes: int = 0
-    gate: object = None  # host/suspend.py's gate for this instance's page-touching calls
-    loop: Generation | None = None  # the host-side generation loop it runs (ended with out-of-pages to suspend it)
-
-
-@dataclass
-class _Export:
-    pages: list[int]
-    owner: str
-    persistent: bool
-
-
-class PageManager:
+class PageManager(PageExports, PageSwap):
     """Thread-safe page allocator shared by all instances of a host."""
-
-    def __init__(self, num_pages: int, max_pages_per_instance: int | None = None,
-                 cache: PrefixCache | None = None, max_pages_per_tenant: int | None = None) -> None:
-        self.num_pages = num_pages
-        self.cache = cache  # the automatic prefix cache (None: pages are freed as soon as nobody holds them)
-        self.max_pages_per_instance = max_pages_per_instance
-        self.max_pages_per_tenant = max_pages_per_tenant
-        # The tenant whose instance allocated each page, until the page is let go (free or only
-        # in the prefix cache): held, exported (persistent or not) or pinned, it counts against
-        # that tenant's cap, so a tenant cannot hoard pages past it through exports.
-        self._charged_to: list[str | None] = [None] * num_pages
-        self._tenant_pages: dict[str, int] = {}
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-        self._refs = [0] * num_pages
-        self._pins = [0] * num_pages  # queued or running jobs touching each page
-        self._filled = [0] * num_pages  # slots written since the page was allocated (a high-water mark)
-        self._exports: dict[tuple[str, str], _Export] = {}  # (tenant, name) -> export
-        self.refused = 0  # allocations refused for lack of free pages (a condition the guest waits out)
-        self.swap_used = 0  # bytes of host memory held by suspended instances' pages (host/suspend.py)
-        self.watching = 0  # threads waiting for pins to drop (host/suspend.py): unpin notifies them
-        self._lock = threading.Lock()
-        self._freed = threading.Condition(self._lock)
-
-    @property
-    def free_count(self) -> int:
-        """Pages an allocation can have: the free list and the cached pages nobody holds."""
-        return len(self._free) + (self.cache.idle if self.cache is not None else 0)
 
     def allocate(self, table: InstancePages, count: int) -> list[int] | str:
         """Allocate `count` pages for `table`; a string explains why not (a condition, not a bug)."""
@@ -145,43 +67,6 @@ class PageManager:
             self._tenant_pages[table.tenant] = held + count
             return ids
 
-    # ---- guest ids <-> physical pages ----
-    def _new_ids(self, table: InstancePages, pages: list[int]) -> list[int]:
-        """The guest ids of physical pages `table` starts to hold (lock held): the page's own id
-        unless the table uses it already for another page (after a resume), then a synthetic one."""
-        if not table.phys:
-            return pages
-        ids = []
-        for p in pages:
-            g = p
-            if p in table.held:
-                g = table.next_id = max(table.next_id, self.num_pages) + 1
-                table.phys[g], table.guest[p] = p, g
-            ids.append(g)
-        return ids
-
-    def _held_as(self, table: InstancePages, page: int) -> int | None:
-        """The guest id under which `table` holds physical `page`, or None (lock held)."""
-        g = table.guest.get(page) if table.guest else None
-        if g is not None:
-            return g
-        return page if page in table.held and page not in table.phys else None
-
-    def to_phys(self, table: InstancePages, pages: list[int]) -> list[int]:
-        """The physical pages of guest ids `table` holds (the list itself when none is mapped)."""
-        phys = table.phys
-        if not phys:
-            return pages
-        out = [phys.get(g, g) for g in pages]
-        if SWAPPED in out:
-            raise PageError(f"instance {table.owner} touched a page while its KV is swapped out")
-        return out
-
-    def to_guest(self, table: InstancePages, pages: list[int]) -> list[int]:
-        """The guest ids of physical pages `table` holds."""
-        back = table.guest
-        return [back.get(p, p) for p in pages] if back else pages
-
     def release(self, table: InstancePages, pages: list[int]) -> None:
         """Drop one hold on each page; raises PageError naming the first page not held."""
         with self._lock:
@@ -210,28 +95,6 @@ class PageManager:
                 table.guest.pop(phys, None)
         if phys != SWAPPED:
             self._unref(phys)
-
-    def _take_free(self) -> int:
-        if self._free:
-            return self._free.pop()
-        assert self.cache is not None  # free_count counted the cache's idle pages
-        page = self.cache.evict()
-        assert page is not None
-        return page
-
-    def _unref(self, page: int) -> None:
-        self._refs[page] -= 1
-        if self._refs[page] == 0 and self._pins[page] == 0:
-            self._let_go(page)
-
-    def _let_go(self, page: int) -> None:
-        """Nobody holds or pins `page`: the prefix cache keeps it, or it is free."""
-        tenant = self._charged_to[page]
-        if tenant is not None:
-            self._charged_to[page] = None
-            self._tenant_pages[tenant] -= 1
-        if self.cache is None or not self.cache.keep(page):
-            self._free.append(page)
 
     def pin(self, pages: Iterable[int]) -> None:
         """A job that reads or writes `pages` was queued: none of them may become free until `unpin`."""
@@ -300,79 +163,6 @@ class PageManager:
         if not entry[1]:
             raise PageError(f"page {page} is read-only here (imported)")
 
-    def export(self, table: InstancePages, name: str, pages: list[int], persistent: bool) -> str | None:
-        """Share pages under `name`; returns an error string if the name is taken."""
-        with self._lock:
-            for p in pages:
-                if p not in table.held:
-                    raise PageError(f"page {p} is not held by this instance")
-            key = (table.tenant, name)
-            if key in self._exports:
-                return f"export name {name!r} is already in use"
-            phys = list(self.to_phys(table, pages))
-            self._exports[key] = _Export(phys, table.owner, persistent)
-            for p in phys:
-                self._refs[p] += 1
-            return None
-
-    def import_(self, table: InstancePages, name: str) -> list[int] | str:
-        """Hold the pages exported under `name`, read-only; an error string if unknown."""
-        with self._lock:
-            exp = self._exports.get((table.tenant, name))
-            if exp is None:
-                return f"no export named {name!r}"
-            return self._hold_read_only(table, exp.pages)
-
-    def _hold_read_only(self, table: InstancePages, pages: list[int]) -> list[int]:
-        """One more read-only hold by `table` on each page (imports, prefix-cache hits); lock held.
-        Returns the pages' guest ids."""
-        ids = []
-        for p in pages:
-            g = self._held_as(table, p)
-            if g is None:
-                g = self._new_ids(table, [p])[0]
-                table.held[g] = [1, False]
-            else:
-                table.held[g][0] += 1
-            self._refs[p] += 1
-            ids.append(g)
-        return ids
-
-    def unexport(self, table: InstancePages, name: str) -> str | None:
-        """Remove one of the table's tenant's exports; an error string if it has none by that name."""
-        with self._lock:
-            exp = self._exports.pop((table.tenant, name), None)
-            if exp is None:
-                return f"no export named {name!r}"
-            for p in exp.pages:
-                self._unref(p)
-            self._freed.notify_all()
-            return None
-
-    def has_export(self, tenant: str, name: str) -> bool:
-        with self._lock:
-            return (tenant, name) in self._exports
-
-    def drop_contents(self) -> int:
-        """The engine holding these pages lost its KV cache (it died and was restarted): every export
-        is removed and the prefix cache forgets every page (idle cached pages go back to the free
-        list). Pages instances hold stay theirs until they release them. Returns the exports dropped."""
-        with self._lock:
-            exports = list(self._exports.values())
-            self._exports.clear()
-            for exp in exports:
-                for p in exp.pages:
-                    self._unref(p)
-            if self.cache is not None:
-                self._free.extend(self.cache.clear())
-            self._freed.notify_all()
-            return len(exports)
-
-    def list_exports(self, table: InstancePages) -> list[tuple[str, int]]:
-        """The table's tenant's exports: (name, page count)."""
-        with self._lock:
-            return [(n, len(e.pages)) for (t, n), e in self._exports.items() if t == table.tenant]
-
     def release_all(self, table: InstancePages) -> None:
         """Drop every hold of an ending instance and its non-persistent exports."""
         with self._lock:
@@ -394,92 +184,6 @@ class PageManager:
             self.swap_used -= table.swap_bytes
             table.swap_bytes = 0
             self._freed.notify_all()
-
-    # ---- suspension: the instance's own pages out to host memory and back (host/suspend.py) ----
-    def own_pages(self, table: InstancePages) -> tuple[list[int], list[int]]:
-        """The guest ids and physical pages only `table` holds (no export, no other instance, not
-        only a read-only prefix-cache hit shared with others): what a suspension may move."""
-        with self._lock:
-            guests, phys = [], []
-            for g, entry in table.held.items():
-                p = table.phys.get(g, g) if table.phys else g
-                if p != SWAPPED and self._refs[p] == entry[0]:
-                    guests.append(g)
-                    phys.append(p)
-            return guests, phys
-
-    def wait_unpinned(self, pages: list[int], ready: Callable[[], bool]) -> None:
-        """Block until none of `pages` is pinned (their jobs have run) or `ready()`."""
-        with self._lock:
-            self.watching += 1
-            try:
-                while any(self._pins[p] for p in pages) and not ready():
-                    self._freed.wait(0.5)
-            finally:
-                self.watching -= 1
-
-    def evict(self, table: InstancePages, guests: list[int], phys: list[int], swap: object, nbytes: int) -> bool:
-        """The K/V of `phys` (pinned by the caller while it was copied out into `swap`) is in host
-        memory: the pages go back (unpinned), their guest ids now map to SWAPPED. False (nothing
-        changes but the unpin) if the instance ended or another holder took one of them meanwhile."""
-        with self._lock:
-            for p in phys:
-                self._pins[p] -= 1
-            if table.ended or any(self._refs[p] != table.held[g][0] for g, p in zip(guests, phys, strict=True)):
-                for p in phys:
-                    if self._pins[p] == 0 and self._refs[p] == 0:
-                        self._let_go(p)
-                return False
-            table.swapped, table.swap_filled = guests, [self._filled[p] for p in phys]
-            table.swap, table.swap_bytes = swap, nbytes
-            self.swap_used += nbytes
-            for g, p in zip(guests, phys, strict=True):
-                table.phys[g] = SWAPPED
-                table.guest.pop(p, None)
-            table.moves += 1
-            for p in phys:
-                self._refs[p] = 0
-                if self._pins[p] == 0:
-                    self._let_go(p)
-            table.drops += 1
-            self._freed.notify_all()
-            return True
-
-    def restore_pages(self, table: InstancePages) -> list[int] | None:
-        """Free pages for a suspended table's swapped pages (pinned until `settle`), its guest ids
-        mapped to them; None if too few are free or the instance has ended."""
-        with self._lock:
-            n = len(table.swapped)
-            if table.ended or self.free_count < n:
-                return None
-            pages = [self._take_free() for _ in range(n)]
-            tenant = table.tenant
-            for g, p, filled in zip(table.swapped, pages, table.swap_filled, strict=True):
-                self._refs[p] = table.held[g][0]
-                self._pins[p] += 1
-                self._filled[p] = filled
-                self._charged_to[p] = tenant
-                if p == g:
-                    del table.phys[g]
-                else:
-                    table.phys[g], table.guest[p] = p, g
-            self._tenant_pages[tenant] = self._tenant_pages.get(tenant, 0) + n
-            return pages
-
-    def settle(self, table: InstancePages, pages: list[int]) -> None:
-        """The swapped K/V is back in `pages`: unpin them, drop the host-memory copy."""
-        with self._lock:
-            self.swap_used -= table.swap_bytes
-            table.swapped, table.swap_filled, table.swap, table.swap_bytes = [], [], None, 0
-            table.drops += 1
-            for p in pages:
-                self._pins[p] -= 1
-                if self._pins[p] == 0 and self._refs[p] == 0:  # the instance ended meanwhile
-                    self._let_go(p)
-            self._freed.notify_all()
-
-    def refcount(self, page: int) -> int:
-        return self._refs[page]
 
     def tenant_pages(self, tenant: str) -> int:
         """Pages allocated by `tenant`'s instances and not let go yet (what its cap counts)."""
