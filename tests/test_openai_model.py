@@ -52,8 +52,10 @@ def test_stop_string_not_included(client: TestClient, real_host: Any) -> None:
 def test_disconnect_mid_stream_frees_pages(client: TestClient, real_host: Any) -> None:
     import asyncio
 
-    from host.server.openai_api import _launch, _messages, _stream
+    from host.server.openai_chat import stream_completion as _stream
     from host.server.openai_request import parse_request
+    from host.server.openai_run import handler_messages as _messages
+    from host.server.openai_run import launch as _launch
 
     h = OpenAIHandler(real_host, real_host.compile(wasm_bytes("openai_chat")), real_host.model_name,
                       ServerMetrics(real_host.stats, lambda: 0))
