@@ -72,7 +72,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--b-requests", type=int, default=5, help="tenant run: B's requests")
     ap.add_argument("--level-chunk", type=_chunk, default="auto",
                     help="--prefill-chunk of the priority and tenant runs (default auto, the host's)")
-    ap.add_argument("--parts", nargs="+", choices=["standin", "priority", "tenants"],
+    ap.add_argument("--parts", nargs="*", choices=["standin", "priority", "tenants"],
                     default=["standin", "priority", "tenants"], help="which runs (--real adds the model's)")
     ap.add_argument("--quick", action="store_true", help="a small, fast run (CI): a 512-token prompt, 4 decodes")
     opts = ap.parse_args()

@@ -5,6 +5,7 @@ The real model: tests/test_chunked_prefill_model.py."""
 
 from __future__ import annotations
 
+import statistics
 import threading
 from typing import Any
 
@@ -247,22 +248,34 @@ def test_the_flag_reaches_the_config_and_a_bad_value_is_refused() -> None:
 
 def _fitted(fixed_s: float, token_s: float, sizes: tuple[int, ...] = (16, 16, 272, 16, 1024)) -> StepCost:
     cost = StepCost()
+    cost.observe(256, 100.0)  # the first batch (the backend's warm-up): not counted
     for n in sizes:
-        cost.observe(n, fixed_s + token_s * n)
+        cost.observe(n, fixed_s + token_s * n, prefill=0 if n == 16 else n - 16)
     return cost
 
 
 def test_the_step_cost_fit_and_the_budget_it_gives() -> None:
     dev = _fitted(0.010, 20e-6)  # a device: a step is mostly its fixed part
     assert dev.fit is not None and dev.fit == pytest.approx((0.010, 20e-6))
-    assert dev.prefill_budget(16, 10240) == int(0.5 * (0.010 / 20e-6 + 16)) == 258
+    assert dev.prefill_budget(16, 10240) in (257, 258)  # 0.5 * (0.010 / 20e-6 + 16)
     cpu = _fitted(0.050, 15e-3)  # the model on CPU: a token costs about what the fixed part does
-    assert cpu.prefill_budget(16, 10240) == int(0.5 * (0.050 / 15e-3 + 16)) == 9
+    assert cpu.prefill_budget(16, 10240) in (8, 9)  # 0.5 * (0.050 / 15e-3 + 16) = 9.67
     assert cpu.fit_ms_us() == (50.0, 15000.0)
+    # the decode-only steps' own time anchors the prediction, whatever the line's intercept: the
+    # prefill batches here lie on 2.7 s + 22.8 ms a token, the decode steps (16 tokens) take 0.33 s
+    odd = StepCost()
+    odd.observe(256, 9.0)  # (warm-up)
+    for n in (16, 79, 16, 300, 16, 40, 16):
+        odd.observe(n, 0.33 if n == 16 else 2.7 + 0.0228 * n, prefill=0 if n == 16 else n - 16)
+    # 0.5 * 0.33 / slope: 7 at the prefill batches' 22.8 ms a token, 5 at the slope through every class;
+    # the line's own intercept would give 0.5 * (2.7 / 0.0228 + 16) = 67, a step 5.6x a decode step
+    assert 4 <= odd.prefill_budget(16, 10240) <= 8
+    assert odd.prefill_budget(32, 10240) > odd.prefill_budget(16, 10240)  # more decodes: more room
     assert dev.prefill_budget(0, 10240) == 10240  # no running decodes: max_batch_tokens only
     assert dev.prefill_budget(16, 200) == 184  # never past max_batch_tokens
     assert StepCost().prefill_budget(16, 10240) == PROBE_TOKENS  # no fit yet: a probe
     one = StepCost()
+    one.observe(1024, 0.5)  # (warm-up)
     one.observe(16, 0.01)
     one.observe(16, 0.012)
     assert one.fit is None  # one size class: no slope
@@ -271,9 +284,9 @@ def test_the_step_cost_fit_and_the_budget_it_gives() -> None:
     free = _fitted(0.010, 0.0)
     assert free.prefill_budget(16, 10240) == 10240 - 16  # tokens cost nothing: no cap
     r2 = StepCost(ratio=2.0)
-    for n in (16, 1024):
-        r2.observe(n, 0.010 + 20e-6 * n)
-    assert r2.prefill_budget(16, 10240) == 516
+    for n in (16, 16, 1024):
+        r2.observe(n, 0.010 + 20e-6 * n, prefill=n - 16)
+    assert r2.prefill_budget(16, 10240) in (515, 516)
     with pytest.raises(ValueError, match="ratio"):
         StepCost(ratio=1.0)
 
@@ -323,7 +336,8 @@ def test_auto_serves_tenants_in_turn_within_the_budget() -> None:
 @pytest.mark.parametrize(("token_s", "chunked"), [(0.5e-3, True), (20e-6, False)])
 def test_auto_sizes_the_chunk_by_the_measured_step_cost(token_s: float, chunked: bool) -> None:
     """A stand-in whose step takes 5 ms + `token_s` a new token; 4 loops start with 24-token prompts
-    (a 96-token batch, then 4-token steps: the fit's range). On a CPU-like cost (0.5 ms a token) the
+    (a 96-token batch, not counted: the first batch; then 4-token steps), so the prompt's first
+    chunk is a probe of 32 tokens, which gives the fit its range. On a CPU-like cost (0.5 ms a token) the
     budget with 4 decodes is ~0.5 * (10 + 4) = 7 tokens, so a 100-token prompt runs in many small
     chunks; on a device-like one (20 us) ~0.5 * (250 + 4) = 127, so it runs at once. Outputs as
     unchunked."""
@@ -337,9 +351,11 @@ def test_auto_sizes_the_chunk_by_the_measured_step_cost(token_s: float, chunked:
             long_rows.append(n)
     assert sum(long_rows) == 100
     if chunked:
-        assert len(long_rows) >= 4 and max(long_rows) <= 30, long_rows  # (7 on an idle machine)
-        assert st["chunked_prefills"] == 1 and 1 <= st["prefill_budget"] <= 30, st
+        # (7 on an idle machine; a loaded one's delays move it either way)
+        assert long_rows[0] == PROBE_TOKENS and len(long_rows) >= 4, long_rows
+        assert statistics.median(long_rows[1:]) <= 20, long_rows
+        assert st["chunked_prefills"] == 1, st
         assert st["step_token_us"] > 100, st  # the fit saw the per-token cost
     else:
-        assert len(long_rows) <= 2 and long_rows[0] >= 60, long_rows
+        assert long_rows[0] == PROBE_TOKENS and len(long_rows) <= 3, long_rows  # the probe, then the rest at once
         assert st["prefill_budget"] >= 60 and st["step_token_us"] <= 60, st

@@ -5,6 +5,7 @@ the host binds it (host/host.py); the stand-in's tests: tests/test_chunked_prefi
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,11 +30,12 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 
 
 @pytest.fixture(scope="module")
-def rig(backend: Any) -> Iterator[tuple[Any, PageManager, dict[int, Scheduler]]]:
-    """The model behind two schedulers that share one page manager: unchunked (0) and chunked (CHUNK)."""
+def rig(backend: Any) -> Iterator[tuple[Any, PageManager, dict[Any, Scheduler]]]:
+    """The model behind schedulers that share one page manager: unchunked (0), chunked (CHUNK) and
+    `--prefill-chunk auto` ("auto")."""
     pm = PageManager(backend.info.num_pages, None, PrefixCache(backend.info.page_size))
-    scheds = {}
-    for chunk in (0, CHUNK):
+    scheds: dict[Any, Scheduler] = {}
+    for chunk in (0, CHUNK, "auto"):
         s = Scheduler(AdaptivePolicy(), prefill_chunk=chunk)
         s.bind(backend.forward, backend.copy_tokens, backend.info.page_size, pins=pm, start=backend.start_forward,
                feeds=bool(getattr(backend, "feeds", False)))
@@ -43,8 +45,8 @@ def rig(backend: Any) -> Iterator[tuple[Any, PageManager, dict[int, Scheduler]]]
         s.stop()
 
 
-def _generate(rig: Any, chunk: int, prompt: list[int], max_tokens: int, sampler: SamplerParams,
-              owner: str, prefix: bool = False, tenant: str = "local") -> tuple[list[int], int]:
+def _generate(rig: Any, chunk: int | str, prompt: list[int], max_tokens: int, sampler: SamplerParams,
+              owner: str, prefix: bool = False, tenant: str = "local", wait: bool = True) -> Any:
     """A host-side loop (what `forward.generate-fresh` runs) from `prompt`: its tokens, and how many
     prompt tokens a prefix-cache hit spared (`prefix`: attach the cached prefix first)."""
     backend, pm, scheds = rig
@@ -63,10 +65,14 @@ def _generate(rig: Any, chunk: int, prompt: list[int], max_tokens: int, sampler:
         pm.note_write(table, req, ps)
         gen = Generation(req, sampler, StopRules(max_tokens, frozenset(), (), 8192), ps, pm, table,
                          backend.tokenizer.decode, None)
-        res = scheds[chunk].submit(req, owner, generation=gen).wait(120)
+        fut = scheds[chunk].submit(req, owner, generation=gen)
+        if not wait:  # (the caller waits, then releases the pages)
+            return fut, table
+        res = fut.wait(120)
         return list(res.tokens), cached
     finally:
-        pm.release_all(table)
+        if wait:
+            pm.release_all(table)
 
 
 def test_a_host_loop_gives_the_same_tokens_chunked_and_as_transformers(rig: Any) -> None:
@@ -144,3 +150,31 @@ def test_a_forward_with_a_mask_and_output_indices_gives_the_same_outputs_chunked
         assert (a.logprob is None) == (b.logprob is None)
         if a.logprob is not None:
             assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+
+
+def test_auto_chunks_a_prompt_among_running_decodes_by_the_cpu_cost_and_gives_the_same_tokens(rig: Any) -> None:
+    """`--prefill-chunk auto` on the model on CPU: 4 host loops decode (their 24-token prompts and
+    their steps give the cost fit its range), the prompt arrives among them and is split into
+    chunks of the budget the fit gives (a token costs about a step's fixed part on CPU: a few
+    tokens); every loop's tokens and the prompt's are the unchunked run's."""
+    backend, pm, scheds = rig
+    prompt = backend.tokenizer.encode_prompt(PROMPT)
+    starts = [backend.tokenizer.encode_prompt(f"Count from {k} upward in words, one per line:")[:24] for k in range(4)]
+    out: dict[Any, list[list[int]]] = {}
+    for chunk in (0, "auto"):
+        s = scheds[chunk]
+        before, batches = s.stats.chunked_prefills, s.stats.batches
+        loops = [_generate(rig, chunk, p, 24, SamplerParams(), f"l{chunk}{k}", wait=False) for k, p in enumerate(starts)]
+        while s.stats.batches < batches + 3:  # their prefill and two steps: the loops are decoding
+            threading.Event().wait(0.01)
+        long_tokens, _ = _generate(rig, chunk, prompt, 4, SamplerParams(), f"p{chunk}")
+        out[chunk] = [long_tokens]
+        for fut, table in loops:
+            out[chunk].append(list(fut.wait(300).tokens))
+            pm.release_all(table)
+        if chunk == "auto":
+            st = s.stats
+            assert st.chunked_prefills - before >= 1, st  # the prompt ran in chunks among the decodes
+            assert 1 <= st.prefill_budget < len(prompt), st
+            assert st.step_token_us > 0, st
+    assert out["auto"] == out[0]

@@ -22,7 +22,7 @@ from host.batching.future import CopyRequest, ForwardFuture, Job
 from host.batching.generation import Generation
 from host.batching.loops import Loops
 from host.batching.policy import AdaptivePolicy, BatchPolicy
-from host.batching.queue import JobQueue, decode_tokens, job_pages
+from host.batching.queue import DECODE_TOKENS, JobQueue, decode_tokens, job_pages
 from host.batching.stats import BATCH_SIZE_BUCKETS, SchedulerStats
 from host.batching.stepcost import DEFAULT_RATIO, StepCost
 from host.levels import DEFAULT_AGING_S, LevelStats, Turns
@@ -55,12 +55,12 @@ def _sent(fut: ForwardFuture) -> ForwardRequest:
 class _Running:
     """A launched batch: its handle and what `_settle` needs once it has run."""
 
-    __slots__ = ("handle", "batch", "loops", "ahead", "start", "tokens", "waited")
+    __slots__ = ("handle", "batch", "loops", "ahead", "start", "tokens", "waited", "prefill")
 
     def __init__(self, handle: StartedForward, batch: list[ForwardFuture], loops: int, ahead: int, start: float,
-                 tokens: int, waited: float) -> None:
+                 tokens: int, waited: float, prefill: int = 0) -> None:
         self.handle, self.batch, self.loops, self.ahead = handle, batch, loops, ahead
-        self.start, self.tokens, self.waited = start, tokens, waited
+        self.start, self.tokens, self.waited, self.prefill = start, tokens, waited, prefill
 
 
 class Scheduler:
@@ -378,11 +378,14 @@ class Scheduler:
                 if f.done():
                     self._loops.wasted[id(f)] = (f, None)
         rest = batch[loops:]
-        tokens = loops + sum(len(_sent(f).tokens) for f in rest if isinstance(f.request, ForwardRequest))
+        sent = [(len(_sent(f).tokens), f.parent is not None or f.chunks is not None) for f in rest
+                if isinstance(f.request, ForwardRequest)]
+        tokens = loops + sum(n for n, _c in sent)
+        prefill = sum(n for n, chunk in sent if chunk or n > DECODE_TOKENS)  # (the rest: decode steps)
         # (counted before the steps change the requests)
         waited = loops * max(start - self._loops.last_batch[1], 0.0) + sum(start - f.submitted for f in rest)
         self._loops.after_launch(batch, ahead, loops)
-        running = _Running(handle, batch, loops, ahead, start, tokens, waited)
+        running = _Running(handle, batch, loops, ahead, start, tokens, waited, prefill)
         lp = self._loops
         if self._feeds and lp.fill and loops == ahead and all(
                 f.generation is not None and f.generation.ahead for f in rest):
@@ -410,7 +413,7 @@ class Scheduler:
             return False
         end = time.perf_counter()
         # the batch's own time: a device runs its queue in order, so from the last one's end if later
-        self.cost.observe(run.tokens, end - max(run.start, self._last_end))
+        self.cost.observe(run.tokens, end - max(run.start, self._last_end), run.prefill)
         self._last_end = end
         self._after_run(run.batch, results, getattr(run.handle, "tokens", None), run.loops, run.ahead, run.start,
                         end, fed)

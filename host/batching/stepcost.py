@@ -5,17 +5,25 @@ later: a device runs its queue in order) and keeps a running fit of
 
     step time = fixed + per_token * tokens      (tokens: every new token in the batch)
 
-over the batches it actually ran. Points are kept per size class (a power of two of tokens, an
-exponentially weighted mean each), so the many decode-only steps do not drown the few batches
+over the batches it actually ran. Points are kept per size class (a power of two of tokens: the
+mean tokens and the median time of its last 5 batches), so the many decode-only steps do not drown the few batches
 with prefills, and a class seen long ago still anchors the line. The fit is least squares over the
 classes' means, once the largest has at least `_SPAN` times the tokens of the smallest (a narrower
 range measures the timing noise, not the slope).
 
 A batch whose running decodes bring `d` tokens may then add `P` prefill tokens such that its
-predicted time stays within `ratio` times a decode-only step's:
+predicted time stays within `ratio` times a decode-only step's, `T(d)`:
 
-    fixed + per_token * (d + P) <= ratio * (fixed + per_token * d)
-    P <= (ratio - 1) * (fixed / per_token + d)
+    T(d) + per_token * P <= ratio * T(d)
+    P <= (ratio - 1) * T(d) / per_token
+
+`T(d)` is the decode-only batches' own running mean (moved along the line's slope to `d` tokens)
+once one has run, else the line's `fixed + per_token * d`: the line is fitted over every batch,
+and the decode-only steps, many and alike, are where the prediction must be right (the model on
+CPU: a line through a few prefill batches put the fixed part at 2.7 s, the decode steps took
+0.33 s). The very first batch is not counted (its time includes the backend's warm-up: on CPU
+several times a later batch's of its size). With `T(d) = fixed + per_token * d`:
+`P <= (ratio - 1) * (fixed / per_token + d)`.
 
 So on a device where a step is mostly its fixed part (10 ms + 20 us a token: P ~ 250 + d / 2 at
 1.5) prefills go in large chunks, and on CPU, where a token costs about what a step's fixed part
@@ -25,12 +33,21 @@ Before there is a fit a batch with decodes takes `PROBE_TOKENS` prefill tokens, 
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 __all__ = ["StepCost", "PROBE_TOKENS", "DEFAULT_RATIO"]
 
 PROBE_TOKENS = 32  # prefill tokens per batch with decodes before there is a fit
 DEFAULT_RATIO = 1.5  # a batch with prefill chunks: at most this many decode-only steps' time
-_ALPHA = 0.25  # weight of a new batch in its class's mean
+_KEEP = 5  # batches kept per size class (and of the decode-only ones): the median of their times
 _SPAN = 4  # a fit needs batches of at least this many times the fewest tokens seen
+
+
+def _point(batches: deque[tuple[int, float]]) -> tuple[float, float]:
+    """A class's point: its batches' mean tokens and median time (a loaded machine's delays are
+    outliers one way)."""
+    return sum(t for t, _s in batches) / len(batches), statistics.median(s for _t, s in batches)
 
 
 class StepCost:
@@ -40,24 +57,26 @@ class StepCost:
         if not ratio > 1.0:
             raise ValueError(f"the prefill ratio must be > 1 (a batch may take longer than a decode step), got {ratio}")
         self.ratio = ratio
-        self._classes: dict[int, list[float]] = {}  # size class -> [mean tokens, mean seconds]
+        self._classes: dict[int, deque[tuple[int, float]]] = {}  # size class -> its last batches
         self._fit: tuple[float, float] | None = None  # (fixed s, per-token s), None until two classes
+        self._decode: deque[tuple[int, float]] = deque(maxlen=_KEEP)  # the last decode-only batches
+        self._warm = False  # the first batch has run (and was not counted)
         self.budget = 0  # the last budget given to a batch with decodes (0: none yet)
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """A batch of `tokens` new tokens took `seconds`."""
+    def observe(self, tokens: int, seconds: float, prefill: int = 0) -> None:
+        """A batch of `tokens` new tokens, `prefill` of them prefill (the rest decode steps), took `seconds`."""
         if tokens <= 0 or not seconds > 0:
             return
-        c = self._classes.get(tokens.bit_length())
-        if c is None:
-            self._classes[tokens.bit_length()] = [float(tokens), seconds]
-        else:
-            c[0] += _ALPHA * (tokens - c[0])
-            c[1] += _ALPHA * (seconds - c[1])
+        if not self._warm:
+            self._warm = True
+            return
+        if prefill <= 0:
+            self._decode.append((tokens, seconds))
+        self._classes.setdefault(tokens.bit_length(), deque(maxlen=_KEEP)).append((tokens, seconds))
         self._fit = self._refit()
 
     def _refit(self) -> tuple[float, float] | None:
-        pts = list(self._classes.values())
+        pts = [_point(c) for c in self._classes.values()]
         if len(pts) < 2 or max(p[0] for p in pts) < _SPAN * min(p[0] for p in pts):
             return None  # too narrow a range of sizes: the slope would be the timing noise's
         n = len(pts)
@@ -88,7 +107,10 @@ class StepCost:
             if per_token <= 0:
                 p = room
             else:
-                p = int((self.ratio - 1.0) * (fixed / per_token + decode_tokens))
+                dec = _point(self._decode) if self._decode else None
+                step = fixed + per_token * decode_tokens if dec is None else \
+                    max(dec[1] + per_token * (decode_tokens - dec[0]), per_token)
+                p = int((self.ratio - 1.0) * step / per_token)
         self.budget = p = max(1, min(p, room))
         return p
 
