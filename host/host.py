@@ -11,12 +11,7 @@ instances get an `InstanceEnv`, the WIT imports get `ApiServices`.
 
 from __future__ import annotations
 
-import gc
-import inspect
 import logging
-import os
-import pickle
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -24,23 +19,31 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_backend.types import Backend
-from host.api import PACKAGE, WIT_VERSION, ApiServices, build_linker, version_tables
-from host.api import grammar as grammar_api
+from host.api import ApiServices, build_linker
+from host.assembly import make_replicas, start_engines, start_workers
 from host.batching.gate import RunGate
-from host.batching.policy import make_policy
 from host.batching.scheduler import Scheduler
 from host.children import Children
 from host.config import HostConfig
 from host.events import InstanceEvent
-from host.levels import LevelStats, Turns, check_priority
+from host.introspect import engine_stats, memory_totals, merge_levels, worker_stats
+from host.launch_queue import HostBusy, LaunchQueue
+from host.levels import check_priority
 from host.net.client import HttpService
+from host.replay.kept import Recordings
 from host.replay.recorder import Recorder
-from host.replicas import Replica, total_stats
+from host.replicas import total_stats
 from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
-from host.state.prefix_cache import PrefixCache
 from host.state.topics import Topics
-from host.suspend import Suspender
+from host.tuning import (
+    background_threads,
+    collect_when_idle,
+    restore_switch_interval,
+    set_switch_interval,
+    tune_gc,
+    untune_gc,
+)
 from host.wasm import priority
 from host.wasm.engine import WasmEngine
 from host.wasm.inbox import InboxFull
@@ -51,7 +54,6 @@ from host.wasm.starter import Starter
 from host.wasm.starts import Starts
 from host.wasm.warm import WarmPool
 from host.workers.pool import RemoteInstance, WorkerPool
-from host.workers.worker import WorkerSpec
 
 __all__ = ["Host", "HostBusy", "InboxFull"]
 
@@ -59,36 +61,10 @@ log = logging.getLogger(__name__)
 
 _ENDED_KEPT = 1024  # ended instances remembered for wait() and their logs
 LOG_RETENTION_S = 600.0  # how long an ended instance's log stays readable (Host.logs)
-_RECORDINGS_KEPT = 64  # recordings of ended instances kept (Host.recording)
 _WARM_PROGRAMS = 4  # programs kept warm at once (the most recently launched)
 _PRIME_FACTOR = 2  # Host.warm_start primes this many slots per parked instance
 _REAP_PENDING = 512  # finished instances whose stores may wait for an idle backend (host/wasm/reaper.py)
 _CUDA_SWITCH_MS = 0.5  # HostConfig.switch_interval_ms's default on a CUDA backend
-
-
-class HostBusy(RuntimeError):
-    """A launch refused: `HostConfig.max_instances` instances are running and the launch queue is full."""
-
-
-def _load_backend(config: HostConfig, progress: bool) -> Backend:
-    import torch
-
-    from gpu_backend import load_backend
-
-    dtype = None if config.dtype is None else getattr(torch, config.dtype)
-    return load_backend(config.model, device=config.device, dtype=dtype, page_size=config.page_size,
-                        num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, progress=progress,
-                        gpu_memory_utilization=config.gpu_memory_utilization)
-
-
-def _start_engines(config: HostConfig) -> list[Any]:
-    """`config.replicas` engine processes of `config.tp` ranks each (gpu_backend/engine/client.py)."""
-    from gpu_backend.engine.client import EngineSpec, start_engines
-
-    spec = EngineSpec(model=config.model, device=config.device, dtype=config.dtype, page_size=config.page_size,
-                      num_pages=config.num_pages, kv_memory_bytes=config.kv_memory_bytes, tp=config.tp,
-                      gpu_memory_utilization=config.gpu_memory_utilization)
-    return start_engines(spec, config.replicas, restart=config.engine_restart)
 
 
 class Host:
@@ -98,7 +74,6 @@ class Host:
     def __init__(self, config: HostConfig | None = None, backend: Backend | None = None,
                  progress: bool = True, engines: list[Any] | None = None) -> None:
         self.config = config = config or HostConfig()
-        policy = lambda: make_policy(config.policy, config.batch_k, config.batch_t_ms, config.launch_grace_ms)  # noqa: E731
         # Engine processes (config.engine / tp / replicas; docs/deployment.md) are started here, or
         # passed in (`engines`: gpu_backend.engine.client.ProcessBackend, one per replica, e.g. from
         # `start_engines`), and the host stops them in shutdown; a `backend` passed in is the
@@ -107,43 +82,19 @@ class Host:
         if self.engines:
             if backend is not None:
                 raise ValueError("pass either backend or engines, not both")
-            backend = self.engines[0]
         elif backend is None and config.engine_kind == "process":
-            self.engines = _start_engines(config)
-            backend = self.engines[0]
-        schedulers = [Scheduler(policy(), max_batch_tokens=config.max_batch_tokens, prefill_chunk=config.prefill_chunk,
-                                aging_s=config.priority_aging_s, prefill_ratio=config.prefill_ratio)
-                      for _ in range(max(1, len(self.engines)))]
-        if backend is None:  # loaded on the scheduler thread, where its forwards will run
-            try:
-                backend = schedulers[0].call(lambda: _load_backend(config, progress))
-            except BaseException:
-                schedulers[0].stop()
-                raise
-        assert backend is not None
-        self.backend = backend
-        backends: list[Backend] = self.engines or [backend]
-        info = backend.info
-        self.model_name: str = info.name
-        self.total_pages: int = info.num_pages * len(backends)
-        log.info("KV cache: %d pages of %d tokens (%d tokens)%s; swap space for suspended instances: %d MiB",
-                 info.num_pages, info.page_size, info.num_pages * info.page_size,
-                 f" on each of {len(backends)} replicas" if len(backends) > 1 else "", config.swap_memory_bytes // 2**20)
-        managers = [PageManager(info.num_pages, config.max_pages_per_instance,
-                                PrefixCache(info.page_size, config.prefix_cache) if config.prefix_cache != "off"
-                                else None, max_pages_per_tenant=config.max_pages_per_tenant) for _ in backends]
-        for sched, b, pm in zip(schedulers, backends, managers, strict=True):
-            start = getattr(b, "start_forward", None) if config.run_ahead else None
-            sched.bind(b.forward, b.copy_tokens, info.page_size, pins=pm, start=start,
-                       feeds=bool(getattr(b, "feeds", False)))
-            sched.backend = b  # (its `call` work reaches the backend itself: embeddings)
+            self.engines = start_engines(config)
         # each instance lives on one replica, its WIT imports reach that replica's pages and
         # scheduler (host/replicas.py); `pages` / `scheduler`: the first's (the only one by default)
-        self.replicas = [Replica(r, pm, sched, Suspender(pm, sched, b, config.swap_memory_bytes))
-                         for r, (pm, sched, b) in enumerate(zip(managers, schedulers, backends, strict=True))]
-        self.pages: PageManager = managers[0]
+        self.backend, self.replicas = make_replicas(config, backend, self.engines, progress)
+        backend = self.backend
+        info = backend.info
+        self.model_name: str = info.name
+        self.total_pages: int = info.num_pages * len(self.replicas)
+        schedulers = [r.scheduler for r in self.replicas]
+        self.pages: PageManager = self.replicas[0].pages
         self.scheduler: Scheduler = schedulers[0]
-        self._load = [0] * len(backends)  # running instances per replica (placement)
+        self._load = [0] * len(self.replicas)  # running instances per replica (placement)
         for r, eng in enumerate(self.engines):
             eng.on_death.append(lambda reason, r=r: self._engine_died(r, reason))
         limits = InstanceLimits(config.memory_limit_bytes, config.wall_budget_s,
@@ -162,7 +113,7 @@ class Host:
         # frees wait for an idle host (the reaper still frees each store within a second).
         busy = lambda: bool(self._instances) or any(s.busy() for s in schedulers)  # noqa: E731
         background = config.warm_yield and priority.available()
-        threads = _background_threads()  # warmers, and reaper threads
+        threads = background_threads()  # warmers, and reaper threads
         self.starts = Starts()  # launched instances not at their first wait yet: background work waits for them
         self.wasm = WasmEngine(config.cache_dir, config.epoch_tick_ms, pooling, busy, _REAP_PENDING, background,
                                ramping=self.starts.active, reapers=threads)
@@ -186,37 +137,32 @@ class Host:
             limits=limits, on_block=self._forget, on_end=self._instance_ended, warm_in_background=background,
             starts=self.starts)
         self._instances: dict[str, Instance] = {}  # running and queued
-        self._queued: OrderedDict[str, tuple[Instance, float]] = OrderedDict()  # launch queue: (instance, deadline)
-        self.launches_queued = 0  # launches that waited in the queue, ever
-        self.launch_queue_timeouts = 0
-        self._turns = Turns(config.priority_aging_s)  # the launch queue's order (host/levels.py)
-        self.launch_levels = LevelStats()
+        self.queue = LaunchQueue(config)  # launches past max_instances (host/launch_queue.py)
         self.wasm.on_tick.append(self._admit)  # queued launches past their timeout end
         self._ended: OrderedDict[str, Instance] = OrderedDict()
-        self._recordings: OrderedDict[str, tuple[str, bytes]] = OrderedDict()  # ended recorded instances: (tenant, file)
-        self._recordings_bytes = 0
+        self.recordings = Recordings(config.max_recording_bytes, self.model_name)  # host/replay/kept.py
         self._lock = threading.Lock()
         self._starter = Starter()  # cold launches' threads are started on its thread
         self._closed = False
         self.workers: WorkerPool | None = None  # instances run in worker processes (HostConfig.workers)
         if config.worker_count > 0:
-            self.workers = _start_workers(config, self.services, limits, slots if pooling is not None else None)
+            self.workers = start_workers(config, self.services, limits, slots if pooling is not None else None)
             self.wasm.on_tick.append(self._tick_remote)
         self.warm = WarmPool(lambda program: self._new_instance(program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
                              busy=busy, reaping=self._reaping, background=background, ramping=self.starts.active,
                              warmers=threads,
-                             on_full=_collect_when_idle if config.tune_gc else None)
+                             on_full=collect_when_idle if config.tune_gc else None)
         self._gc_tuned = config.tune_gc
         if self._gc_tuned:
-            _tune_gc()
+            tune_gc()
         switch_ms = config.switch_interval_ms
         if switch_ms is None:  # the short interval where it was measured to help: a CUDA backend
             switch_ms = _CUDA_SWITCH_MS if str(getattr(info, "device", "")).startswith("cuda") else 0.0
         self.switch_interval_ms = switch_ms  # what this host set (0: Python's own)
         self._switch_set = switch_ms > 0
         if self._switch_set:
-            _set_switch_interval(switch_ms)
+            set_switch_interval(switch_ms)
 
     def _new_instance(self, program: str, args: list[str], listener: Callable[[InstanceEvent], None],
                       warm: bool = False) -> Instance:
@@ -277,11 +223,11 @@ class Host:
         check_priority(priority)
         self.wasm.get(program_hash)  # KeyError with a clear message if unknown
         listener = on_event or _ignore
-        recorder = self._recorder(program_hash, args, tenant) if record else None
+        recorder = self.recordings.recorder(program_hash, args, tenant) if record else None
         if recorder is not None:
-            listener = self._recorded(recorder, tenant, listener)
+            listener = self.recordings.listener(recorder, tenant, listener)
         with self._lock:
-            if len(self._instances) - len(self._queued) >= self.config.max_instances:
+            if len(self._instances) - len(self.queue) >= self.config.max_instances:
                 iid = self._enqueue(program_hash, args, listener, tenant, priority)
                 if recorder is not None:
                     self._attach(self._instances[iid], recorder)
@@ -309,12 +255,6 @@ class Host:
         return inst.id
 
     # ---- recordings (host/replay/) ----
-    def _recorder(self, program_hash: str, args: list[str], tenant: str) -> Recorder:
-        return Recorder(self.config.max_recording_bytes, {
-            "program": program_hash, "program_name": None, "arguments": list(args), "tenant": tenant,
-            "wit_version": WIT_VERSION, "model": self.model_name, "recorded_at": time.time(),
-            "resources": {"grammar.grammar": grammar_api.GRAMMAR_TYPE, "grammar.matcher": grammar_api.MATCHER_TYPE}})
-
     @staticmethod
     def _attach(inst: Instance, recorder: Recorder) -> None:
         """Record `inst`'s calls: here, or in its worker (which sends them before its end)."""
@@ -322,91 +262,30 @@ class Host:
         if not isinstance(inst, RemoteInstance):
             recorder.tap()
 
-    def _recorded(self, recorder: Recorder, tenant: str,
-                  listener: Callable[[InstanceEvent], None]) -> Callable[[InstanceEvent], None]:
-        """`listener`, after the recording is kept at the terminal event (so whoever sees the end finds it)."""
-        def on_event(ev: InstanceEvent) -> None:
-            if ev.terminal:
-                try:
-                    self._keep_recording(ev.instance_id, tenant, recorder.finish(ev.event, ev.message))
-                except Exception:  # (a host bug: the end still reaches the listener)
-                    log.exception("the recording of instance %s could not be kept", ev.instance_id)
-            listener(ev)
-
-        return on_event
-
-    def _keep_recording(self, instance_id: str, tenant: str, data: bytes) -> None:
-        """Keep the last `_RECORDINGS_KEPT` recordings, at most 4 x `max_recording_bytes` of them (the
-        newest always)."""
-        with self._lock:
-            self._recordings[instance_id] = (tenant, data)
-            self._recordings_bytes += len(data)
-            while len(self._recordings) > 1 and (len(self._recordings) > _RECORDINGS_KEPT or
-                                                 self._recordings_bytes > 4 * self.config.max_recording_bytes):
-                _iid, (_tenant, old) = self._recordings.popitem(last=False)
-                self._recordings_bytes -= len(old)
-
     def recording(self, instance_id: str, tenant: str | None = None) -> bytes | None:
         """The recording of an instance launched with `record` (the file `pie-replay` reads) once it
         has ended; None while it runs, for an instance not recorded, unknown, forgotten (older than the
-        last `_RECORDINGS_KEPT`), or of another tenant than `tenant` (None: any)."""
-        with self._lock:
-            kept = self._recordings.get(instance_id)
-        if kept is None or (tenant is not None and kept[0] != tenant):
-            return None
-        return kept[1]
+        last `RECORDINGS_KEPT`, host/replay/kept.py), or of another tenant than `tenant` (None: any)."""
+        return self.recordings.get(instance_id, tenant)
 
     # ---- the launch queue: launches past max_instances wait for a slot, by service level ----
     def _enqueue(self, program_hash: str, args: list[str], listener: Callable[[InstanceEvent], None],
                  tenant: str, priority: int = 0) -> str:
         """Queue a launch (lock held): a cold instance, started by `_admit` when a slot frees."""
-        cfg = self.config
-        if len(self._queued) >= cfg.launch_queue:
-            raise HostBusy(f"the host is running its maximum of {cfg.max_instances} instances and "
-                           f"{len(self._queued)} launches wait for a slot (the launch queue holds "
-                           f"{cfg.launch_queue}); try again when some have ended (or raise --max-instances "
-                           "or --launch-queue)")
         inst = self._new_instance(program_hash, args, listener)
         inst.pages.tenant = tenant
         inst.pages.priority = priority
-        inst.state = "queued"
-        self._queued[inst.id] = (inst, time.perf_counter() + cfg.launch_queue_timeout_s)
+        self.queue.push(inst)
         self._instances[inst.id] = inst
-        self.launches_queued += 1
         return inst.id
 
     def _admit(self) -> None:
-        """Start queued launches while slots are free, in the service levels' order (host/levels.py:
-        priority, aged first, tenants in turn), and end those that waited too long or were
-        terminated (started at once: they end before running guest code, with their event)."""
-        if not self._queued:
+        """Start the queued launches that are due (host/launch_queue.py)."""
+        if not len(self.queue):
             return
         now = time.perf_counter()
-        start: list[Instance] = []
         with self._lock:
-            for iid, (inst, deadline) in list(self._queued.items()):
-                if inst.stop_reason is None and now > deadline:
-                    self.launch_queue_timeouts += 1
-                    inst.terminate(f"waited {self.config.launch_queue_timeout_s:g} s in the launch queue for one "
-                                   f"of the {self.config.max_instances} instance slots (--launch-queue-timeout-s)",
-                                   "out_of_resources")
-                if inst.stop_reason is not None:
-                    del self._queued[iid]
-                    start.append(inst)
-            free = self.config.max_instances - (len(self._instances) - len(self._queued))
-            if self._queued and free > 0:
-                timeout = self.config.launch_queue_timeout_s
-                waiting = list(self._queued.values())
-                if free < len(waiting):
-                    waiting = self._turns.order(waiting, lambda w: w[0].pages.priority, lambda w: w[0].pages.tenant,
-                                                lambda w: w[1] - timeout, now)[:free]
-                    self._turns.served(w[0].pages.tenant for w in waiting)
-                    self.launch_levels.promoted(sum(1 for w in waiting if now - (w[1] - timeout) >= self._turns.aging_s))
-                self.launch_levels.waited_many((inst.pages.priority, inst.pages.tenant, now - (deadline - timeout))
-                                               for inst, deadline in waiting)
-                for inst, _deadline in waiting:
-                    del self._queued[inst.id]
-                    start.append(inst)
+            start = self.queue.due(len(self._instances), now)
             for inst in start:
                 self._place(inst)
         for inst in start:
@@ -501,7 +380,7 @@ class Host:
     def terminate(self, instance_id: str, reason: str = "terminated by request") -> None:
         """Stop an instance; it ends with an `aborted` event carrying `reason` (a queued launch too)."""
         self._get(instance_id).terminate(reason)
-        if instance_id in self._queued:
+        if instance_id in self.queue:
             self._admit()
 
     def wait(self, instance_id: str, timeout: float | None = None) -> bool:
@@ -588,47 +467,35 @@ class Host:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            queued = len(self._queued)
-            running = len(self._instances) - queued
+            running = len(self._instances) - len(self.queue)
+            launch_queue = self.queue.as_dict()
         cache = self.pages.cache  # (with replicas: the first's; each has its own)
         return {"scheduler": total_stats(self.replicas).as_dict(), "policy": self.config.policy,
                 "instances": running, "free_pages": self.free_pages(), "total_pages": self.total_pages,
-                "launch_queue": {"queued": queued, "queued_total": self.launches_queued,
-                                 "timeouts": self.launch_queue_timeouts, "limit": self.config.launch_queue},
+                "launch_queue": launch_queue,
                 "levels": self.level_stats(),
                 "model": self.model_name,
                 "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"},
                 "memory": self.memory_stats(),
                 "http": self.http.stats(),
                 "children": self.children.stats(),
-                "workers": {"count": 0} if self.workers is None else {
-                    "count": len(self.workers.workers), "restarts": self.workers.restarts,
-                    "per_worker": self.workers.stats()},
-                "engine": {"kind": "process" if self.engines else "inproc",
-                           "tp": self.engines[0].spec.tp if self.engines else 1,
-                           "replicas": [{"pid": e.pid, "alive": e.alive, "deaths": e.deaths,
-                                         "instances": self._load[r], "free_pages": self.replicas[r].pages.free_count}
-                                        for r, e in enumerate(self.engines)]}}
+                "workers": worker_stats(self.workers),
+                "engine": engine_stats(self.engines, self._load, self.replicas)}
 
     def level_stats(self) -> dict[str, Any]:
         """Service levels (host/levels.py): per priority and per tenant, the launch queue's and the
         batches' queue depth now and waits (count, total, mean, max seconds), and aged promotions."""
         with self._lock:
-            depth = [(i.pages.priority, i.pages.tenant) for i, _d in self._queued.values()]
+            depth = self.queue.depth()
         batches = [r.scheduler.level_stats() for r in self.replicas]
-        forwards = batches[0] if len(batches) == 1 else _merge_levels(batches)
-        return {"aging_s": self.config.priority_aging_s, "launch_queue": self.launch_levels.as_dict(depth),
+        forwards = batches[0] if len(batches) == 1 else merge_levels(batches)
+        return {"aging_s": self.config.priority_aging_s, "launch_queue": self.queue.levels.as_dict(depth),
                 "forwards": forwards}
 
     def memory_stats(self) -> dict[str, int]:
         """KV pressure (host/suspend.py), all replicas: suspensions, resumes, pages and bytes
         swapped out (ever), instances suspended and allocations waiting now, swap space used."""
-        total: dict[str, int] = {}
-        for r in self.replicas:
-            if r.suspender is not None:
-                for k, v in r.suspender.as_dict().items():
-                    total[k] = total.get(k, 0) + v
-        return total
+        return memory_totals(self.replicas)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Terminate every instance, then stop the scheduler and the epoch ticker."""
@@ -656,140 +523,15 @@ class Host:
         self.kvstore.close()
         self.http.close()
         if self._gc_tuned:
-            _untune_gc()
+            untune_gc()
         if self._switch_set:
-            _restore_switch_interval()
+            restore_switch_interval()
 
     def __enter__(self) -> Host:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-
-
-_YOUNG_GC_THRESHOLD = 10_000  # net allocations between two young collections (Python's default: 700)
-_tuning_lock = threading.Lock()  # the process-wide settings hosts change (GC, GIL switch interval)
-_gc_hosts = 0  # hosts alive with tune_gc; the first tunes the collector, the last one out restores it
-_gc_before = (700, 10, 10)
-
-
-def _merge_levels(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The replicas' forward queues' level stats as one (sums; the max of maxima)."""
-    out: dict[str, Any] = {"aged": sum(p["aged"] for p in parts), "by_priority": {}, "by_tenant": {}}
-    for part in parts:
-        for key in ("by_priority", "by_tenant"):
-            for name, row in part[key].items():
-                acc = out[key].setdefault(name, {"queued": 0, "count": 0, "wait_s_total": 0.0, "wait_s_max": 0.0})
-                for f in ("queued", "count", "wait_s_total"):
-                    acc[f] += row[f]
-                acc["wait_s_max"] = max(acc["wait_s_max"], row["wait_s_max"])
-    for key in ("by_priority", "by_tenant"):
-        for acc in out[key].values():
-            acc["wait_s_mean"] = round(acc["wait_s_total"] / acc["count"], 6) if acc["count"] else 0.0
-    return out
-
-
-def _background_threads() -> int:
-    """Threads for the warm pool's starts and for the reaper's frees each: one per four cores this
-    process may use, at least one, at most four. Both run wasmtime without the GIL (instantiation,
-    a slot's reset), so on a GPU host's cores a burst's refills and frees proceed in parallel; on a
-    small machine one thread each leaves the cores to the running instances."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(4, cores // 4))
-
-
-def _tune_gc() -> None:
-    """Collect once, freeze every object alive and collect the young generation less often.
-
-    A started host holds ~190k objects (torch, the tokenizer, modules) that live as long as it
-    does, and each full (generation 2) collection scanned them all: 100-150 ms with every thread
-    stopped, about once a second while bursts of instances came and went (bench/host_ramp.py,
-    `gc_max_ms`). Frozen, they are never scanned again. With the young generation collected every
-    700 net allocations, a burst of 256 `text_completion` instances made ~70 young and ~7 middle
-    collections and, frozen, a full one of 14-90 ms over the objects made since; at 10,000 it
-    makes 1-2 young ones (~2.5 ms) and no full one. A serving process keeps its start-up
-    objects anyway; cyclic garbage waits a little longer to be collected."""
-    global _gc_hosts, _gc_before
-    with _tuning_lock:
-        if _gc_hosts == 0:
-            _gc_before = gc.get_threshold()
-        _gc_hosts += 1
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(max(_gc_before[0], _YOUNG_GC_THRESHOLD), _gc_before[1], _gc_before[2])
-
-
-def _collect_when_idle() -> None:
-    """The warm pool has just refilled, i.e. the host is idle (refills wait for quiet): collect
-    fully now, while nothing waits for the GIL.
-
-    Frozen, the start-up objects are out of every collection; what a full collection still scans
-    is what came after, chiefly the parked instances' objects (~50k for 256 of them). Left to the
-    collector, the middle generation, every 10th young collection, came due inside a burst now and
-    then (2 of 7 bursts of 256 paused 16 and 36 ms, every thread stopped) and a full one after 10
-    of those. Collected here (17-36 ms, idle), each burst starts with the counts at zero and the
-    pool's objects in the oldest generation: a burst of 256 then makes only 1-2 young collections
-    (2-4 ms in all)."""
-    gc.collect()
-
-
-def _untune_gc() -> None:
-    """A tuned host has shut down: with no other left, what they left behind can be collected
-    again and the collector runs as before."""
-    global _gc_hosts
-    with _tuning_lock:
-        _gc_hosts -= 1
-        if _gc_hosts == 0:
-            gc.unfreeze()
-            gc.set_threshold(*_gc_before)
-
-
-_switch_hosts: list[float] = []  # the interval each host alive with one set found (the first's is restored)
-
-
-def _set_switch_interval(ms: float) -> None:
-    """The GIL switch interval while a host runs (`HostConfig.switch_interval_ms`); the last set wins."""
-    with _tuning_lock:
-        _switch_hosts.append(sys.getswitchinterval())
-        sys.setswitchinterval(ms / 1000)
-
-
-def _restore_switch_interval() -> None:
-    with _tuning_lock:
-        before = _switch_hosts.pop()
-        if not _switch_hosts:
-            sys.setswitchinterval(before)
-
-
-def _start_workers(config: HostConfig, services: ApiServices, limits: InstanceLimits,
-                   pool_slots: int | None) -> WorkerPool:
-    """The instance workers: every import of every WIT version, stubbed in each worker, runs here."""
-    tables = version_tables(services)
-    names = {v: {iface: sorted(t) for iface, t in ifaces.items()} for v, ifaces in tables.items()}
-    imports: dict[str, Callable[..., Any]] = {f"{iface}.{n}": fn for ifaces in tables.values()
-                                              for iface, t in ifaces.items() for n, fn in t.items()}
-    resources: dict[str, list[tuple[str, int]]] = {}
-    for res, (_ty, dtor) in grammar_api.resources(services.grammars).items():
-        resources.setdefault("grammar", []).append((res, {"grammar": grammar_api.GRAMMAR_TYPE,
-                                                          "matcher": grammar_api.MATCHER_TYPE}[res]))
-        imports[f"$drop.grammar.{res}"] = dtor
-    # the model's constants (imports declared `before_launch` that take no argument): the same
-    # answer for every instance, so a worker gives it without a round trip
-    constants = {name: fn.__wrapped__(None) for name, fn in imports.items()  # type: ignore[attr-defined]
-                 if getattr(fn, "before_launch", False)
-                 and len(inspect.signature(fn.__wrapped__).parameters) == 1}  # type: ignore[attr-defined]
-    try:  # the tokenizer's imports are answered in the workers, if it pickles (host/workers/worker.py)
-        tokenizer: bytes | None = pickle.dumps(services.tokenizer)
-    except Exception as e:
-        log.info("the tokenizer does not pickle (%s: %s): its imports run in the host", type(e).__name__, e)
-        tokenizer = None
-    spec = WorkerSpec(index=0, cache_dir=config.cache_dir, epoch_tick_ms=config.epoch_tick_ms, limits=limits,
-                      pool_slots=pool_slots, imports=names, resources=resources, package=PACKAGE,
-                      constants=constants, wit_version=WIT_VERSION, info=services.info, tokenizer=tokenizer)
-    return WorkerPool(config.worker_count, spec, imports)
 
 
 def _ignore(_event: InstanceEvent) -> None:

@@ -262,7 +262,7 @@ def test_text_completion_bursts_back_to_back_with_parallel_warmers_and_reapers(
     cold, answers exactly."""
     import host.host as host_module
 
-    monkeypatch.setattr(host_module, "_background_threads", lambda: 2)
+    monkeypatch.setattr(host_module, "background_threads", lambda: 2)
     fb = FakeBackend(page_size=16, num_pages=512, delay_s=0.002)
     h = Host(HostConfig(data_dir=tmp_path, max_instances=32, warm_auto=16, workers=0), backend=fb)
     try:
