@@ -1,4 +1,4 @@
-"""host/api/fastcall.py's list<u32> conversions against wasmtime-py's own (the reference)."""
+"""host/api/values.py's list and record conversions (installed by host/api/fastcall.py) against wasmtime-py's own (the reference)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from wasmtime import _ffi as ffi
 from wasmtime.component import _types as T
 
 from host.api import fastcall
+from host.api import values as conv
 
 
 def _u32_list_type() -> T.ListType:
@@ -34,11 +35,11 @@ def test_list_u32_to_c_matches_wasmtime_py(values: list[int]) -> None:
     lt = _u32_list_type()
     stored = [v & 0xFFFFFFFF for v in values]
     fast, ref = ffi.wasmtime_component_val_t(), ffi.wasmtime_component_val_t()
-    fastcall._list_to_c(lt, None, list(values), ctypes.pointer(fast))
-    fastcall._LIST_TO_C(lt, None, list(values), ctypes.pointer(ref))
+    conv._list_to_c(lt, None, list(values), ctypes.pointer(fast))
+    conv._LIST_TO_C(lt, None, list(values), ctypes.pointer(ref))
     try:
         assert _elements(fast) == _elements(ref) == [(ffi.WASMTIME_COMPONENT_U32.value, v) for v in stored]
-        assert fastcall._list_from_c(lt, fast) == stored  # and back (this frees the list)
+        assert conv._list_from_c(lt, fast) == stored  # and back (this frees the list)
     finally:
         ffi.wasmtime_component_vallist_delete(ctypes.byref(ref.of.list))
 
@@ -47,9 +48,9 @@ def test_list_to_c_falls_back_for_what_it_does_not_handle() -> None:
     fastcall._patch_types()
     lt = _u32_list_type()
     with pytest.raises(TypeError, match="expected int"):  # wasmtime-py's own error for a non-int element
-        fastcall._list_to_c(lt, None, [1, "x"], ctypes.pointer(ffi.wasmtime_component_val_t()))
+        conv._list_to_c(lt, None, [1, "x"], ctypes.pointer(ffi.wasmtime_component_val_t()))
     empty = ffi.wasmtime_component_val_t()
-    fastcall._list_to_c(lt, None, [], ctypes.pointer(empty))
+    conv._list_to_c(lt, None, [], ctypes.pointer(empty))
     assert empty.of.list.size == 0
 
 
@@ -89,8 +90,8 @@ def _to_c(rt: T.RecordType, values: dict[str, object]) -> ffi.wasmtime_component
 def test_record_from_c_matches_wasmtime_py(values: dict[str, object]) -> None:
     fastcall._patch_types()
     rt = _sampler_type()
-    fast = fastcall._record_from_c(rt, _to_c(rt, values))  # frees the record
-    ref = fastcall._RECORD_FROM_C(rt, _to_c(rt, values))
+    fast = conv._record_from_c(rt, _to_c(rt, values))  # frees the record
+    ref = conv._RECORD_FROM_C(rt, _to_c(rt, values))
     assert fast.__dict__ == ref.__dict__
     assert list(fast.__dict__) == list(rt.fields[i][0] for i in range(5))
     assert fast.__dict__["top-k"] == values["top-k"] and fast.__dict__["seed"] == values["seed"]
@@ -104,11 +105,11 @@ def test_record_from_c_reads_every_scalar_kind() -> None:
     rt = _record_type(fields)
     values = {"b": True, "s8": -128, "u8": 255, "s16": -32768, "u16": 65535, "s32": -2**31, "u32": 2**32 - 1,
               "s64": -2**63, "u64": 2**64 - 1, "f32": 0.5, "f64": -1e300}
-    assert fastcall._FlatRecord.plan(fields) is not None  # read in one unpack, not field by field
-    assert fastcall._record_from_c(rt, _to_c(rt, values)).__dict__ == values
+    assert conv._FlatRecord.plan(fields) is not None  # read in one unpack, not field by field
+    assert conv._record_from_c(rt, _to_c(rt, values)).__dict__ == values
     nested = _record_type([("n", T.U32()), ("xs", _u32_list_type())])  # a list field: the general path
-    assert fastcall._FlatRecord.plan(nested.fields) is None
-    assert fastcall._record_from_c(nested, _to_c(nested, {"n": 3, "xs": [1, 2]})).__dict__ == {"n": 3, "xs": [1, 2]}
+    assert conv._FlatRecord.plan(nested.fields) is None
+    assert conv._record_from_c(nested, _to_c(nested, {"n": 3, "xs": [1, 2]})).__dict__ == {"n": 3, "xs": [1, 2]}
 
 
 @pytest.mark.parametrize("text", ["", "a", "finish", "héllo wörld ✓ 你好", "nul\x00inside", "long " * 2000])
@@ -116,7 +117,7 @@ def test_byte_vectors_match_wasmtime_py(text: str) -> None:
     """Strings, enum cases and field names cross as C byte vectors: the replacements make the same
     vectors as wasmtime-py's `str_to_capi` / `bytes_to_capi` and read them back as its `to_str` does."""
     fastcall._patch_types()
-    ref_bytes, ref_str, ref_to_bytes, ref_to_str = fastcall._BYTE_VECS
+    ref_bytes, ref_str, ref_to_bytes, ref_to_str = conv._BYTE_VECS
     assert ffi.str_to_capi is not ref_str  # patched
     data = text.encode()
     for fast, ref in [(ffi.str_to_capi(text), ref_str(text)), (ffi.bytes_to_capi(data), ref_bytes(data)),
@@ -151,7 +152,7 @@ _TEXTS = ["", "a", "héllo wörld ✓ 你好", "nul\x00inside", "long " * 500]
 def test_list_u32_to_c_refuses_a_float_as_wasmtime_py_does() -> None:
     fastcall._patch_types()
     with pytest.raises(TypeError, match="expected int"):
-        fastcall._list_to_c(_u32_list_type(), None, [1, 2.0], ctypes.pointer(ffi.wasmtime_component_val_t()))
+        conv._list_to_c(_u32_list_type(), None, [1, 2.0], ctypes.pointer(ffi.wasmtime_component_val_t()))
 
 
 @pytest.mark.parametrize("values", [[t] for t in _TEXTS] + [_TEXTS, ["--prompt", "x", "--max-tokens", "64"]])
@@ -161,25 +162,25 @@ def test_string_lists_match_wasmtime_py(values: list[str]) -> None:
     fastcall._patch_types()
     lt = _string_list_type()
     fast, ref = ffi.wasmtime_component_val_t(), ffi.wasmtime_component_val_t()
-    fastcall._list_to_c(lt, None, list(values), ctypes.pointer(fast))
-    fastcall._LIST_TO_C(lt, None, list(values), ctypes.pointer(ref))
+    conv._list_to_c(lt, None, list(values), ctypes.pointer(fast))
+    conv._LIST_TO_C(lt, None, list(values), ctypes.pointer(ref))
     raw_f, raw_r = fast.of.list, ref.of.list
     assert raw_f.size == raw_r.size == len(values)
     for i in range(len(values)):
         assert raw_f.data[i].kind == raw_r.data[i].kind == ffi.WASMTIME_COMPONENT_STRING.value
         f, r = raw_f.data[i].of.string, raw_r.data[i].of.string
         assert ctypes.string_at(f.data, f.size) == ctypes.string_at(r.data, r.size) == values[i].encode()
-    assert fastcall._list_from_c(lt, fast) == values
-    assert fastcall._LIST_FROM_C(lt, ref) == values
+    assert conv._list_from_c(lt, fast) == values
+    assert conv._LIST_FROM_C(lt, ref) == values
 
 
 def test_string_list_to_c_refuses_what_wasmtime_py_refuses() -> None:
     fastcall._patch_types()
     lt = _string_list_type()
     with pytest.raises(TypeError, match="expected string"):
-        fastcall._list_to_c(lt, None, ["a", b"b"], ctypes.pointer(ffi.wasmtime_component_val_t()))
+        conv._list_to_c(lt, None, ["a", b"b"], ctypes.pointer(ffi.wasmtime_component_val_t()))
     with pytest.raises(UnicodeEncodeError):
-        fastcall._list_to_c(lt, None, ["a", "\ud800"], ctypes.pointer(ffi.wasmtime_component_val_t()))
+        conv._list_to_c(lt, None, ["a", "\ud800"], ctypes.pointer(ffi.wasmtime_component_val_t()))
 
 
 def _enum_type(names: list[str]) -> T.EnumType:
@@ -210,14 +211,14 @@ def test_record_to_c_matches_wasmtime_py(values: dict[str, object]) -> None:
     fastcall._patch_types()
     rt = _generation_type()
     fast, ref = ffi.wasmtime_component_val_t(), ffi.wasmtime_component_val_t()
-    fastcall._record_to_c(rt, None, _record(values), ctypes.pointer(fast))
-    fastcall._RECORD_TO_C(rt, None, _record(values), ctypes.pointer(ref))
+    conv._record_to_c(rt, None, _record(values), ctypes.pointer(fast))
+    conv._RECORD_TO_C(rt, None, _record(values), ctypes.pointer(ref))
     for i, name in enumerate(values):
         fe, re_ = fast.of.record.data[i], ref.of.record.data[i]
         assert ctypes.string_at(fe.name.data, fe.name.size) == ctypes.string_at(re_.name.data, re_.name.size) \
             == name.encode()
         assert fe.val.kind == re_.val.kind
-    assert fastcall._RECORD_FROM_C(rt, fast).__dict__ == fastcall._RECORD_FROM_C(rt, ref).__dict__ == values
+    assert conv._RECORD_FROM_C(rt, fast).__dict__ == conv._RECORD_FROM_C(rt, ref).__dict__ == values
 
 
 def test_record_to_c_cleans_up_after_a_bad_field() -> None:
@@ -228,9 +229,9 @@ def test_record_to_c_cleans_up_after_a_bad_field() -> None:
                 {"tokens": [1, 2], "new-pages": [3], "trim": 0, "finish": 5},
                 {"tokens": 1.5, "new-pages": [3], "trim": 0, "finish": "length"}]:
         with pytest.raises(TypeError):
-            fastcall._record_to_c(rt, None, _record(bad), ctypes.pointer(ffi.wasmtime_component_val_t()))
+            conv._record_to_c(rt, None, _record(bad), ctypes.pointer(ffi.wasmtime_component_val_t()))
     with pytest.raises(AttributeError):  # a missing field, as wasmtime-py's getattr
-        fastcall._record_to_c(rt, None, _record({"tokens": [1]}), ctypes.pointer(ffi.wasmtime_component_val_t()))
+        conv._record_to_c(rt, None, _record({"tokens": [1]}), ctypes.pointer(ffi.wasmtime_component_val_t()))
 
 
 @pytest.mark.parametrize("role, content", [("user", "What is the capital of France?"), ("", ""),
@@ -240,26 +241,26 @@ def test_record_of_strings_from_c_matches_wasmtime_py(role: str, content: str) -
     fastcall._patch_types()
     rt = _record_type([("role", T.String()), ("n", T.U32()), ("content", T.String())])
     values = {"role": role, "n": 9, "content": content}
-    assert fastcall._FlatRecord.plan(rt.fields) is not None
-    fast = fastcall._record_from_c(rt, _to_c(rt, values))  # frees the record
-    ref = fastcall._RECORD_FROM_C(rt, _to_c(rt, values))
+    assert conv._FlatRecord.plan(rt.fields) is not None
+    fast = conv._record_from_c(rt, _to_c(rt, values))  # frees the record
+    ref = conv._RECORD_FROM_C(rt, _to_c(rt, values))
     assert fast.__dict__ == ref.__dict__ == values
 
 
 def test_wasmtime_py_values_restores_both_ways() -> None:
     """The comparison switch: inside, lists and records convert as wasmtime-py does; after, fast again."""
     fastcall._patch_types()
-    assert T.ListType.convert_to_c is fastcall._list_to_c and T.RecordType.convert_from_c is fastcall._record_from_c
+    assert T.ListType.convert_to_c is conv._list_to_c and T.RecordType.convert_from_c is conv._record_from_c
     with fastcall.wasmtime_py_values():
-        assert T.ListType.convert_to_c is fastcall._LIST_TO_C and T.ListType.convert_from_c is fastcall._LIST_FROM_C
-        assert T.RecordType.convert_to_c is fastcall._RECORD_TO_C
-        assert T.RecordType.convert_from_c is fastcall._RECORD_FROM_C
+        assert T.ListType.convert_to_c is conv._LIST_TO_C and T.ListType.convert_from_c is conv._LIST_FROM_C
+        assert T.RecordType.convert_to_c is conv._RECORD_TO_C
+        assert T.RecordType.convert_from_c is conv._RECORD_FROM_C
         lt = _u32_list_type()
         val = ffi.wasmtime_component_val_t()
         lt.convert_to_c(None, [4, 5], ctypes.pointer(val))
         assert lt.convert_from_c(val) == [4, 5]
-    assert T.ListType.convert_to_c is fastcall._list_to_c and T.ListType.convert_from_c is fastcall._list_from_c
-    assert T.RecordType.convert_to_c is fastcall._record_to_c
+    assert T.ListType.convert_to_c is conv._list_to_c and T.ListType.convert_from_c is conv._list_from_c
+    assert T.RecordType.convert_to_c is conv._record_to_c
 
 
 def test_a_host_functions_exception_stays_with_its_thread() -> None:
@@ -293,10 +294,10 @@ def test_byte_lists_match_wasmtime_py(values: bytes) -> None:
     lt = T.ListType.__new__(T.ListType)
     lt.__dict__["element"] = T.U8.__new__(T.U8)
     fast, ref = ffi.wasmtime_component_val_t(), ffi.wasmtime_component_val_t()
-    fastcall._list_to_c(lt, None, values, ctypes.pointer(fast))
-    fastcall._LIST_TO_C(lt, None, values, ctypes.pointer(ref))
+    conv._list_to_c(lt, None, values, ctypes.pointer(fast))
+    conv._LIST_TO_C(lt, None, values, ctypes.pointer(ref))
     elements = [(fast.of.list.data[i].kind, fast.of.list.data[i].of.u8) for i in range(fast.of.list.size)]
     assert elements == [(ref.of.list.data[i].kind, ref.of.list.data[i].of.u8) for i in range(ref.of.list.size)]
     assert elements == [(ffi.WASMTIME_COMPONENT_U8.value, b) for b in values]
-    assert fastcall._list_from_c(lt, fast) == values
-    assert fastcall._LIST_FROM_C(lt, ref) == values
+    assert conv._list_from_c(lt, fast) == values
+    assert conv._LIST_FROM_C(lt, ref) == values
