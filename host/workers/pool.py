@@ -201,7 +201,7 @@ class WorkerPool:
     def release(self, inst: RemoteInstance) -> None:
         with self._lock:
             self._instances.pop(inst.id, None)
-            if inst.worker is not None:
+            if isinstance(inst.worker, _Worker):  # (the worker `place` put it on)
                 inst.worker.instances.discard(inst.id)
 
     def _message(self, worker: _Worker, msg: Any) -> None:

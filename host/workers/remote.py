@@ -11,7 +11,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import wasmtime
 
@@ -23,14 +23,36 @@ from host.wasm.calling import calling
 from host.wasm.instance import Instance, InstanceEnv, Terminated
 from host.workers import wire
 
-if TYPE_CHECKING:
-    from host.workers.pool import WorkerPool, _Worker
-
 __all__ = ["RemoteInstance", "WorkerLost", "encode_reply"]
 
 log = logging.getLogger(__name__)
 
 _STEP = "forward.decode-step"  # served on the reader thread when it can be (`RemoteInstance.serve_now`)
+
+
+class WorkerLink(Protocol):
+    """The worker process an instance's guest runs in, as the instance uses it (host/workers/pool.py)."""
+
+    def send(self, msg: Any) -> None:
+        """Send one wire message."""
+
+    def write(self, datas: list[bytes]) -> None:
+        """Send encoded messages, in one write."""
+
+    def answer(self, fn: Callable[[], wire.Reply | None]) -> None:
+        """Make an answer with `fn` on the worker's answering thread, and send it."""
+
+
+class Placement(Protocol):
+    """The worker pool, as its instances use it (host/workers/pool.py's `WorkerPool`)."""
+
+    imports: dict[str, Callable[..., Any]]
+
+    def place(self, inst: RemoteInstance) -> WorkerLink:
+        """Put `inst` on a worker and launch its guest there."""
+
+    def release(self, inst: RemoteInstance) -> None:
+        """`inst` has ended: its worker no longer counts it."""
 
 
 @dataclass(frozen=True)
@@ -57,12 +79,12 @@ class RemoteInstance(Instance):
 
     def __init__(self, env: InstanceEnv, program: str, args: list[str],
                  on_event: Callable[[InstanceEvent], None], warm: bool = False,
-                 pool: WorkerPool | None = None) -> None:
+                 pool: Placement | None = None) -> None:
         super().__init__(env, program, args, on_event, warm)
         if pool is None:
             raise ValueError("a RemoteInstance needs a WorkerPool")
         self.pool = pool
-        self.worker: _Worker | None = None
+        self.worker: WorkerLink | None = None
         self.inbound: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.deferred_trap: str | None = None  # a one-way call failed: the guest traps at its next call
         self._worker_unparked = not warm  # its worker knows it was launched (guarded by cond)
