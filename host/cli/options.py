@@ -177,18 +177,16 @@ def _outbound_config(args: argparse.Namespace) -> dict[str, Any]:
         out["http_allow"] = tuple(args.http_allow)
     if getattr(args, "tenant_http_allow", None):
         out["http_tenant_allow"] = tuple(args.tenant_http_allow)
-    kb = 1024
-    http = {k: v for k, v in {
-        "max_request_bytes": None if args.http_max_request_kb is None else args.http_max_request_kb * kb,
-        "max_response_bytes": None if args.http_max_response_kb is None else args.http_max_response_kb * kb,
-        "timeout_s": args.http_timeout_s, "per_tenant": args.http_max_per_tenant}.items() if v is not None}
-    if http:
-        out["http_limits"] = HttpLimits(**http)
-    kids = {k: v for k, v in {"max_depth": args.max_child_depth, "per_parent": args.max_children,
-                              "per_tenant": args.max_children_per_tenant,
-                              "allow_detached": args.allow_detached_children}.items() if v is not None}
-    if kids:
-        out["child_limits"] = ChildLimits(**kids)
+    for key, cls, given in (
+            ("http_limits", HttpLimits, {"max_request_bytes": _kib(args.http_max_request_kb),
+                                         "max_response_bytes": _kib(args.http_max_response_kb),
+                                         "timeout_s": args.http_timeout_s, "per_tenant": args.http_max_per_tenant}),
+            ("child_limits", ChildLimits, {"max_depth": args.max_child_depth, "per_parent": args.max_children,
+                                           "per_tenant": args.max_children_per_tenant,
+                                           "allow_detached": args.allow_detached_children})):
+        fields = {k: v for k, v in given.items() if v is not None}
+        if fields:  # (only limits given: the rest keep their class's defaults)
+            out[key] = cls(**fields)
     return out
 
 
@@ -206,7 +204,7 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "memory_limit_bytes": _mib(args.memory_limit_mb),
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
         "max_pages_per_tenant": args.max_pages_per_tenant, "swap_memory_bytes": _mib(args.swap_memory),
-        "max_inbox_bytes": None if args.max_inbox_kb is None else args.max_inbox_kb * 1024,
+        "max_inbox_bytes": _kib(args.max_inbox_kb),
         "max_kv_store_bytes": None if args.max_kv_store_mb is None else int(args.max_kv_store_mb * MIB),
         "prefix_cache": args.prefix_cache, "max_instances": args.max_instances,
         "gpu_memory_utilization": args.gpu_memory_utilization, "launch_queue": args.launch_queue, "launch_queue_timeout_s": args.launch_queue_timeout_s,
@@ -230,6 +228,10 @@ def _workers(text: str) -> int | str:
     if not 0 <= n <= 256:
         raise argparse.ArgumentTypeError(f"--workers must be in [0, 256], got {n}")
     return n
+
+
+def _kib(value: int | None) -> int | None:
+    return None if value is None else value * 1024
 
 
 def _mib(value: int | None) -> int | None:
