@@ -1,4 +1,5 @@
-"""One running inferlet: its store, thread, inbox, subscriptions, pages and forwards.
+"""One running inferlet: its store, thread, inbox, subscriptions, pages and forwards; its start,
+its launch when warm, and its end (how its thread blocks and wakes: host/wasm/waiting.py).
 
 An instance sees the host only through its `InstanceEnv` (the engine, the linker, the run
 gate, its limits and two callbacks), so it can be run and tested without a whole `Host`.
@@ -13,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import wasmtime
 from wasmtime import Store, WasiConfig
@@ -29,6 +30,7 @@ from host.wasm.limits import InstanceLimits, unwatch_epochs, watch_epochs
 from host.wasm.logs import InstanceLog
 from host.wasm.starts import Starts
 from host.wasm.traps import explain_trap, memory_note
+from host.wasm.waiting import Waiter
 
 if TYPE_CHECKING:
     from host.batching.future import ForwardFuture
@@ -85,7 +87,7 @@ class StepLookahead(Protocol):
         """At the instance's end: drop the prediction; a running one's future, to wait for."""
 
 
-class Instance:
+class Instance(Waiter):
     """State of one instance. Its thread runs the guest's `run` export to the end.
 
     A *warm* instance (`warm=True`, made ahead of demand by host/wasm/warm.py) is started before
@@ -105,6 +107,7 @@ class Instance:
 
     def __init__(self, env: InstanceEnv, program: str, args: list[str],
                  on_event: Callable[[InstanceEvent], None], warm: bool = False) -> None:
+        super().__init__(env.gate)
         self.id = str(uuid.uuid4())
         self.label = f"instance {self.id[:8]}"  # names its forward requests in backend errors
         self.env = env
@@ -115,16 +118,6 @@ class Instance:
         self._t0 = time.perf_counter()
         self.state = "starting"
         self.pages = InstancePages(self.id)
-        self.cond = threading.Condition()
-        # The thread blocked in wait_until or await_launch sleeps on `_kick` (released = woken),
-        # not on `cond`: a Condition allocates a lock per wait and its waiter must take `cond` back
-        # while the notifier still holds it; `_notify` (the per-token wake-up) and `_resume` (a
-        # launch) release the kick after letting go of `cond`. Other waiters on `cond` (the warm
-        # pool waiting for a first call) still use it.
-        self._kick = threading.Lock()
-        self._kick.acquire()
-        self._waiting = False  # the thread is blocked on `_kick` (guarded by cond)
-        self._handed = False  # the gate has woken it for its turn (guarded by cond)
         self.inbox = Inbox(env.limits.max_inbox_bytes)  # unread client messages (guarded by cond)
         self.input_closed = False
         self.published = Mailbox(env.limits.max_published_messages, env.limits.max_published_bytes)
@@ -348,53 +341,11 @@ class Instance:
         if self.stop_reason is not None:
             raise Terminated(self.stop_reason)
 
-    def wait_until(self, ready: Callable[[], bool], timeout_s: float | None = None) -> bool:
-        """Block (GIL released) until ready() or timeout; raises Terminated if stopped meanwhile.
-
-        The wait also ends when the wall-clock budget runs out (then Terminated, with the budget
-        reason), so a guest blocked in an import cannot outlive its budget. A thread that blocks
-        gives its run-gate slot up first and takes one again when it goes on.
-        """
-        if ready():
-            return True
-        if timeout_s is not None and timeout_s <= 0:
-            self.check_alive()
-            return False
-        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+    def _blocking(self) -> None:
+        """About to block: no longer starting, and the scheduler need not wait for this instance."""
         if self._starting:
             self._end_start()
-        self.env.on_block(self.id)  # the scheduler need not wait for us
-        self.env.gate.leave()  # outside self.cond: the gate wakes other instances through theirs
-        try:
-            with self.cond:
-                while not ready():
-                    self.check_alive()
-                    remaining = None if deadline is None else deadline - time.perf_counter()
-                    if remaining is not None and remaining <= 0:
-                        return False
-                    remaining = _earliest(remaining, self.budget_left_s())
-                    self._waiting = True
-                    self.cond.release()
-                    try:
-                        self._kick.acquire(True, -1 if remaining is None else max(remaining, 0.0))
-                    finally:
-                        self.cond.acquire()
-                    self._waiting = False  # a kick that came after a timeout stays: a spurious wake-up
-                    if self._handed:  # the gate woke us for our turn
-                        self._handed = False
-                        if not ready():  # not ready after all: pass the turn on
-                            self._outside_cond(self.env.gate.declined)
-                return True
-        finally:  # outside self.cond: the scheduler's wake-up callback needs it
-            self.env.gate.enter()
-
-    def _outside_cond(self, fn: Callable[[], None]) -> None:
-        """Run `fn` with self.cond released: gate calls take other instances' conds."""
-        self.cond.release()
-        try:
-            fn()
-        finally:
-            self.cond.acquire()
+        self.env.on_block(self.id)
 
     def new_handle(self, fut: ForwardFuture) -> int:
         h = self._next_handle
@@ -402,42 +353,6 @@ class Instance:
         self.forwards[h] = fut
         fut.add_done_callback(self.wake)
         return h
-
-    def wait_for(self, fut: ForwardFuture, on_abort: Callable[[], None] | None = None) -> Any:
-        """Block until a job this instance submitted is done and return its result (raising its error).
-        `on_abort`: called if the wait ends otherwise (terminated, out of budget) before that is
-        re-raised, e.g. to end a generation loop at its next step."""
-        if not fut.done():  # (a done job needs no wake-up: a decode step's claimed prediction may be)
-            fut.add_done_callback(self.wake)
-            try:
-                self.wait_until(fut.done)
-            except BaseException:
-                if on_abort is not None:
-                    on_abort()
-                raise
-        return fut.wait()
-
-    def wake(self, _fut: ForwardFuture | None = None) -> None:
-        """Done-callback of this instance's forwards: wake its thread (in its turn, see RunGate); also
-        called without one when what it waits for changed (host/suspend.py)."""
-        self.env.gate.wake(self._notify)
-
-    def _notify(self) -> bool:
-        """The gate's wake-up: wake the thread if it waits; returns whether it was waiting."""
-        with self.cond:
-            if not self._waiting:
-                return False
-            self._waiting = False
-            self._handed = True
-        self._kick.release()  # outside cond, so the thread does not wake only to wait for it
-        return True
-
-    def _wake_all(self) -> None:
-        """Something a waiter may be waiting for has changed (cond held): wake them all."""
-        self.cond.notify_all()
-        if self._waiting:
-            self._waiting = False
-            self._kick.release()
 
     def _capture_stdout(self, data: bytes) -> None:
         for line in self.log.write("stdout", data):
@@ -519,10 +434,3 @@ class Instance:
         message, host_fault = explain_trap(str(e), self.env.limits, pool, self._stderr.decode("utf-8", "replace"))
         self.failed_in_host = self.failed_in_host or host_fault
         return "exception", message
-
-
-def _earliest(a: float | None, b: float | None) -> float | None:
-    """The smaller of two optional timeouts (None = no limit)."""
-    if a is None:
-        return b
-    return a if b is None else min(a, b)
