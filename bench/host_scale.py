@@ -87,7 +87,7 @@ from typing import Any
 
 from common import ROOT, BatchLog, Run, compile_inferlet, settle
 
-import host.host as host_module
+import host.wasm.warm as warm_module
 from gpu_backend.engine.client import EngineSpec, start_engines
 from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
@@ -369,20 +369,20 @@ def patched(starts_wait: bool = True, prime_factor: int | None = None, fast_valu
     slots `Host.warm_start` primes per parked instance; `fast_values` False: lists and records
     cross host calls as wasmtime-py converts them (`fastcall.wasmtime_py_values`); `reuse_slots`
     False: the warm pool waits for every queued store to be freed, reusable slots or not."""
-    saved_active, saved_factor = Starts.active, host_module._PRIME_FACTOR
+    saved_active, saved_factor = Starts.active, warm_module.PRIME_FACTOR
     saved_reusable = getattr(WasmEngine, "reusable_slots", None)  # (absent from trees before it, as 1061fa1)
     if not reuse_slots:
         WasmEngine.reusable_slots = lambda self: 0  # type: ignore[method-assign]
     if not starts_wait:
         Starts.active = lambda self: False  # type: ignore[method-assign]
     if prime_factor is not None:
-        host_module._PRIME_FACTOR = prime_factor
+        warm_module.PRIME_FACTOR = prime_factor
     try:
         with contextlib.nullcontext() if fast_values else fastcall.wasmtime_py_values():
             yield
     finally:
         Starts.active = saved_active  # type: ignore[method-assign]
-        host_module._PRIME_FACTOR = saved_factor
+        warm_module.PRIME_FACTOR = saved_factor
         if saved_reusable is not None:
             WasmEngine.reusable_slots = saved_reusable  # type: ignore[method-assign]
 

@@ -17,15 +17,18 @@ from host.api import grammar as grammar_api
 from host.batching.policy import make_policy
 from host.batching.scheduler import Scheduler
 from host.config import HostConfig
+from host.net.client import HttpService
 from host.replicas import Replica
 from host.state.pages import PageManager
 from host.state.prefix_cache import PrefixCache
 from host.suspend import Suspender
 from host.wasm.limits import InstanceLimits
+from host.wasm.pooling import PoolingConfig
 from host.workers.pool import WorkerPool
 from host.workers.worker import WorkerSpec
 
-__all__ = ["load_backend", "make_replicas", "start_engines", "start_workers"]
+__all__ = ["http_service", "instance_limits", "instance_pool", "load_backend", "make_replicas", "start_engines",
+           "start_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +119,30 @@ def make_replicas(config: HostConfig, backend: Backend | None, engines: list[Any
     replicas = [Replica(r, pm, sched, Suspender(pm, sched, b, config.swap_memory_bytes))
                 for r, (pm, sched, b) in enumerate(zip(managers, schedulers, backends, strict=True))]
     return backend, replicas
+
+
+def instance_limits(config: HostConfig) -> InstanceLimits:
+    """What each instance may use (memory, wall clock, published messages, inbox)."""
+    return InstanceLimits(config.memory_limit_bytes, config.wall_budget_s,
+                          max_published_messages=config.max_published_messages,
+                          max_published_bytes=config.max_published_bytes,
+                          max_inbox_bytes=config.max_inbox_bytes)
+
+
+def instance_pool(config: HostConfig, slots: int, limits: InstanceLimits) -> PoolingConfig | None:
+    """wasmtime's pooling allocator with `slots` instance slots (`config.instance_pool`); None: the
+    on-demand allocator (also where the address space is limited)."""
+    if not config.instance_pool:
+        return None
+    if not PoolingConfig.address_space_ok():
+        log.warning("address space is limited (ulimit -v): instances use the on-demand allocator")
+        return None
+    return PoolingConfig(slots, limits)
+
+
+def http_service(config: HostConfig) -> HttpService:
+    """The guests' outbound HTTP (host/net/), with the allow-lists of `config`."""
+    tenant_allow: dict[str, list[str]] = {}
+    for tenant, pattern in config.http_tenant_allow:
+        tenant_allow.setdefault(tenant, []).append(pattern)
+    return HttpService(config.http_allow, tenant_allow, config.http_limits)

@@ -20,36 +20,32 @@ from typing import Any
 
 from gpu_backend.types import Backend
 from host.api import ApiServices, build_linker
-from host.assembly import make_replicas, start_engines, start_workers
+from host.assembly import (
+    http_service,
+    instance_limits,
+    instance_pool,
+    make_replicas,
+    start_engines,
+    start_workers,
+)
 from host.batching.gate import RunGate
 from host.batching.scheduler import Scheduler
 from host.children import Children
 from host.config import HostConfig
 from host.events import InstanceEvent
-from host.introspect import engine_stats, memory_totals, merge_levels, worker_stats
+from host.introspect import HostStats
 from host.launch_queue import HostBusy, LaunchQueue
 from host.levels import check_priority
-from host.net.client import HttpService
 from host.replay.kept import Recordings
 from host.replay.recorder import Recorder
-from host.replicas import total_stats
 from host.state.kvstore import KeyValueStore
 from host.state.pages import PageManager
 from host.state.topics import Topics
-from host.tuning import (
-    background_threads,
-    collect_when_idle,
-    restore_switch_interval,
-    set_switch_interval,
-    tune_gc,
-    untune_gc,
-)
+from host.tuning import ProcessTuning, background_threads, collect_when_idle
 from host.wasm import priority
 from host.wasm.engine import WasmEngine
 from host.wasm.inbox import InboxFull
 from host.wasm.instance import Instance, InstanceEnv
-from host.wasm.limits import InstanceLimits
-from host.wasm.pooling import PoolingConfig
 from host.wasm.starter import Starter
 from host.wasm.starts import Starts
 from host.wasm.warm import WarmPool
@@ -62,12 +58,10 @@ log = logging.getLogger(__name__)
 _ENDED_KEPT = 1024  # ended instances remembered for wait() and their logs
 LOG_RETENTION_S = 600.0  # how long an ended instance's log stays readable (Host.logs)
 _WARM_PROGRAMS = 4  # programs kept warm at once (the most recently launched)
-_PRIME_FACTOR = 2  # Host.warm_start primes this many slots per parked instance
 _REAP_PENDING = 512  # finished instances whose stores may wait for an idle backend (host/wasm/reaper.py)
-_CUDA_SWITCH_MS = 0.5  # HostConfig.switch_interval_ms's default on a CUDA backend
 
 
-class Host:
+class Host(HostStats):
     """Runs inferlet instances against one backend (any object implementing `gpu_backend.types.Backend`;
     None loads `config.model`)."""
 
@@ -97,18 +91,10 @@ class Host:
         self._load = [0] * len(self.replicas)  # running instances per replica (placement)
         for r, eng in enumerate(self.engines):
             eng.on_death.append(lambda reason, r=r: self._engine_died(r, reason))
-        limits = InstanceLimits(config.memory_limit_bytes, config.wall_budget_s,
-                                max_published_messages=config.max_published_messages,
-                                max_published_bytes=config.max_published_bytes,
-                                max_inbox_bytes=config.max_inbox_bytes)
+        limits = instance_limits(config)
         # pool slots: the running instances, the warm ones, the finished ones whose stores wait to be freed
         slots = config.max_instances + config.warm_instances * _WARM_PROGRAMS + config.warm_auto + _REAP_PENDING + 8
-        pooling = None
-        if config.instance_pool:
-            if PoolingConfig.address_space_ok():
-                pooling = PoolingConfig(slots, limits)
-            else:
-                log.warning("address space is limited (ulimit -v): instances use the on-demand allocator")
+        pooling = instance_pool(config, slots, limits)
         # Busy: forwards queued or running, or launched instances alive. Warm refills and store
         # frees wait for an idle host (the reaper still frees each store within a second).
         busy = lambda: bool(self._instances) or any(s.busy() for s in schedulers)  # noqa: E731
@@ -122,10 +108,7 @@ class Host:
         self.topics = Topics()
         self.gate = RunGate(config.run_gate, slots=config.run_slots)
         self.wasm.on_tick.append(self.gate.poll)  # queued wake-ups go out even if holders stall
-        tenant_allow: dict[str, list[str]] = {}
-        for tenant, pattern in config.http_tenant_allow:
-            tenant_allow.setdefault(tenant, []).append(pattern)
-        self.http = HttpService(config.http_allow, tenant_allow, config.http_limits)
+        self.http = http_service(config)
         self.children = Children(self.launch, self.terminate, self.signal, config.child_limits)
         self.services = ApiServices(
             info=info, tokenizer=backend.tokenizer, replicas=self.replicas,
@@ -153,16 +136,8 @@ class Host:
                              busy=busy, reaping=self._reaping, background=background, ramping=self.starts.active,
                              warmers=threads,
                              on_full=collect_when_idle if config.tune_gc else None)
-        self._gc_tuned = config.tune_gc
-        if self._gc_tuned:
-            tune_gc()
-        switch_ms = config.switch_interval_ms
-        if switch_ms is None:  # the short interval where it was measured to help: a CUDA backend
-            switch_ms = _CUDA_SWITCH_MS if str(getattr(info, "device", "")).startswith("cuda") else 0.0
-        self.switch_interval_ms = switch_ms  # what this host set (0: Python's own)
-        self._switch_set = switch_ms > 0
-        if self._switch_set:
-            set_switch_interval(switch_ms)
+        self.tuning = ProcessTuning(config.tune_gc, config.switch_interval_ms, str(getattr(info, "device", "")))
+        self.switch_interval_ms = self.tuning.switch_interval_ms  # what this host set (0: Python's own)
 
     def _new_instance(self, program: str, args: list[str], listener: Callable[[InstanceEvent], None],
                       warm: bool = False) -> Instance:
@@ -350,16 +325,8 @@ class Host:
         programs = [self.compile(w) for w in wasms]
         n = per_program if per_program is not None else \
             max(self.config.warm_auto // max(len(programs), 1), self.config.warm_instances)
-        deadline = time.monotonic() + timeout_s
-        pool = self.wasm.pooling
-        primed = min(_PRIME_FACTOR * n, max(n, pool.slots // (2 * max(len(programs), 1)))) if pool else n
-        for program in programs:
-            self.warm.prime(program, primed, timeout_s)  # each slot's costly first reset now, not in a burst
-            if self.wasm.reaper is not None:  # (the resets are the frees of the primed stores)
-                self.wasm.reaper.wait_drained(max(deadline - time.monotonic(), 0.0))
-            self.warm.seed(program, n)
-        for program in programs:
-            self.warm.wait_ready(program, n, max(deadline - time.monotonic(), 0.0))
+        self.warm.ready(programs, n, self.wasm.pooling.slots if self.wasm.pooling else None,
+                        self.wasm.reaper.wait_drained if self.wasm.reaper is not None else None, timeout_s)
         return programs
 
     def _get(self, instance_id: str) -> Instance:
@@ -432,19 +399,6 @@ class Host:
         rep.scheduler.forget(inst.id)
         rep.scheduler.drop_class(inst.id)
 
-    def instances(self) -> list[dict[str, Any]]:
-        """The running instances: id, program, arguments, state, started_at, tenant, priority, and
-        what each holds (`PageManager.usage`): pages, tokens (K/V slots written) and swapped pages."""
-        with self._lock:
-            insts = list(self._instances.values())
-        out = []
-        for i in insts:
-            pages, tokens, swapped = self.replicas[i.pages.replica].pages.usage(i.pages)
-            out.append({"id": i.id, "program": i.program, "arguments": i.args, "state": i.state,
-                        "started_at": i.started_at, "tenant": i.pages.tenant, "priority": i.pages.priority,
-                        "pages": pages, "tokens": tokens, "swapped": swapped})
-        return out
-
     def logs(self, instance_id: str, tenant: str | None = None) -> list[dict[str, Any]] | None:
         """The last lines of an instance's runtime.log, stdout and stderr (host/wasm/logs.py), running or
         ended up to LOG_RETENTION_S ago; None for an unknown instance, or one of another tenant than
@@ -456,46 +410,6 @@ class Host:
         if inst.ended_at is not None and time.time() - inst.ended_at > LOG_RETENTION_S:
             return None
         return inst.log.entries()
-
-    # ---- introspection ----
-    def model_names(self) -> list[str]:
-        return [self.model_name]
-
-    def free_pages(self) -> int:
-        """KV pages on the free list now (all replicas)."""
-        return sum(r.pages.free_count for r in self.replicas)
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            running = len(self._instances) - len(self.queue)
-            launch_queue = self.queue.as_dict()
-        cache = self.pages.cache  # (with replicas: the first's; each has its own)
-        return {"scheduler": total_stats(self.replicas).as_dict(), "policy": self.config.policy,
-                "instances": running, "free_pages": self.free_pages(), "total_pages": self.total_pages,
-                "launch_queue": launch_queue,
-                "levels": self.level_stats(),
-                "model": self.model_name,
-                "prefix_cache": cache.as_dict() if cache is not None else {"mode": "off"},
-                "memory": self.memory_stats(),
-                "http": self.http.stats(),
-                "children": self.children.stats(),
-                "workers": worker_stats(self.workers),
-                "engine": engine_stats(self.engines, self._load, self.replicas)}
-
-    def level_stats(self) -> dict[str, Any]:
-        """Service levels (host/levels.py): per priority and per tenant, the launch queue's and the
-        batches' queue depth now and waits (count, total, mean, max seconds), and aged promotions."""
-        with self._lock:
-            depth = self.queue.depth()
-        batches = [r.scheduler.level_stats() for r in self.replicas]
-        forwards = batches[0] if len(batches) == 1 else merge_levels(batches)
-        return {"aging_s": self.config.priority_aging_s, "launch_queue": self.queue.levels.as_dict(depth),
-                "forwards": forwards}
-
-    def memory_stats(self) -> dict[str, int]:
-        """KV pressure (host/suspend.py), all replicas: suspensions, resumes, pages and bytes
-        swapped out (ever), instances suspended and allocations waiting now, swap space used."""
-        return memory_totals(self.replicas)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Terminate every instance, then stop the scheduler and the epoch ticker."""
@@ -522,10 +436,7 @@ class Host:
         self.wasm.close()  # instances not joined above keep what they use alive (wasmtime refcounts)
         self.kvstore.close()
         self.http.close()
-        if self._gc_tuned:
-            untune_gc()
-        if self._switch_set:
-            restore_switch_interval()
+        self.tuning.restore()
 
     def __enter__(self) -> Host:
         return self

@@ -10,8 +10,10 @@ import os
 import sys
 import threading
 
-__all__ = ["background_threads", "collect_when_idle", "restore_switch_interval", "set_switch_interval",
-           "tune_gc", "untune_gc"]
+__all__ = ["ProcessTuning", "background_threads", "collect_when_idle", "restore_switch_interval",
+           "set_switch_interval", "tune_gc", "untune_gc"]
+
+_CUDA_SWITCH_MS = 0.5  # HostConfig.switch_interval_ms's default on a CUDA backend
 
 _YOUNG_GC_THRESHOLD = 10_000  # net allocations between two young collections (Python's default: 700)
 _tuning_lock = threading.Lock()  # the process-wide settings hosts change (GC, GIL switch interval)
@@ -93,3 +95,24 @@ def restore_switch_interval() -> None:
         before = _switch_hosts.pop()
         if not _switch_hosts:
             sys.setswitchinterval(before)
+
+
+class ProcessTuning:
+    """What one host changed in its process (`HostConfig.tune_gc`, `switch_interval_ms`), undone by
+    `restore` at its shutdown."""
+
+    def __init__(self, gc_tuned: bool, switch_interval_ms: float | None, device: str) -> None:
+        self.gc_tuned = gc_tuned
+        if gc_tuned:
+            tune_gc()
+        if switch_interval_ms is None:  # the short interval where it was measured to help: a CUDA backend
+            switch_interval_ms = _CUDA_SWITCH_MS if device.startswith("cuda") else 0.0
+        self.switch_interval_ms = switch_interval_ms  # what this host set (0: Python's own)
+        if switch_interval_ms > 0:
+            set_switch_interval(switch_interval_ms)
+
+    def restore(self) -> None:
+        if self.gc_tuned:
+            untune_gc()
+        if self.switch_interval_ms > 0:
+            restore_switch_interval()

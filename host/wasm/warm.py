@@ -54,6 +54,7 @@ __all__ = ["WarmPool"]
 
 log = logging.getLogger(__name__)
 
+PRIME_FACTOR = 2  # `ready` primes this many slots per parked instance
 _START_TIMEOUT_S = 10.0  # a warm instance not at its first call by then is given up on (and tried again)
 _RETRY_S = 0.5  # how long a warmer waits after giving a start up
 # Refilling waits until launches and ends have paused this long (and, unless it runs in the
@@ -193,6 +194,21 @@ class WarmPool:
             inst.terminate("priming the instance pool")
         for inst in insts:
             inst.join(max(deadline - time.monotonic(), 0.0))
+
+    def ready(self, programs: list[str], n: int, pool_slots: int | None,
+              drain: Callable[[float], object] | None, timeout_s: float) -> None:
+        """Keep `n` instances of each program warm, their pool slots primed first (`prime`: twice
+        `n` as far as `pool_slots` hold them; `drain` waits for the primed stores' frees), and wait
+        until they are ready or `timeout_s` (`Host.warm_start`)."""
+        deadline = time.monotonic() + timeout_s
+        primed = min(PRIME_FACTOR * n, max(n, pool_slots // (2 * max(len(programs), 1)))) if pool_slots is not None else n
+        for program in programs:
+            self.prime(program, primed, timeout_s)  # each slot's costly first reset now, not in a burst
+            if drain is not None:  # (the resets are the frees of the primed stores)
+                drain(max(deadline - time.monotonic(), 0.0))
+            self.seed(program, n)
+        for program in programs:
+            self.wait_ready(program, n, max(deadline - time.monotonic(), 0.0))
 
     def ready_count(self, program: str) -> int:
         with self._cond:
