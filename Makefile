@@ -43,11 +43,9 @@ test: $(VENV)/.installed browser lint
 	$(PYTEST) -q -n 2 -m "not slow and not gpu" --workers 2
 
 # The developer's loop: every test that needs neither the real model nor a componentize-py build,
-# on two workers (pytest-xdist; 105 s -> 73 s on the 2-vCPU VM). `make test` stays on one. Not the
-# `heavy` tests either (seconds of engine/worker processes, wheel builds, bench runs: tests/conftest.py),
-# and 20 fuzz examples a property instead of 40-300.
+# on two workers (pytest-xdist; 105 s -> 73 s on the 2-vCPU VM). `make test` stays on one.
 test-fast: $(VENV)/.installed browser
-	PIE_FUZZ_EXAMPLES=20 $(PYTEST) -q -n 2 -m "not slow and not build and not gpu and not heavy"
+	$(PYTEST) -q -n 2 -m "not slow and not build and not gpu"
 
 # Every benchmark suite in its small mode (~30 min on the 2 shared cores here; the numbers mean nothing): the suites run,
 # and their JSON lands in out/bench.json. A real run: `python -m bench SUITE --json OUT` (bench/README.md).
