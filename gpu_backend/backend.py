@@ -1,11 +1,11 @@
 """`TorchBackend`: a loaded model with its paged KV cache, running batched forward passes (`forward`,
-`start_forward` with `Feed`), and its own greedy loop (`generate_batch`). Built by gpu_backend/build.py."""
+`start_forward` with `Feed`), and its own loop (`generate_batch`, gpu_backend/generate.py). Built by
+gpu_backend/build.py."""
 
 from __future__ import annotations
 
 import bisect
 import logging
-import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,18 +18,18 @@ import torch
 
 from gpu_backend.attention import Attention, BatchPlan, SdpaAttention, build_plan, to_device, write_slots
 from gpu_backend.cuda_graphs import DecodeGraphs
+from gpu_backend.generate import GREEDY, generate_batch
 from gpu_backend.kv_cache import KVCache
 from gpu_backend.loading.tokenizer import Tokenizer
 from gpu_backend.models.config import ModelInfo
 from gpu_backend.models.llama import LlamaModel
 from gpu_backend.models.vision import VisionTower
 from gpu_backend.sampling import Drawn, SampleError, Sampler
-from gpu_backend.types import Feed, ForwardError, ForwardRequest, OutputResult, OutputSpec, SamplerParams
-from gpu_backend.validate import as_sampler, check_batch, check_request
+from gpu_backend.types import Feed, ForwardError, ForwardRequest, OutputResult, SamplerParams
+from gpu_backend.validate import check_batch, check_request
 
 log = logging.getLogger(__name__)
 
-GREEDY = SamplerParams()  # frozen, safe as a default
 _T = TypeVar("_T")
 
 
@@ -343,7 +343,7 @@ class TorchBackend:
 
         self._in_order(run)
 
-    # -- plain generation loop (baseline and demo) --------------------------------------------
+    # -- plain generation loop (baseline and demo): gpu_backend/generate.py --------------------
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampler: SamplerParams = GREEDY,
                  stop_tokens: list[int] | None = None, pages: list[int] | None = None) -> list[int]:
@@ -353,75 +353,5 @@ class TorchBackend:
 
     def generate_batch(self, prompts: list[list[int]], max_tokens: int, sampler: SamplerParams = GREEDY,
                        stop_tokens: list[int] | None = None, pages: list[list[int]] | None = None) -> list[list[int]]:
-        """Prefill all prompts in one pass, then decode them in lock step, one batched forward per step.
-
-        `pages[i]` are the pages sequence i may use (enough for prompt + max_tokens). If `pages` is None,
-        sequences take consecutive pages from page 0 up: only for callers that own the whole cache
-        (demos, benchmarks), as those pages are overwritten. `stop_tokens` None = the model's stop
-        tokens; a drawn stop token ends that sequence and is included in its output.
-        """
-        sampler = as_sampler(sampler, "generate")
-        stops = set(self.info.stop_tokens if stop_tokens is None else stop_tokens)
-        ps = self.info.page_size
-        need = [math.ceil((len(p) + max_tokens) / ps) for p in prompts]
-        if pages is None:
-            if sum(need) > self.info.num_pages:
-                raise ValueError(f"generate: needs {sum(need)} pages, the cache has {self.info.num_pages}")
-            starts = np.concatenate([[0], np.cumsum(need)]).tolist()
-            pages = [list(range(starts[i], starts[i] + need[i])) for i in range(len(prompts))]
-        for i, (p, nd) in enumerate(zip(pages, need, strict=True)):
-            if len(p) < nd:
-                raise ValueError(f"generate: sequence {i} needs {nd} pages, got {len(p)}")
-        longest = max((len(p) for p in prompts), default=0) + max_tokens
-        if self.info.max_position and longest > self.info.max_position:
-            raise ValueError(f"generate: {longest} positions, the model has {self.info.max_position}")
-        outs: list[list[int]] = [[] for _ in prompts]
-        if max_tokens <= 0:
-            return outs
-        # The first pass (prefill) validates; each decode step after it is launched before the host
-        # reads the token the step before draws (`Feed`: read on the device), so the device runs step
-        # after step while the host reads them one behind. A sequence that draws a stop token has had
-        # its next step launched already: that step's slot is past its end (within its pages) and its
-        # token is dropped. A backend that cannot feed (`feeds` False) waits for each step first.
-        step = self.start_forward([ForwardRequest(
-            pages=pages[i][: -(-len(p) // ps)], last_page_len=len(p) - (-(-len(p) // ps) - 1) * ps, tokens=list(p),
-            positions=list(range(len(p))), outputs=[OutputSpec(index=len(p) - 1, sample=sampler)],
-            name=f"generate[{i}]") for i, p in enumerate(prompts)])
-        spec = [OutputSpec(index=0, sample=sampler)]
-        pos = [len(p) for p in prompts]  # where each sequence's next token goes
-        rows = list(range(len(prompts)))  # the sequences of `step`, in order
-        done: set[int] = set()
-
-        def launch(seqs: list[int], src: TorchStep, known: list[int] | None) -> TorchStep:
-            reqs = []
-            for k, i in enumerate(seqs):
-                total = pos[i] + 1
-                used = (total + ps - 1) // ps
-                reqs.append(ForwardRequest(pages=pages[i][:used], last_page_len=total - (used - 1) * ps,
-                                           tokens=[0 if known is None else known[k]], positions=[pos[i]],
-                                           outputs=spec, name=f"generate[{i}]", checked=True))
-                pos[i] = total
-            if known is not None:
-                return self.start_forward(reqs)
-            where = {i: k for k, i in enumerate(rows)}
-            return self.start_forward(reqs, Feed(src, range(len(seqs)), [where[i] for i in seqs]))
-
-        while True:
-            # launched now: every sequence that has room for a token after the one `step` draws
-            cont = [i for i in rows if i not in done and len(outs[i]) + 1 < max_tokens]
-            nxt = launch(cont, step, None) if cont and self.feeds else None
-            res = step.wait()
-            for k, i in enumerate(rows):
-                if i in done:
-                    continue
-                tok = res[k][0].token
-                assert tok is not None  # every request asked for a sampled token
-                outs[i].append(tok)
-                if tok in stops or len(outs[i]) >= max_tokens:
-                    done.add(i)
-            if nxt is None and cont and not self.feeds:
-                cont = [i for i in cont if i not in done]
-                nxt = launch(cont, step, [outs[i][-1] for i in cont]) if cont else None
-            if nxt is None:
-                return outs
-            step, rows = nxt, cont
+        """Prefill all prompts in one pass, then decode them in lock step (gpu_backend/generate.py)."""
+        return generate_batch(self, prompts, max_tokens, sampler, stop_tokens, pages)
