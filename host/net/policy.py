@@ -17,7 +17,7 @@ Pattern HOST forms and what they allow (PORT is 1-65535 or `*`; absent means any
   whatever kind of address they are; the operator named them explicitly.
 
 Every resolved address must be allowed, since the connector could pick any of them. Checks act on
-resolved, canonical addresses (`ipaddress`), never on the URL's spelling: `http://2130706433/`,
+resolved, canonical addresses (`ipaddress`; which are global: host/net/addresses.py), never on the URL's spelling: `http://2130706433/`,
 `http://0x7f.1/` and `http://[::ffff:7f00:1]/` are all 127.0.0.1.
 """
 
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+from host.net.addresses import Address, Network, canonical, is_loopback, non_global
+
 Resolver = Callable[[str, int], list[str]]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -45,51 +45,6 @@ _SYNTAX = (
 # what inet_aton and getaddrinfo accept), never a name; one they do not accept is refused, not looked up.
 _NUMERIC_LABEL = re.compile(r"0x[0-9a-f]*|[0-9]+", re.IGNORECASE)
 _LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
-
-_V4_KINDS: list[tuple[ipaddress.IPv4Network, str]] = [
-    (ipaddress.IPv4Network(net), kind)
-    for net, kind in [
-        ("0.0.0.0/8", "an unspecified ('this network') address"),
-        ("127.0.0.0/8", "a loopback address"),
-        ("169.254.169.254/32", "the cloud metadata address"),
-        ("169.254.0.0/16", "a link-local address"),
-        ("10.0.0.0/8", "a private address"),
-        ("172.16.0.0/12", "a private address"),
-        ("192.168.0.0/16", "a private address"),
-        ("100.64.0.0/10", "a shared (carrier-grade NAT) address"),
-        ("198.18.0.0/15", "a benchmarking address"),
-        ("192.0.2.0/24", "a documentation address"),
-        ("198.51.100.0/24", "a documentation address"),
-        ("203.0.113.0/24", "a documentation address"),
-        ("192.0.0.0/24", "an IETF protocol-assignment address"),
-        ("192.88.99.0/24", "a 6to4 relay anycast address"),
-        ("224.0.0.0/4", "a multicast address"),
-        ("240.0.0.0/4", "a reserved address"),
-    ]
-]
-_V6_KINDS: list[tuple[ipaddress.IPv6Network, str]] = [
-    (ipaddress.IPv6Network(net), kind)
-    for net, kind in [
-        ("::/128", "an unspecified address"),
-        ("::1/128", "a loopback address"),
-        ("::/96", "a deprecated IPv4-compatible address"),
-        ("fd00:ec2::254/128", "the cloud metadata address"),
-        ("fe80::/10", "a link-local address"),
-        ("fec0::/10", "a site-local address"),
-        ("fc00::/7", "a private (unique local) address"),
-        ("ff00::/8", "a multicast address"),
-        ("2001:db8::/32", "a documentation address"),
-        ("3fff::/20", "a documentation address"),
-        ("2001:2::/48", "a benchmarking address"),
-        ("2001::/32", "a Teredo address"),
-        ("64:ff9b:1::/48", "a local-use NAT64 address"),
-        ("100::/64", "a discard-only address"),
-    ]
-]
-_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
-_V4_LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
-_V6_LOOPBACK = ipaddress.IPv6Address("::1")
-
 
 class Blocked(Exception):
     """The request may not be sent; str(e) says why, naming the host/address and what the operator can do."""
@@ -235,52 +190,6 @@ def _default_resolver(host: str, port: int) -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
-def _canonical(text: str) -> Address:
-    """The address `text` names, zone id stripped and IPv4-mapped IPv6 unwrapped to IPv4."""
-    ip = ipaddress.ip_address(text.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
-
-
-def _embedded_v4(ip: ipaddress.IPv6Address) -> list[tuple[str, ipaddress.IPv4Address]]:
-    """IPv4 addresses that 6to4, Teredo and NAT64 forms of `ip` lead to."""
-    found: list[tuple[str, ipaddress.IPv4Address]] = []
-    if ip.sixtofour is not None:
-        found.append(("6to4", ip.sixtofour))
-    if ip.teredo is not None:
-        server, client = ip.teredo
-        found += [("Teredo", server), ("Teredo", client)]
-    if ip in _NAT64:
-        found.append(("NAT64", ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)))
-    return found
-
-
-def _non_global(ip: Address) -> str | None:
-    """Why `ip` is not a global address (e.g. 'a private address'), or None when it is global."""
-    if isinstance(ip, ipaddress.IPv4Address):
-        for net4, kind in _V4_KINDS:
-            if ip in net4:
-                return kind
-        return None if ip.is_global else "a special-purpose (non-global) address"
-    for label, inner in _embedded_v4(ip):
-        why = _non_global(inner)
-        if why is not None:
-            return f"a {label} form of {inner}, {why}"
-    if ip in _NAT64:  # the embedded IPv4 is global; Python counts 64:ff9b::/96 as reserved
-        return None
-    for net6, kind in _V6_KINDS:
-        if ip in net6:
-            return kind
-    if ip.is_reserved or ip.is_multicast or ip.is_site_local:
-        return "a reserved address"
-    return None if ip.is_global else "a special-purpose (non-global) address"
-
-
-def _is_loopback(ip: Address) -> bool:
-    return ip in _V4_LOOPBACK if isinstance(ip, ipaddress.IPv4Address) else ip == _V6_LOOPBACK
-
-
 def _entry(host: str | Address, port: int) -> str:
     """An --http-allow entry naming `host` on `port`."""
     if isinstance(host, ipaddress.IPv6Address):
@@ -359,7 +268,7 @@ class HttpPolicy:
         else:
             raw = self._resolve(host, port)
             try:
-                addresses = list(dict.fromkeys(_canonical(a) for a in raw))
+                addresses = list(dict.fromkeys(canonical(a) for a in raw))
             except ValueError as e:
                 raise Blocked(f"blocked: host {host} resolved to a malformed address ({e})") from None
             if not addresses:
@@ -404,11 +313,11 @@ class HttpPolicy:
         """Raise Blocked unless some applicable pattern allows connecting to `ip`."""
         if any(p.contains(ip) for p in by_address):
             return
-        why = _non_global(ip)
+        why = non_global(ip)
         kinds = {p.kind for p in named}
         if kinds - {"localhost"} and why is None:
             return
-        if "localhost" in kinds and _is_loopback(ip):
+        if "localhost" in kinds and is_loopback(ip):
             return
         origin = "" if is_literal else f" (from {host})"
         if kinds - {"localhost"}:
