@@ -17,8 +17,8 @@ Pattern HOST forms and what they allow (PORT is 1-65535 or `*`; absent means any
   whatever kind of address they are; the operator named them explicitly.
 
 Every resolved address must be allowed, since the connector could pick any of them. Checks act on
-resolved, canonical addresses (`ipaddress`; which are global: host/net/addresses.py), never on the URL's spelling: `http://2130706433/`,
-`http://0x7f.1/` and `http://[::ffff:7f00:1]/` are all 127.0.0.1.
+resolved, canonical addresses (`ipaddress`; which are global: host/net/addresses.py), never on the
+URL's spelling: `http://2130706433/`, `http://0x7f.1/` and `http://[::ffff:7f00:1]/` are all 127.0.0.1.
 """
 
 from __future__ import annotations
