@@ -11,7 +11,8 @@ batch's end, so a decode's gap between two tokens is the time between two batch 
 chunk size (0 = unchunked; `auto`: sized per batch from the measured step cost,
 host/batching/stepcost.py): the steady TPOT (median before the prompt), over the window from the
 prompt's arrival to its first token the longest gap and the mean gap, both as ratios of the steady
-TPOT (issue 52's targets: <= 3 and <= 1.5), and the prompt's time to first token (what chunking
+TPOT (issue 52's targets: <= 3 and <= 1.5; also the mean against the steady TPOT after the prompt,
+`steady_after_tpot_ms`: on a shared machine the load can change during a long window), and the prompt's time to first token (what chunking
 costs it). Backends: the stand-in with a step of a fixed `--step-ms` plus `--token-us` per token
 (new tokens of the batch), and with `--real` the default model on CPU (`--real-prompt` tokens: a
 4,096-token prefill there takes minutes).
@@ -89,23 +90,26 @@ class Ends:
 
     def __init__(self, backend: Any) -> None:
         self.ends: list[float] = []
+        self.tokens: dict[float, int] = {}  # each batch's end -> its new tokens
         start_forward = backend.start_forward
-        ends = self.ends
+        ends, sizes = self.ends, self.tokens
 
         class Timed:
-            def __init__(self, step: Any) -> None:
-                self._step = step
+            def __init__(self, step: Any, tokens: int) -> None:
+                self._step, self._tokens = step, tokens
 
             def __getattr__(self, name: str) -> Any:
                 return getattr(self._step, name)
 
             def wait(self) -> Any:
                 out = self._step.wait()
-                ends.append(time.perf_counter())
+                t = time.perf_counter()
+                ends.append(t)
+                sizes[t] = self._tokens
                 return out
 
         self._backend, self._original = backend, start_forward
-        backend.start_forward = lambda reqs, *a: Timed(start_forward(reqs, *a))
+        backend.start_forward = lambda reqs, *a: Timed(start_forward(reqs, *a), sum(len(r.tokens) for r in reqs))
 
     def close(self) -> None:
         self._backend.start_forward = self._original
@@ -143,7 +147,9 @@ def one_run(backend: Any, chunk: int | str, prompt_len: int, decodes: int) -> di
         first = submit("prompt", [(i * 13) % (vocab - 2) + 2 for i in range(prompt_len)], 1)
         first.wait(600)
         done = time.perf_counter()
-        time.sleep(0.05)
+        n_done = len(ends.ends)
+        while len(ends.ends) < n_done + 21:  # steady again: the TPOT after (the machine's load may drift)
+            time.sleep(0.002)
         for g in gens:
             g.cancel()
         threading.Event().wait(0.05)
@@ -157,8 +163,14 @@ def one_run(backend: Any, chunk: int | str, prompt_len: int, decodes: int) -> di
     after = next((t for t in e if t > done), done)
     marks = [before, *inside, after]
     gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-    return {"steady_tpot_ms": round(1000 * steady, 3), "max_gap_ratio": round(max(gaps) / steady, 2),
+    later = [t for t in e if t > after][:20]
+    steady_after = statistics.median(b - a for a, b in zip(later, later[1:], strict=False)) if len(later) > 2 else steady
+    return {"steady_tpot_ms": round(1000 * steady, 3), "steady_after_tpot_ms": round(1000 * steady_after, 3),
+            "max_gap_ratio": round(max(gaps) / steady, 2),
+            "mean_gap_ratio_vs_after": round(statistics.mean(gaps) / steady_after, 2),
             "mean_gap_ratio": round(statistics.mean(gaps) / steady, 2), "ttft_ms": round(1000 * (done - arrive), 1),
+            "worst_gaps": [[round(g / steady, 2), ends.tokens.get(t, 0)] for g, t in sorted(
+                zip(gaps, marks[1:], strict=True), reverse=True)[:3]],  # (ratio, the batch's new tokens)
             "chunks": sched.stats.prefill_chunks, "prefill_budget": sched.stats.prefill_budget,
             "step_fixed_ms": sched.stats.step_fixed_ms, "step_token_us": sched.stats.step_token_us}
 

@@ -159,7 +159,8 @@ def test_a_failed_chunk_fails_its_forward_and_frees_its_pins() -> None:
 
 
 def _loops(chunk: int | str, prompt_len: int, loops: int = 4, delay_s: float = 0.002, token_s: float = 0.0,
-           stats: dict[str, Any] | None = None, loop_prompt: int = 2) -> tuple[dict[str, Any], Recording]:
+           stats: dict[str, Any] | None = None, loop_prompt: int = 2,
+           loop_tokens: int = 30) -> tuple[dict[str, Any], Recording]:
     """`loops` host-side loops start, then one with a `prompt_len` prompt: every loop's result, the
     backend (a step of `delay_s` + `token_s` a new token); `stats`: filled with the scheduler's."""
     be = Recording(delay_s=delay_s)
@@ -183,7 +184,7 @@ def _loops(chunk: int | str, prompt_len: int, loops: int = 4, delay_s: float = 0
             futs[name] = s.submit(req, name, generation=gen)
 
         for k in range(loops):
-            start(f"loop{k}", [10 + k, 20 + k] + [(5 * i + k) % 190 + 3 for i in range(loop_prompt - 2)], 30,
+            start(f"loop{k}", [10 + k, 20 + k] + [(5 * i + k) % 190 + 3 for i in range(loop_prompt - 2)], loop_tokens,
                   seed=k if k % 2 else None)
         while len(be.rows) < 3:  # the loops are running
             threading.Event().wait(0.001)
@@ -273,16 +274,26 @@ def test_the_step_cost_fit_and_the_budget_it_gives() -> None:
     assert odd.prefill_budget(32, 10240) > odd.prefill_budget(16, 10240)  # more decodes: more room
     assert dev.prefill_budget(0, 10240) == 10240  # no running decodes: max_batch_tokens only
     assert dev.prefill_budget(16, 200) == 184  # never past max_batch_tokens
-    assert StepCost().prefill_budget(16, 10240) == PROBE_TOKENS  # no fit yet: a probe
+    assert StepCost().prefill_budget(16, 10240) == 16  # no fit yet: a probe, as many tokens as the decodes'
+    assert StepCost().prefill_budget(2, 10240) == PROBE_TOKENS  # (at least this many)
     one = StepCost()
     one.observe(1024, 0.5)  # (warm-up)
     one.observe(16, 0.01)
     one.observe(16, 0.012)
     assert one.fit is None  # one size class: no slope
-    one.observe(40, 0.011)
-    assert one.fit is None  # 16 and 40 tokens: too narrow a range to trust (noise)
+    one.observe(24, 0.011)
+    assert one.fit is None  # 16 and 24 tokens: too narrow a range to trust (noise)
+    one.observe(48, 0.016)
+    fit = one.fit
+    assert fit is not None
+    assert fit == pytest.approx((0.007818, 0.0001705), rel=0.01)  # (16-31: 18.7 tokens, 11 ms; 48: 16 ms)
     free = _fitted(0.010, 0.0)
-    assert free.prefill_budget(16, 10240) == 10240 - 16  # tokens cost nothing: no cap
+    assert free.prefill_budget(16, 10240) == 2 * 1008  # tokens cost nothing: twice the most measured
+    narrow = StepCost()
+    narrow.observe(256, 1.0)  # (warm-up)
+    for n in (16, 16, 32, 16):  # 16 decodes alone, then with a 16-token probe: the slope is noise
+        narrow.observe(n, 0.0103, prefill=n - 16)
+    assert narrow.prefill_budget(16, 10240) == 32  # not the whole prompt: twice the probe
     r2 = StepCost(ratio=2.0)
     for n in (16, 16, 1024):
         r2.observe(n, 0.010 + 20e-6 * n, prefill=n - 16)
@@ -333,29 +344,32 @@ def test_auto_serves_tenants_in_turn_within_the_budget() -> None:
     assert q.choose(0, 10240, 0, Turns(), 0.0, budget=1000) is None  # all fit
 
 
-@pytest.mark.parametrize(("token_s", "chunked"), [(0.5e-3, True), (20e-6, False)])
-def test_auto_sizes_the_chunk_by_the_measured_step_cost(token_s: float, chunked: bool) -> None:
-    """A stand-in whose step takes 5 ms + `token_s` a new token; 4 loops start with 24-token prompts
+@pytest.mark.parametrize(("token_s", "chunked", "n"), [(10e-3, True, 120), (400e-6, False, 100)])
+def test_auto_sizes_the_chunk_by_the_measured_step_cost(token_s: float, chunked: bool, n: int) -> None:
+    """A stand-in whose step takes 100 ms + `token_s` a new token (slow steps: a loaded machine's
+    delays are small against the token costs measured); 4 loops start with 24-token prompts
     (a 96-token batch, not counted: the first batch; then 4-token steps), so the prompt's first
-    chunk is a probe of 32 tokens, which gives the fit its range. On a CPU-like cost (0.5 ms a token) the
-    budget with 4 decodes is ~0.5 * (10 + 4) = 7 tokens, so a 100-token prompt runs in many small
-    chunks; on a device-like one (20 us) ~0.5 * (250 + 4) = 127, so it runs at once. Outputs as
-    unchunked."""
-    whole, _ = _loops(0, 100, delay_s=0.005, token_s=token_s, loop_prompt=24)
+    chunk is a probe of 8 tokens, which gives the fit its range. On a CPU-like cost (10 ms a token)
+    the budget with 4 decodes is ~0.5 * (10 + 4) = 7 tokens, so a 120-token prompt runs in many small
+    chunks; on a device-like one (400 us) ~0.5 * (250 + 4) = 127, so a 100-token one runs in a few,
+    doubling (the budget goes no further than twice the most prefill tokens measured).
+    Outputs as unchunked."""
+    whole, _ = _loops(0, n, delay_s=0.100, token_s=token_s, loop_prompt=24, loop_tokens=40)
     st: dict[str, Any] = {}
-    auto, be = _loops("auto", 100, delay_s=0.005, token_s=token_s, stats=st, loop_prompt=24)
+    auto, be = _loops("auto", n, delay_s=0.100, token_s=token_s, stats=st, loop_prompt=24, loop_tokens=40)
     assert auto == whole
     long_rows: list[int] = []  # its prefill's chunks (its decode steps after them)
-    for n in (n for batch in be.rows for name, n in batch if name == "long"):
-        if sum(long_rows) < 100:
-            long_rows.append(n)
-    assert sum(long_rows) == 100
+    for k in (k for batch in be.rows for name, k in batch if name == "long"):
+        if sum(long_rows) < n:
+            long_rows.append(k)
+    assert sum(long_rows) == n
     if chunked:
         # (7 on an idle machine; a loaded one's delays move it either way)
-        assert long_rows[0] == PROBE_TOKENS and len(long_rows) >= 4, long_rows
+        assert long_rows[0] == PROBE_TOKENS and len(long_rows) >= 6, long_rows
         assert statistics.median(long_rows[1:]) <= 20, long_rows
         assert st["chunked_prefills"] == 1, st
-        assert st["step_token_us"] > 100, st  # the fit saw the per-token cost
+        assert st["step_token_us"] > 3000, st  # the fit saw the per-token cost
     else:
-        assert long_rows[0] == PROBE_TOKENS and len(long_rows) <= 3, long_rows  # the probe, then the rest at once
-        assert st["prefill_budget"] >= 60 and st["step_token_us"] <= 60, st
+        # the probe, then doubling as the range measured widens (8, 16, 32, 64: the rest)
+        assert long_rows[0] == PROBE_TOKENS and len(long_rows) <= 6 and max(long_rows) >= 40, long_rows
+        assert st["prefill_budget"] >= 60 and st["step_token_us"] <= 2000, st  # (400 us; a loaded machine adds)

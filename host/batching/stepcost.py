@@ -28,7 +28,11 @@ several times a later batch's of its size). With `T(d) = fixed + per_token * d`:
 So on a device where a step is mostly its fixed part (10 ms + 20 us a token: P ~ 250 + d / 2 at
 1.5) prefills go in large chunks, and on CPU, where a token costs about what a step's fixed part
 does, in a few tokens. A batch with no running decodes is not capped beyond `max_batch_tokens`.
-Before there is a fit a batch with decodes takes `PROBE_TOKENS` prefill tokens, which widen the range.
+Before there is a fit a batch with decodes takes as many prefill tokens as its decodes have (at
+least `PROBE_TOKENS`): twice the decode-only step's tokens, the range a fit needs, at a cost of at
+most about twice a decode step's time where tokens cost everything (the model on CPU). The budget
+is never more than twice the most prefill tokens a measured batch had: it grows by doubling as
+the batches it allows widen the fit's range (a narrow range's slope can be the timing noise's).
 """
 
 from __future__ import annotations
@@ -38,10 +42,10 @@ from collections import deque
 
 __all__ = ["StepCost", "PROBE_TOKENS", "DEFAULT_RATIO"]
 
-PROBE_TOKENS = 32  # prefill tokens per batch with decodes before there is a fit
+PROBE_TOKENS = 8  # prefill tokens per batch with decodes before there is a fit (or as many as its decodes')
 DEFAULT_RATIO = 1.5  # a batch with prefill chunks: at most this many decode-only steps' time
 _KEEP = 5  # batches kept per size class (and of the decode-only ones): the median of their times
-_SPAN = 4  # a fit needs batches of at least this many times the fewest tokens seen
+_SPAN = 2  # a fit needs batches of at least this many times the fewest tokens seen
 
 
 def _point(batches: deque[tuple[int, float]]) -> tuple[float, float]:
@@ -61,6 +65,7 @@ class StepCost:
         self._fit: tuple[float, float] | None = None  # (fixed s, per-token s), None until two classes
         self._decode: deque[tuple[int, float]] = deque(maxlen=_KEEP)  # the last decode-only batches
         self._warm = False  # the first batch has run (and was not counted)
+        self._most = 0  # the most prefill tokens of a batch timed (the fit's evidence)
         self.budget = 0  # the last budget given to a batch with decodes (0: none yet)
 
     def observe(self, tokens: int, seconds: float, prefill: int = 0) -> None:
@@ -72,8 +77,9 @@ class StepCost:
             return
         if prefill <= 0:
             self._decode.append((tokens, seconds))
+        self._most = max(self._most, prefill)
         self._classes.setdefault(tokens.bit_length(), deque(maxlen=_KEEP)).append((tokens, seconds))
-        self._fit = self._refit()
+        self._fit = self._refit() or self._fit  # (a fit once made is kept until a new one can be)
 
     def _refit(self) -> tuple[float, float] | None:
         pts = [_point(c) for c in self._classes.values()]
@@ -100,8 +106,8 @@ class StepCost:
         if decode_tokens <= 0:
             return room
         fit = self._fit
-        if fit is None:
-            p = PROBE_TOKENS
+        if fit is None:  # a probe large enough to give the fit its range
+            p = max(PROBE_TOKENS, decode_tokens)
         else:
             fixed, per_token = fit
             if per_token <= 0:
@@ -111,6 +117,11 @@ class StepCost:
                 step = fixed + per_token * decode_tokens if dec is None else \
                     max(dec[1] + per_token * (decode_tokens - dec[0]), per_token)
                 p = int((self.ratio - 1.0) * step / per_token)
+            # no further than twice the largest prefill measured: a fit over a narrow range can put
+            # the slope near 0 (timing noise), and its budget would be the whole prompt (a device's
+            # 10 ms + 20 us: 16 decodes and 16 + 32 tokens measured, once 4,096 at once); the
+            # budget grows by doubling as the batches it allows widen the range
+            p = min(p, max(2 * self._most, PROBE_TOKENS))
         self.budget = p = max(1, min(p, room))
         return p
 
