@@ -14,7 +14,7 @@ instance waits in line here and one `Suspender` thread per replica makes room:
   pinned (its queued forwards have run, in order), their K/V is copied to host memory on the
   scheduler thread between batches (`SwapsPages.swap_out`) and the pages are freed. The guest's
   page ids stay valid: they map to SWAPPED, then to whatever pages it is resumed into
-  (`InstancePages.phys`, host/state/pages.py).
+  (`InstancePages.phys`, host/state/page_table.py).
 - **Order.** Waiting allocations of instances that hold pages come first (in arrival order: they
   are the running work), then resumes (in suspension order, each when its pages fit with a
   `watermark` to spare), then first allocations of new instances (never ahead of a suspended one:

@@ -21,7 +21,7 @@ reaper's thread only defers what a burst leaves.
 
 In the background (`background=True`, where host/wasm/priority.py can lower a thread): the reaper's
 thread runs at the lowest CPU priority and frees each store at once, busy backend or not, except
-while launched instances are starting (`ramping`, host/wasm/instance.py's `Starts`; a pause lasts
+while launched instances are starting (`ramping`, host/wasm/starts.py's `Starts`; a pause lasts
 at most `START_MAX_WAIT_S`, and `max_pending` stores are freed at once still): it takes only the
 CPU the instances leave, and a host that serves bursts back to back, never idle, still has its
 slots reset before the next burst takes them. Measured before that pause (bench/host_scale.py
