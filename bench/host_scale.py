@@ -120,7 +120,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # host calls' lists and records converted element by element, as wasmtime-py does (host/api/fastcall.py)
     "wasmtime_values": {"warm_start": ("text_completion",), "patch": {"fast_values": False}},
     # refills wait until the reaper has freed every finished store, even while slots used before are
-    # free (the rule before issue 40's fourth round: Host._reaping)
+    # free (the rule before issue 40's fourth round: WasmEngine.reaping)
     "reap_first": {"warm_start": ("text_completion",), "patch": {"reuse_slots": False}},
     # the GIL switch interval at 0.5 ms whatever the backend (the default before issue 56; now only on CUDA)
     "switch05": {"warm_start": ("text_completion",), "config": {"switch_interval_ms": 0.5}},

@@ -133,7 +133,7 @@ class Host(HostStats):
             self.wasm.on_tick.append(self._tick_remote)
         self.warm = WarmPool(lambda program: self._new_instance(program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
-                             busy=busy, reaping=self._reaping, background=background, ramping=self.starts.active,
+                             busy=busy, reaping=self.wasm.reaping, background=background, ramping=self.starts.active,
                              warmers=threads,
                              on_full=collect_when_idle if config.tune_gc else None)
         self.tuning = ProcessTuning(config.tune_gc, config.switch_interval_ms, str(getattr(info, "device", "")))
@@ -156,18 +156,6 @@ class Host(HostStats):
         for inst in insts:
             if isinstance(inst, RemoteInstance):
                 inst.on_epoch()
-
-    def _reaping(self) -> bool:
-        """Stores of finished instances wait to be freed and no slot used before is free: the warm
-        pool waits for the frees. A store freed first gives its pool slot, memory already faulted
-        in, to the next warm instance; warmed before, that instance takes a slot never used and
-        faults its memory in while it serves (measured: ~250 page faults and ~3.5 ms of kernel time
-        per `text_completion` instance, on the critical path of the next burst). While slots used
-        before are free (`WasmEngine.reusable_slots`: a host's earlier bursts and `warm_start`'s
-        priming left them), refills go on into those: bursts of 256 back to back otherwise found
-        the pool short (bench/README.md, "Issue 40, fourth round")."""
-        reaper = self.wasm.reaper
-        return reaper is not None and reaper.pending() > 0 and self.wasm.reusable_slots() == 0
 
     # ---- programs ----
     def compile(self, wasm: bytes) -> str:
@@ -312,14 +300,7 @@ class Host(HostStats):
         of `warm_auto`, at least `warm_instances`), as if each had had that many running at once,
         their pool slots primed first (`WarmPool.prime`); wait until they are ready (or `timeout_s`).
         Returns their hashes. pie-serve readies the standard inferlets so before it serves: a fresh
-        host's first burst starts warm.
-
-        Twice `per_program` slots of each are primed (as far as the pool holds them): the parked
-        instances' and those the pool refills into while the first ones run. Primed once, a burst
-        right after another still refilled into slots never used (each first reset ~25 ms of
-        faults), and bursts of 256 back to back found the pool empty (bench/host_scale.py
-        --back-to-back, 10 ms, same run: 0.625 / 0.683 vs 0.399 / 0.526 primed once, forward /
-        overlapping backend). Each primed slot stays resident (~7-14 MB for a componentize-py guest)."""
+        host's first burst starts warm. Twice `per_program` slots of each are primed (`WarmPool.ready`)."""
         if per_program is not None and per_program < 0:
             raise ValueError(f"per_program must be >= 0, got {per_program}")
         programs = [self.compile(w) for w in wasms]

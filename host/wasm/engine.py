@@ -102,6 +102,18 @@ class WasmEngine:
         with self._stores_lock:
             return max(min(self._stores_peak - self._stores_live, self.pooling.warm_slots), 0)
 
+    def reaping(self) -> bool:
+        """Stores of finished instances wait to be freed and no slot used before is free: the warm
+        pool waits for the frees. A store freed first gives its pool slot, memory already faulted
+        in, to the next warm instance; warmed before, that instance takes a slot never used and
+        faults its memory in while it serves (measured: ~250 page faults and ~3.5 ms of kernel time
+        per `text_completion` instance, on the critical path of the next burst). While slots used
+        before are free (`WasmEngine.reusable_slots`: a host's earlier bursts and `warm_start`'s
+        priming left them), refills go on into those: bursts of 256 back to back otherwise found
+        the pool short (bench/HISTORY.md, "Issue 40, fourth round")."""
+        reaper = self.reaper
+        return reaper is not None and reaper.pending() > 0 and self.reusable_slots() == 0
+
     def _tick(self) -> None:
         while not self._stop.wait(self.tick_s):
             self.engine.increment_epoch()
