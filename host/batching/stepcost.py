@@ -17,7 +17,12 @@ predicted time stays within `ratio` times a decode-only step's, `T(d)`:
     T(d) + per_token * P <= ratio * T(d)
     P <= (ratio - 1) * T(d) / per_token
 
-`T(d)` is the decode-only batches' own running mean (moved along the line's slope to `d` tokens)
+`per_token` is what recent batches with prefill actually cost per prefill token over `T(d)` (the
+median of the last 5: on CPU a chunk's cost grows with the context it attends to, and the torch
+backend pads a batch's queries and keys to its longest request's, which a line over tokens does
+not see: the model on CPU, 16 decodes, ~10 ms a token by the line, 3.8x a decode step observed
+for 14-token chunks), the line's slope until such a batch has run.
+`T(d)` is the decode-only batches' own running median (moved along the line's slope to `d` tokens)
 once one has run, else the line's `fixed + per_token * d`: the line is fitted over every batch,
 and the decode-only steps, many and alike, are where the prediction must be right (the model on
 CPU: a line through a few prefill batches put the fixed part at 2.7 s, the decode steps took
@@ -66,6 +71,7 @@ class StepCost:
         self._decode: deque[tuple[int, float]] = deque(maxlen=_KEEP)  # the last decode-only batches
         self._warm = False  # the first batch has run (and was not counted)
         self._most = 0  # the most prefill tokens of a batch timed (the fit's evidence)
+        self._marginal: deque[float] = deque(maxlen=_KEEP)  # recent prefill batches: s per prefill token over T(d)
         self.budget = 0  # the last budget given to a batch with decodes (0: none yet)
 
     def observe(self, tokens: int, seconds: float, prefill: int = 0) -> None:
@@ -77,6 +83,8 @@ class StepCost:
             return
         if prefill <= 0:
             self._decode.append((tokens, seconds))
+        elif self._decode and tokens > prefill:  # what its prefill tokens added to a decode step's time
+            self._marginal.append((seconds - self._decode_time(tokens - prefill)) / prefill)
         self._most = max(self._most, prefill)
         self._classes.setdefault(tokens.bit_length(), deque(maxlen=_KEEP)).append((tokens, seconds))
         self._fit = self._refit() or self._fit  # (a fit once made is kept until a new one can be)
@@ -106,17 +114,15 @@ class StepCost:
         if decode_tokens <= 0:
             return room
         fit = self._fit
-        if fit is None:  # a probe large enough to give the fit its range
+        marginal = statistics.median(self._marginal) if self._marginal else 0.0
+        if fit is None and marginal <= 0:  # a probe large enough to give the fit its range
             p = max(PROBE_TOKENS, decode_tokens)
         else:
-            fixed, per_token = fit
+            per_token = marginal if marginal > 0 else fit[1] if fit is not None else 0.0
             if per_token <= 0:
                 p = room
             else:
-                dec = _point(self._decode) if self._decode else None
-                step = fixed + per_token * decode_tokens if dec is None else \
-                    max(dec[1] + per_token * (decode_tokens - dec[0]), per_token)
-                p = int((self.ratio - 1.0) * step / per_token)
+                p = int((self.ratio - 1.0) * self._decode_time(decode_tokens) / per_token)
             # no further than twice the largest prefill measured: a fit over a narrow range can put
             # the slope near 0 (timing noise), and its budget would be the whole prompt (a device's
             # 10 ms + 20 us: 16 decodes and 16 + 32 tokens measured, once 4,096 at once); the
@@ -125,7 +131,19 @@ class StepCost:
         self.budget = p = max(1, min(p, room))
         return p
 
+    def _decode_time(self, decode_tokens: int) -> float:
+        """T(d): a decode-only step's time at `decode_tokens` (its batches' median, moved along the
+        line's slope; the line alone before one has run)."""
+        fixed, slope = self._fit or (0.0, 0.0)
+        if not self._decode:
+            return fixed + slope * decode_tokens
+        tokens, seconds = _point(self._decode)
+        return max(seconds + slope * (decode_tokens - tokens), 1e-6)
+
     def fit_ms_us(self) -> tuple[float, float]:
-        """The fit as (fixed ms, us per token); zeros before there is one."""
+        """The fit as (fixed ms, us per prefill token: what recent prefill batches cost, else the
+        line's slope); zeros before there is one."""
         fixed, per_token = self._fit or (0.0, 0.0)
+        marginal = statistics.median(self._marginal) if self._marginal else 0.0
+        per_token = marginal if marginal > 0 else per_token
         return round(1000 * fixed, 3), round(1e6 * per_token, 3)
