@@ -14,6 +14,7 @@ from wasmtime.component import Record, ResourceHost, Variant
 
 from gpu_backend.types import OutputResult
 from host.workers import wire
+from host.workers.frames import Frames, send_frames
 
 
 def _record(**fields: object) -> Record:
@@ -96,8 +97,8 @@ def test_frames_come_as_one_read_brings_them_split_or_whole_and_interoperate_wit
     from multiprocessing import Pipe
 
     ours, theirs = Pipe(duplex=True)
-    frames = wire.Frames(ours.fileno())
-    wire.send_frames(theirs.fileno(), [b"a", b"", b"ccc"])
+    frames = Frames(ours.fileno())
+    send_frames(theirs.fileno(), [b"a", b"", b"ccc"])
     assert frames.read() == [b"a", b"", b"ccc"]
     whole = b"\x00\x00\x00\x05hello"
     os.write(theirs.fileno(), whole[:6])
@@ -114,7 +115,7 @@ def test_frames_come_as_one_read_brings_them_split_or_whole_and_interoperate_wit
     writer.start()
     assert frames.read() == [big]
     writer.join(5)
-    wire.send_frames(ours.fileno(), [b"x", b"yz"])
+    send_frames(ours.fileno(), [b"x", b"yz"])
     assert theirs.recv_bytes() == b"x" and theirs.recv_bytes() == b"yz"
     theirs.close()
     with pytest.raises(EOFError):
@@ -129,7 +130,7 @@ def test_a_frame_longer_than_allowed_is_refused_before_it_is_read() -> None:
     from multiprocessing import Pipe
 
     ours, theirs = Pipe(duplex=True)
-    frames = wire.Frames(ours.fileno(), max_frame=1000)
+    frames = Frames(ours.fileno(), max_frame=1000)
     os.write(theirs.fileno(), (0x7FFFFFF0).to_bytes(4, "big"))
     with pytest.raises(wire.WireError, match="over the 1000 allowed"):
         frames.read()

@@ -34,6 +34,7 @@ from multiprocessing import Pipe
 from typing import Any
 
 from host.workers import wire
+from host.workers.frames import Frames, send_frames
 from host.workers.remote import RemoteInstance, WorkerLost, encode_reply
 from host.workers.worker import WorkerSpec
 
@@ -86,7 +87,7 @@ class _Worker:
     def write(self, datas: list[bytes]) -> None:
         """Send encoded messages, in one write."""
         with self._send_lock:
-            wire.send_frames(self.conn.fileno(), datas)
+            send_frames(self.conn.fileno(), datas)
 
     def answer(self, fn: Callable[[], wire.Reply | None]) -> None:
         """Make an answer with `fn` on this worker's answering thread, and send it."""
@@ -119,7 +120,7 @@ class _Worker:
 
     def _read(self) -> None:
         # (what a guest sends is read from its memory: a frame twice its size is not a guest's)
-        frames = wire.Frames(self.conn.fileno(), max_frame=2 * self._memory_bytes + (1 << 20))
+        frames = Frames(self.conn.fileno(), max_frame=2 * self._memory_bytes + (1 << 20))
         while True:
             try:
                 batch = frames.read()

@@ -1,7 +1,8 @@
 """What crosses between the host and its instance workers (host/workers/): typed messages, and the
 WIT values of one import call.
 
-Each worker has one duplex connection (`multiprocessing.connection`) to the host. Messages are
+Each worker has one duplex connection (`multiprocessing.connection`, read and written in frames:
+host/workers/frames.py) to the host. Messages are
 msgpack, not pickle: the host decodes what a worker sends, and a worker runs guests, so nothing it
 sends may make the host run code (a pickle can); a message is data of the types below or it is
 refused (`WireError`). The values inside are what wasmtime-py gives an import and takes back:
@@ -23,8 +24,6 @@ guest made), `Ended` (the guest's run is over: its end event as the worker class
 from __future__ import annotations
 
 import dataclasses
-import os
-import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +31,8 @@ from typing import Any
 import msgpack
 from wasmtime.component import Record, ResourceAny, ResourceHost, Variant
 
-__all__ = ["FROM_HOST", "FROM_WORKER", "Call", "Ended", "Launch", "Output", "Quit", "Ready", "Recorded", "Unpark", "RemoteHandle", "Reply",
-           "Stop", "WireError", "Frames", "dumps", "loads", "loads_value", "send_frames"]
+__all__ = ["FROM_HOST", "FROM_WORKER", "Call", "Ended", "Launch", "Output", "Quit", "Ready", "Recorded", "Unpark",
+           "RemoteHandle", "Reply", "Stop", "WireError", "dumps", "loads", "loads_value"]
 
 
 class WireError(ValueError):
@@ -346,59 +345,3 @@ def loads_value(data: bytes) -> Any:
         raise
     except Exception as e:  # malformed bytes, a wrong arity, a bad tag
         raise WireError(f"malformed value: {type(e).__name__}: {e}") from None
-
-
-# ---- frames: multiprocessing.connection's (a 4-byte big-endian signed length, then the bytes) ----
-_HEADER = struct.Struct("!i")
-
-
-class Frames:
-    """The frames arriving on a connection's file descriptor, as many as one read brings: a burst
-    of messages (a step's answers) costs one read instead of `Connection.recv_bytes`' two each.
-    Reads only: it must be the descriptor's only reader. The frames are those `send_bytes` and
-    `send_frames` write."""
-
-    def __init__(self, fd: int, max_frame: int = 0x7FFFFFFF) -> None:
-        self.fd = fd
-        self.max_frame = max_frame  # a longer frame is refused (WireError) before it is read
-        self._buf = bytearray()
-
-    def read(self) -> list[bytes]:
-        """The next frames (at least one; blocks until then); EOFError when the other side is gone."""
-        buf = self._buf
-        while True:
-            frames, used, want = [], 0, _HEADER.size
-            while len(buf) - used >= _HEADER.size:
-                (n,) = _HEADER.unpack_from(buf, used)
-                if n < 0:  # (multiprocessing's 8-byte length of a frame over 2 GiB: never ours)
-                    raise WireError("a frame over 2 GiB")
-                if n > self.max_frame:
-                    raise WireError(f"a frame of {n} bytes, over the {self.max_frame} allowed")
-                if len(buf) - used - _HEADER.size < n:
-                    want = n + _HEADER.size
-                    break
-                frames.append(bytes(buf[used + _HEADER.size:used + _HEADER.size + n]))
-                used += _HEADER.size + n
-            if used:
-                del buf[:used]
-            if frames:
-                return frames
-            # (a long frame in reads of at most 1 MiB: its length alone allocates nothing)
-            chunk = os.read(self.fd, min(max(want - len(buf), 1 << 16), 1 << 20))
-            if not chunk:
-                raise EOFError
-            buf += chunk
-
-
-def send_frames(fd: int, datas: list[bytes]) -> None:
-    """Write `datas` as frames in one write (a step's answers: one system call, one wake-up on the
-    other side). The caller holds the connection's send lock."""
-    out = bytearray()
-    for d in datas:
-        if len(d) > 0x7FFFFFFF:
-            raise WireError("a message over 2 GiB")
-        out += _HEADER.pack(len(d))
-        out += d
-    view = memoryview(out)
-    while view:
-        view = view[os.write(fd, view):]

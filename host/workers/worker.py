@@ -47,6 +47,7 @@ from host.wasm.instance import Instance, InstanceEnv, current
 from host.wasm.limits import InstanceLimits
 from host.wasm.pooling import PoolingConfig
 from host.workers import wire
+from host.workers.frames import Frames
 
 __all__ = ["LOCAL", "WorkerSpec", "main"]
 
@@ -255,7 +256,7 @@ class _Worker:
             self.channels.pop(inst.id, None)
 
     def serve(self) -> None:
-        frames = wire.Frames(self.conn.fileno())  # (a step's answers come in one read)
+        frames = Frames(self.conn.fileno())  # (a step's answers come in one read)
         while True:
             try:
                 batch = frames.read()
