@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from gpu_backend.engine.client import POLL_MS, EngineSpec, describe_exit
+from gpu_backend.engine.spec import POLL_MS, EngineSpec, describe_exit
 from gpu_backend.types import ForwardError
 
 log = logging.getLogger(__name__)
