@@ -43,9 +43,12 @@ test: $(VENV)/.installed browser lint
 	$(PYTEST) -q -n 2 -m "not slow and not gpu" --workers 2
 
 # The developer's loop: every test that needs neither the real model nor a componentize-py build,
-# on two workers (pytest-xdist; 105 s -> 73 s on the 2-vCPU VM). `make test` stays on one.
+# on two workers (pytest-xdist; 105 s -> 73 s on the 2-vCPU VM). `make test` stays on one. Not the
+# `heavy` tests either (seconds of engine/worker processes, wheel builds, bench runs: tests/conftest.py),
+# 20 fuzz examples a property instead of 40-300, and hosts without gc tuning unless a test asks
+# (PIE_TEST_TUNE_GC=0: each tuned host's full collections scan the whole test process).
 test-fast: $(VENV)/.installed browser
-	$(PYTEST) -q -n 2 -m "not slow and not build and not gpu"
+	PIE_FUZZ_EXAMPLES=20 PIE_TEST_TUNE_GC=0 $(PYTEST) -q -n 2 -m "not slow and not build and not gpu and not heavy"
 
 # Every benchmark suite in its small mode (~30 min on the 2 shared cores here; the numbers mean nothing): the suites run,
 # and their JSON lands in out/bench.json. A real run: `python -m bench SUITE --json OUT` (bench/README.md).

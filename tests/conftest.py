@@ -1,8 +1,16 @@
 """Shared pytest fixtures and markers. Keep this small: what more than one test module uses.
 
 Markers: `slow` = needs the real default model (added automatically to every test that uses
-the `backend` fixture), `build` = needs a componentize-py build, `gpu` = needs CUDA.
-`make test-fast` runs everything else.
+the `backend` fixture), `build` = needs a componentize-py build, `gpu` = needs CUDA, `heavy` =
+needs none of those but takes seconds (engine or worker processes started, a wheel built and
+installed, a bench script run, full collections, deliberately slow steps). `make test-fast` runs
+everything else; `make test` runs them all.
+
+PIE_TEST_TUNE_GC=0 (`make test-fast` sets it): a HostConfig made without `tune_gc` gets False
+(`_host_gc_tuning`). A tuned host collects fully when it starts and when its warm pool refills,
+and each collection scans the whole test process (~600k objects: torch, transformers, the test
+modules; ~0.3 s of CPU each, ~130 a run); in a server they are the start-up objects it freezes
+once. tests/test_host_gc.py keeps the default; `make test` runs everything with it.
 """
 
 from __future__ import annotations
@@ -34,6 +42,23 @@ def real_host(backend: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     h.shutdown()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _host_gc_tuning() -> Iterator[None]:
+    """Where PIE_TEST_TUNE_GC=0 (read at each HostConfig made), `tune_gc` defaults to False."""
+    from host import HostConfig
+
+    init = HostConfig.__init__
+
+    def maybe_untuned(self: HostConfig, *args: Any, **kwargs: Any) -> None:
+        if os.environ.get("PIE_TEST_TUNE_GC") == "0":
+            kwargs.setdefault("tune_gc", False)
+        init(self, *args, **kwargs)
+
+    HostConfig.__init__ = maybe_untuned  # type: ignore[method-assign]
+    yield
+    HostConfig.__init__ = init  # type: ignore[method-assign]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "backend" in getattr(item, "fixturenames", ()):
@@ -48,6 +73,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "heavy: takes seconds, needs neither the model nor a build "
+                                       "(not in make test-fast; make test runs it)")
     config.addinivalue_line("markers", "build: needs a componentize-py build of an inferlet (not in make test-fast)")
     workers = config.getoption("--workers")
     # HostConfig's default (host/config.py: "auto" where unset); the suite's own default is in-process

@@ -27,7 +27,8 @@ def _common() -> dict[str, object]:
                 num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3_text"])
+# gemma3_text is heavy (~4 s of a second transformers model built and run; make test runs it)
+@pytest.fixture(scope="module", params=["qwen3", pytest.param("gemma3_text", marks=pytest.mark.heavy)])
 def pair(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     if request.param == "qwen3":

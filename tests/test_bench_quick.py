@@ -18,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW, BUILD = pytest.mark.slow, pytest.mark.build  # the real model / a componentize-py build of an inferlet
+HEAVY = pytest.mark.heavy  # a subprocess run of seconds that needs neither (not in make test-fast)
 
 
 def _entry_point() -> ModuleType:
@@ -37,14 +38,14 @@ SCRIPTS: dict[str, tuple[list[pytest.MarkDecorator], str]] = {
     "agent_io": ([SLOW, BUILD], "results"),  # the inferlet vs the client-driven agent, both ways once
     "agents": ([SLOW, BUILD], "throughput_ratio"),  # ~36 s
     "backend_decode": ([SLOW], "meta"),  # ~46 s: two backends and two transformers models loaded
-    "conversions": ([], "conversions"),  # ~2 s
+    "conversions": ([HEAVY], "conversions"),  # ~2 s
     "embeddings": ([SLOW], "image"),  # ~50 s: the default model and a LLaVA-shaped one, both ways
     "engine": ([SLOW, BUILD], "standin"),  # ~18 s
     "flex_attention": ([SLOW], "results"),  # ~27 s: flex compiles each shape on CPU
     "grammar": ([SLOW], "host_loop"),  # ~17 s
     "grammar_host": ([SLOW], "host_loop"),  # ~10 s
     "host_arrivals": ([BUILD], "warm"),  # ~10 s
-    "host_loops": ([], "loops"),  # ~3 s
+    "host_loops": ([HEAVY], "loops"),  # ~3 s
     "host_overhead": ([SLOW, BUILD], "call_us"),
     "host_scale": ([BUILD], "rss_mb_per_instance"),
     "host_scale_b2b": ([BUILD], "back_to_back"),  # host_scale.py --back-to-back
@@ -53,7 +54,7 @@ SCRIPTS: dict[str, tuple[list[pytest.MarkDecorator], str]] = {
     "load_model": ([SLOW], "results"),  # ~12 s
     "openai_load": ([SLOW, BUILD], "tools"),  # ~34 s
     "prefix_cache": ([SLOW, BUILD], "prefilled_tokens"),  # ~9 s
-    "qos": ([], "standin"),  # ~1 s (the stand-in only; --real adds the model)
+    "qos": ([HEAVY], "standin"),  # ~1 s (the stand-in only; --real adds the model)
     "revisions": ([BUILD], "revisions"),  # HEAD checked out and its text_completion built (~30 s)
     "server_load": ([SLOW, BUILD], "baseline"),  # ~21 s
     "workers": ([BUILD], "settings"),  # ~12 s: two hosts, 1 s windows

@@ -344,6 +344,7 @@ def test_auto_serves_tenants_in_turn_within_the_budget() -> None:
     assert q.choose(0, 10240, 0, Turns(), 0.0, budget=1000) is None  # all fit
 
 
+@pytest.mark.heavy  # (~9-16 s a case: 100 ms steps on purpose; make test runs it)
 @pytest.mark.parametrize(("token_s", "chunked", "n"), [(10e-3, True, 120), (400e-6, False, 100)])
 def test_auto_sizes_the_chunk_by_the_measured_step_cost(token_s: float, chunked: bool, n: int) -> None:
     """A stand-in whose step takes 100 ms + `token_s` a new token (slow steps: a loaded machine's

@@ -54,6 +54,7 @@ def test_bad_host_option_is_a_usage_error(tmp_path, capsys: pytest.CaptureFixtur
     assert "pie-run: max_batch_tokens must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.heavy  # (~2-8 s; make test runs it)
 def test_a_device_that_is_not_there_is_a_clear_error(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     """No traceback: an absent GPU, a bad device string or more ranks than GPUs name the problem."""
     wasm = tmp_path / "app.wasm"

@@ -56,6 +56,7 @@ def engine() -> Iterator[ProcessBackend]:
     b.close()
 
 
+@pytest.mark.heavy  # (~4 s: its engine process starts; make test runs it)
 def test_process_backend_answers_like_the_in_process_one(engine: ProcessBackend) -> None:
     assert isinstance(engine, Backend)
     assert engine.info.page_size == 4 and engine.info.num_pages == 32 and engine.pid != os.getpid()
@@ -66,6 +67,7 @@ def test_process_backend_answers_like_the_in_process_one(engine: ProcessBackend)
     engine.copy_tokens(0, 0, 3, 0, 2)
 
 
+@pytest.mark.heavy  # (its engine process; make test runs it)
 def test_a_bad_request_fails_alone_with_its_index(engine: ProcessBackend) -> None:
     good, bad = _req([4], 1, [7], 0), _req([99], 1, [7], 0, "bad")
     with pytest.raises(ForwardError) as e:
@@ -111,11 +113,13 @@ def test_a_killed_engine_is_noticed_at_once_and_restarted() -> None:
     assert not b.alive
 
 
+@pytest.mark.heavy  # (~4 s: an engine process starts, imports torch and fails; make test runs it)
 def test_an_engine_that_cannot_start_says_why() -> None:
     with pytest.raises(EngineDied, match="not-a-model"):
         ProcessBackend(EngineSpec(model="/nonexistent/not-a-model.gguf"))
 
 
+@pytest.mark.heavy  # (~4 s: an engine process starts and refuses; make test runs it)
 def test_more_ranks_than_gpus_is_refused_with_the_count() -> None:
     """tp x replicas ranks on cuda need that many visible GPUs; fewer is an error, not shared GPUs."""
     import torch
@@ -145,6 +149,7 @@ def test_config_fields_and_flags() -> None:
         ap.parse_args(["--engine", "threads"])
 
 
+@pytest.mark.heavy  # (~8 s: two engine processes; make test runs it)
 def test_host_owns_its_engines_and_stops_them(tmp_path: Path) -> None:
     engines = start_engines(EngineSpec(standin=True, page_size=4, num_pages=16), replicas=2)
     pids = [e.pid for e in engines]

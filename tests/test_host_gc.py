@@ -23,10 +23,17 @@ from helpers import text_completion_burst, wait_for, wasm_bytes
 from host import Host, HostConfig
 
 
+@pytest.fixture(autouse=True)
+def _default_tune_gc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HostConfig's own default here, also under make test-fast (PIE_TEST_TUNE_GC: tests/conftest.py)."""
+    monkeypatch.delenv("PIE_TEST_TUNE_GC", raising=False)
+
+
 def _tracked_ids(generations: range = range(3)) -> set[int]:
     return {id(o) for g in generations for o in gc.get_objects(g)}
 
 
+@pytest.mark.heavy  # (~2-6 s: full collections over the whole test process; make test runs it)
 def test_a_started_host_freezes_what_is_alive_and_its_shutdown_thaws_it(tmp_path: Path) -> None:
     gc.unfreeze()
     before = gc.get_threshold()
@@ -58,6 +65,7 @@ def test_tune_gc_off_leaves_the_collector_as_it_is(tmp_path: Path) -> None:
         h.shutdown()
 
 
+@pytest.mark.heavy  # (~2-6 s: full collections over the whole test process; make test runs it)
 def test_overlapping_hosts_restore_the_collector_when_the_last_one_ends(tmp_path: Path) -> None:
     gc.unfreeze()
     before = gc.get_threshold()
@@ -88,6 +96,7 @@ def _garbage_in_the_middle_generation() -> weakref.ref[_Cycle]:
     return ref
 
 
+@pytest.mark.heavy  # (~2-6 s: full collections over the whole test process; make test runs it)
 def test_a_refilled_warm_pool_collects_while_the_host_is_idle(tmp_path: Path) -> None:
     """Left to the collector, middle and full collections came due inside bursts of launches (a
     13-36 ms pause with every thread stopped, in 2 of 7 bursts of 256); the host collects fully
@@ -118,6 +127,7 @@ def test_without_tune_gc_the_host_does_not_collect_on_refill(tmp_path: Path) -> 
         h.shutdown()
 
 
+@pytest.mark.heavy  # (~2-6 s: full collections over the whole test process; make test runs it)
 def test_a_host_sets_the_gil_switch_interval_and_the_last_one_out_restores_it(tmp_path: Path) -> None:
     """HostConfig.switch_interval_ms: the scheduler's thread gets the GIL back sooner while instances
     run Python (bench/gpu_suite_notes.md); 0 leaves Python's interval alone."""

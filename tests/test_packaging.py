@@ -65,6 +65,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return next(dist.glob("pie_python-*.whl"))
 
 
+@pytest.mark.heavy  # (the wheel is built: ~5 s, installed: ~3 s; make test runs it)
 def test_wheel_carries_wit_sdk_and_standard_inferlets(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in ("host/wit/inferlet.wit", "host/inferlets/text_completion/app.py", "inferlet/__init__.py",
@@ -77,6 +78,7 @@ def test_wheel_carries_wit_sdk_and_standard_inferlets(wheel: Path) -> None:
     assert "pie-run = host.cli.run:main" in scripts and "pie-build = host.cli.build:main" in scripts
 
 
+@pytest.mark.heavy  # (the wheel is built: ~5 s, installed: ~3 s; make test runs it)
 def test_wheel_install_finds_its_own_package_data(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", str(wheel), "--no-deps", "-q", "--target", str(target)],

@@ -79,7 +79,7 @@ def probe_recording(host: Host) -> bytes:
 
 # ---- recording, and replaying the same guest ----
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.heavy)])  # 2: heavy, worker processes (~2-4 s)
 def test_a_recording_replays_identically_in_process_and_with_workers(tmp_path: Path, workers: int) -> None:
     """Every call, its arguments and result, in order, in both modes; then the same guest replays them."""
     with _host(tmp_path, workers) as h:
@@ -91,6 +91,7 @@ def test_a_recording_replays_identically_in_process_and_with_workers(tmp_path: P
         assert (out.identical, out.replayed, out.end, out.truncated) == (True, 3, ("completed", ""), False)
 
 
+@pytest.mark.heavy  # (~6 s: worker processes; make test runs it)
 def test_a_trapped_call_is_recorded_the_same_with_workers_and_replayed(tmp_path: Path) -> None:
     """set-priority(5000) traps (a one-way call in a worker: a recorded guest waits for its answer, so
     it sees the trap at that call, as in-process); the replay raises the recorded trap again."""
@@ -181,7 +182,7 @@ def test_the_cli_reports_the_divergence_and_exits_1(host: Host, probe_recording:
 
 # ---- bounds and isolation ----
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.heavy)])  # 2: heavy, worker processes (~2-4 s)
 def test_a_recording_past_its_bound_is_truncated_and_the_instance_runs_on(tmp_path: Path, workers: int,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     with _host(tmp_path, workers, max_recording_bytes=64) as h:
@@ -288,6 +289,7 @@ def test_pie_run_server_record_writes_the_recording(tmp_path: Path, monkeypatch:
         assert cli.main([str(out), str(_probe_file(tmp_path)), "--cache-dir", str(tmp_path / "cache")]) == 0
 
 
+@pytest.mark.heavy  # (~1-2 s: a pie-replay subprocess; make test runs it)
 def test_pie_replay_runs_as_a_command_without_torch(host: Host, probe_recording: bytes, tmp_path: Path) -> None:
     path = tmp_path / "probe.rec"
     path.write_bytes(probe_recording)

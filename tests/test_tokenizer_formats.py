@@ -114,16 +114,22 @@ def nfc_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def nfc_pair(nfc_dir):
+    """Ours and transformers' tokenizer of `nfc_dir`, loaded once for the module (~1-2 s each time)."""
+    return _pair(nfc_dir)
+
+
 @pytest.mark.parametrize("text", CORPUS)
-def test_nfc_normalizer_matches_transformers(nfc_dir, text):
-    ours, theirs = _pair(nfc_dir)
+def test_nfc_normalizer_matches_transformers(nfc_pair, text):
+    ours, theirs = nfc_pair
     assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
 
 
-def test_ids_past_the_vocabulary_decode_to_nothing(nfc_dir):
+def test_ids_past_the_vocabulary_decode_to_nothing(nfc_pair):
     # Qwen2's model vocabulary (151,936) runs past its tokenizer's (151,669 + added): transformers
     # decodes those ids to '' rather than failing
-    ours, theirs = _pair(nfc_dir)
+    ours, theirs = nfc_pair
     past = ours.vocab_size + 5
     assert ours.decode([past]) == theirs.decode([past]) == ""
     hello = ours.encode("Hello")

@@ -216,6 +216,7 @@ def _vm_size_kib() -> int:
     return int(Path("/proc/self/status").read_text().split("VmSize:")[1].split()[0])
 
 
+@pytest.mark.heavy  # (~2-9 s; make test runs it)
 def test_shutdown_gives_the_pool_address_space_back(tmp_path) -> None:
     """Each pooled engine reserves ~1 TiB of address space; hosts that were shut down must not
     keep theirs (after ~90 of them a process would run out, and wasmtime aborts then)."""

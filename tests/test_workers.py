@@ -72,6 +72,7 @@ def test_terminate_stops_a_guest_computing_in_its_worker(host: Host) -> None:
     assert (end.event, end.message) == ("aborted", "stop spinning")
 
 
+@pytest.mark.heavy  # (~3 s; make test runs it)
 def test_the_wall_budget_stops_a_guest_computing_in_its_worker(tmp_path: Path) -> None:
     h = make_host(tmp_path, wall_budget_s=0.5)
     try:
@@ -81,6 +82,7 @@ def test_the_wall_budget_stops_a_guest_computing_in_its_worker(tmp_path: Path) -
         h.shutdown()
 
 
+@pytest.mark.heavy  # (~6 s: a worker killed and restarted; make test runs it)
 def test_a_killed_worker_ends_only_its_instances_and_is_replaced(tmp_path: Path) -> None:
     h = make_host(tmp_path, wall_budget_s=60.0)
     try:
@@ -157,6 +159,7 @@ def test_streamed_pieces_sent_one_way_arrive_in_order_and_complete(host: Host) -
     assert len(run.messages) > 32 and "".join(run.messages) == want
 
 
+@pytest.mark.heavy  # (~5 s; make test runs it)
 def test_a_worker_naming_another_workers_instance_is_stopped_and_that_instance_untouched(tmp_path: Path) -> None:
     """A worker only speaks for its own instances (another tenant's may run in the other): a
     message naming an instance it does not run stops that worker; the instance runs on."""
