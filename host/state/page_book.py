@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from host.state.page_table import SWAPPED, InstancePages, PageError
 from host.state.prefix_cache import PrefixCache
 
-__all__ = ["PageBook"]
+__all__ = ["Export", "PageBook"]
 
 
 @dataclass
