@@ -31,14 +31,18 @@ def _split(chunk: int, budget: int | None) -> int:
     return DECODE_TOKENS if budget is not None else chunk
 
 
-def decode_tokens(jobs: Iterable[ForwardFuture]) -> int:
-    """The new tokens of the queued decode steps among `jobs` (`--prefill-chunk auto`)."""
-    n = 0
+def decode_tokens(jobs: Iterable[ForwardFuture]) -> tuple[int, bool]:
+    """The new tokens of the queued decode steps among `jobs`, and whether a prefill (a longer
+    forward) is queued too (`--prefill-chunk auto`)."""
+    n, prefill = 0, False
     for f in jobs:
         req = f.request
-        if isinstance(req, ForwardRequest) and f.chunks is None and len(req.tokens) <= DECODE_TOKENS:
-            n += len(req.tokens)
-    return n
+        if isinstance(req, ForwardRequest):
+            if f.chunks is None and len(req.tokens) <= DECODE_TOKENS:
+                n += len(req.tokens)
+            else:
+                prefill = True
+    return n, prefill
 
 
 def job_pages(job: Job) -> list[int]:

@@ -308,8 +308,13 @@ class Scheduler:
         now = time.perf_counter()
         budget = None
         if self._auto and fire and self._queue:  # prefill tokens this batch may take (stepcost.py)
-            budget = self.cost.prefill_budget(len(loops) + decode_tokens(self._queue.jobs), self.max_batch_tokens)
-            self.stats.prefill_budget = self.cost.budget
+            decodes, prefill = decode_tokens(self._queue.jobs)
+            if prefill:  # (else nothing to cap, and no fit to make)
+                budget = self.cost.prefill_budget(len(loops) + decodes, self.max_batch_tokens)
+                self.stats.prefill_budget = self.cost.budget
+                self.stats.step_fixed_ms, self.stats.step_token_us = self.cost.fit_ms_us()
+            else:
+                budget = self.max_batch_tokens
         chosen = self._queue.choose(len(loops), self.max_batch_tokens, self._chunk, self.turns, now, budget) \
             if fire and self._queue else None
         copies, queued = self._queue.take(fire, loops, self._page_size, self.max_batch_tokens, dry, self._chunk,
@@ -418,8 +423,6 @@ class Scheduler:
         self._after_run(run.batch, results, getattr(run.handle, "tokens", None), run.loops, run.ahead, run.start,
                         end, fed)
         self.stats.record(len(run.batch), run.tokens, run.waited, run.start, end)
-        if self._auto:
-            self.stats.step_fixed_ms, self.stats.step_token_us = self.cost.fit_ms_us()
         return True
 
     def _launch(self, batch: list[ForwardFuture], reqs: list[ForwardRequest], loops: int, ahead: int,

@@ -71,6 +71,7 @@ class StepCost:
         self._decode: deque[tuple[int, float]] = deque(maxlen=_KEEP)  # the last decode-only batches
         self._warm = False  # the first batch has run (and was not counted)
         self._most = 0  # the most prefill tokens of a batch timed (the fit's evidence)
+        self._dirty = False  # batches observed since the last fit
         self._marginal: deque[float] = deque(maxlen=_KEEP)  # recent prefill batches: s per prefill token over T(d)
         self.budget = 0  # the last budget given to a batch with decodes (0: none yet)
 
@@ -87,7 +88,7 @@ class StepCost:
             self._marginal.append((seconds - self._decode_time(tokens - prefill)) / prefill)
         self._most = max(self._most, prefill)
         self._classes.setdefault(tokens.bit_length(), deque(maxlen=_KEEP)).append((tokens, seconds))
-        self._fit = self._refit() or self._fit  # (a fit once made is kept until a new one can be)
+        self._dirty = True  # (refitted when next asked: most batches need no budget)
 
     def _refit(self) -> tuple[float, float] | None:
         pts = [_point(c) for c in self._classes.values()]
@@ -106,6 +107,9 @@ class StepCost:
     @property
     def fit(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), or None before two size classes were seen."""
+        if self._dirty:
+            self._dirty = False
+            self._fit = self._refit() or self._fit  # (a fit once made is kept until a new one can be)
         return self._fit
 
     def prefill_budget(self, decode_tokens: int, max_tokens: int) -> int:
@@ -113,7 +117,7 @@ class StepCost:
         room = max(max_tokens - decode_tokens, 1)
         if decode_tokens <= 0:
             return room
-        fit = self._fit
+        fit = self.fit
         marginal = statistics.median(self._marginal) if self._marginal else 0.0
         if fit is None and marginal <= 0:  # a probe large enough to give the fit its range
             p = max(PROBE_TOKENS, decode_tokens)
@@ -134,7 +138,7 @@ class StepCost:
     def _decode_time(self, decode_tokens: int) -> float:
         """T(d): a decode-only step's time at `decode_tokens` (its batches' median, moved along the
         line's slope; the line alone before one has run)."""
-        fixed, slope = self._fit or (0.0, 0.0)
+        fixed, slope = self.fit or (0.0, 0.0)
         if not self._decode:
             return fixed + slope * decode_tokens
         tokens, seconds = _point(self._decode)
@@ -143,7 +147,7 @@ class StepCost:
     def fit_ms_us(self) -> tuple[float, float]:
         """The fit as (fixed ms, us per prefill token: what recent prefill batches cost, else the
         line's slope); zeros before there is one."""
-        fixed, per_token = self._fit or (0.0, 0.0)
+        fixed, per_token = self.fit or (0.0, 0.0)
         marginal = statistics.median(self._marginal) if self._marginal else 0.0
         per_token = marginal if marginal > 0 else per_token
         return round(1000 * fixed, 3), round(1e6 * per_token, 3)
