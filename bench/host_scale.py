@@ -128,7 +128,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # its default, "auto")
     "workers0": {"warm_start": ("text_completion",), "config": {"workers": 0}},
     "workers2": {"warm_start": ("text_completion",), "config": {"workers": 2}},
-    # and with the GIL switch interval at 0.5 ms (tried for the stepping guest: no change, bench/README.md)
+    # and with the GIL switch interval at 0.5 ms (tried for the stepping guest: no change, bench/HISTORY.md)
     "workers2_switch05": {"warm_start": ("text_completion",), "config": {"workers": 2, "switch_interval_ms": 0.5}},
 }
 
@@ -234,7 +234,7 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
              tokens: int, log: BatchLog | None = None) -> dict[str, float]:
     """One burst of n. `launch_ms`: the launching thread's time to make the n launches. With `log`
     (the stand-in's calls), also `ramp_ms`: from the first launch to the first backend call with 90%
-    of the n in it (the instances' starts, bench/README.md); `period_ms`: the median time from one
+    of the n in it (the instances' starts, bench/HISTORY.md); `period_ms`: the median time from one
     backend call's start to the next's, both holding every one of the n (the step, plus the host's
     work per step that the backend waits for); `tail_ms`: from the end of the last backend call to
     the last instance's end event."""

@@ -39,7 +39,7 @@ def tune_gc() -> None:
 
     A started host holds ~190k objects (torch, the tokenizer, modules) that live as long as it
     does, and each full (generation 2) collection scanned them all: 100-150 ms with every thread
-    stopped, about once a second while bursts of instances came and went (bench/host_ramp.py,
+    stopped, about once a second while bursts of instances came and went (bench/HISTORY.md,
     `gc_max_ms`). Frozen, they are never scanned again. With the young generation collected every
     700 net allocations, a burst of 256 `text_completion` instances made ~70 young and ~7 middle
     collections and, frozen, a full one of 14-90 ms over the objects made since; at 10,000 it

@@ -4,7 +4,7 @@ generation less often (HostConfig.tune_gc), and shortens the GIL switch interval
 
 Why it matters: a full collection scans every tracked object with all threads stopped; a host
 holds ~190k of them (torch, the tokenizer, modules) for its whole life, so each full collection
-stopped every instance and the scheduler for ~100 ms (bench/host_ramp.py, gc_max_ms).
+stopped every instance and the scheduler for ~100 ms (bench/HISTORY.md, gc_max_ms).
 """
 
 from __future__ import annotations

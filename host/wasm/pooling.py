@@ -8,7 +8,7 @@ guest's own work) and it does not get faster with more cores. The pooling alloca
 slots for memories, tables and instances once, reuses a slot for the same module (its memory
 image stays mapped), and with `keep_resident_bytes` resets a slot's first bytes with a memset
 instead of giving the pages back, so the next instance takes no page fault there: kernel time
-fell to ~1 ms per instance (bench/host_scale.py; numbers in bench/README.md).
+fell to ~1 ms per instance (bench/host_scale.py; numbers in bench/HISTORY.md).
 
 Invariants: the per-component maxima here are at least the store limits every instance runs
 under (`InstanceLimits.store_limits`), so the pool never refuses what the limits allow; the

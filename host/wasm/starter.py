@@ -4,7 +4,7 @@
 thread waits for the GIL behind every running instance: a launch that found no parked instance
 (host/wasm/warm.py) took ~1 ms of the launching thread's time, 3.6 ms median and up to 24 ms in a
 first burst of 128 (pie-serve launches on its asyncio loop, so every other client's messages and
-streamed tokens waited that long; bench/cold_launch.py). `Starter` starts those instances'
+streamed tokens waited that long; bench/HISTORY.md). `Starter` starts those instances'
 threads on one worker thread of its own (a `ThreadPoolExecutor`'s, started on first use), in launch
 order; `Host.launch` returns as soon as the instance is queued for it.
 

@@ -11,7 +11,7 @@ forgets what the runs left in the SDK (its page table and model facts).
 
 Measured (a burst of 64 warm `text_completion` instances, 2 ms stand-in step, alternating builds,
 medians of 9 bursts): the last instance's first forward came 25.1 ms after the launch instead of
-28.1 ms (bench/README.md).
+28.1 ms (bench/HISTORY.md).
 
 Only for a `main` whose runs change nothing but the SDK's own state: a module-level cache or
 counter that `main` fills would be in the snapshot, and every instance would start with it.
