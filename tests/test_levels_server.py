@@ -18,7 +18,8 @@ from host import Host, HostConfig
 from host.cli import run as cli_run
 from host.client import PieError, SyncPieClient
 from host.client.protocol import LaunchInstance, ProtocolError, decode_request, pack
-from host.server.openai_request import OpenAIError, parse_request
+from host.server.openai_errors import OpenAIError
+from host.server.openai_request import parse_request
 
 HASH = "0" * 64
 

@@ -227,7 +227,7 @@ def test_echo_with_max_tokens_0_returns_the_prompt_logprobs(served: Any) -> None
 
 def test_response_store_is_bounded_expires_and_keeps_tenants_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     from host.server import openai_responses
-    from host.server.openai_request import OpenAIError
+    from host.server.openai_errors import OpenAIError
     from host.server.openai_responses import ResponseStore
 
     now = [100.0]

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from host.server.openai_request import OpenAIError, parse_request
+from host.server.openai_errors import OpenAIError
+from host.server.openai_request import parse_request
 from host.server.sse import DONE, chat_chunk, sse_event
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -22,7 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from host.server.openai_request import OpenAIError
+from host.server.openai_errors import OpenAIError
 
 __all__ = ["h11_with_header_timeout", "GuardedStream", "read_body", "until_disconnect"]
 

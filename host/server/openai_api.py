@@ -33,8 +33,9 @@ from host.server.openai_budget import PromptBudget
 from host.server.openai_chat import respond_completion
 from host.server.openai_embeddings import EmbeddingRequest, check_inputs, parse_embeddings
 from host.server.openai_embeddings import response as embeddings_response
+from host.server.openai_errors import OpenAIError
 from host.server.openai_handler import ModelFacts, OpenAIHandler, error_response, tenant_of
-from host.server.openai_request import OpenAIError, load_body, request_of
+from host.server.openai_request import load_body, request_of
 from host.server.openai_responses import ResponseBuilder, chat_body
 from host.server.openai_run import Run, answer, checked, handler_messages, launch, observe, read_or_release
 from host.server.sse import sse_typed

@@ -17,7 +17,8 @@ import jinja2
 from inferlet.context import IMAGE_MARK
 from inferlet.toolcalls import plain_chat, render_chat
 
-from host.server.openai_request import OpenAIError, OpenAIRequest
+from host.server.openai_errors import OpenAIError
+from host.server.openai_request import OpenAIRequest
 
 __all__ = ["PromptBudget"]
 

@@ -14,8 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from host.server.http import GuardedStream
+from host.server.openai_errors import OpenAIError
 from host.server.openai_handler import OpenAIHandler
-from host.server.openai_request import OpenAIError, OpenAIRequest, parse_request
+from host.server.openai_request import OpenAIRequest, parse_request
 from host.server.openai_run import Run, answer, checked, handler_messages, launch, read_or_release
 from host.server.sse import DONE, chat_chunk, completion_chunk, sse_event
 

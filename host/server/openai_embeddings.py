@@ -21,15 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from host.server.openai_request import OpenAIError
+from host.server.openai_errors import bad_param as _bad
 
 __all__ = ["MAX_INPUTS", "EmbeddingRequest", "check_inputs", "parse_embeddings", "response"]
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's bound)
-
-
-def _bad(param: str, message: str) -> OpenAIError:
-    return OpenAIError(400, f"{param}: {message}", param=param)
 
 
 @dataclasses.dataclass(frozen=True)

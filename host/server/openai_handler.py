@@ -16,8 +16,8 @@ from starlette.responses import JSONResponse
 
 from host.server.metrics import ServerMetrics
 from host.server.openai_budget import PromptBudget
+from host.server.openai_errors import OpenAIError
 from host.server.openai_images import ImageFetcher, ImageLimits
-from host.server.openai_request import OpenAIError
 from host.server.openai_responses import ResponseStore
 from host.server.tenants import TenantLimits
 

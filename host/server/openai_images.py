@@ -22,7 +22,8 @@ import dataclasses
 import re
 from typing import Any
 
-from host.server.openai_request import OpenAIError, OpenAIRequest
+from host.server.openai_errors import OpenAIError
+from host.server.openai_request import OpenAIRequest
 
 __all__ = ["EMBED_IMAGE_MAX_BYTES", "ImageFetcher", "ImageLimits", "count_images", "resolve_images"]
 

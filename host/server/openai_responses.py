@@ -24,13 +24,10 @@ import time
 import uuid
 from typing import Any
 
-from host.server.openai_request import OpenAIError
+from host.server.openai_errors import OpenAIError
+from host.server.openai_errors import bad_param as _bad
 
 __all__ = ["ResponseBuilder", "ResponseStore", "chat_body"]
-
-
-def _bad(param: str, message: str) -> OpenAIError:
-    return OpenAIError(400, f"{param}: {message}", param=param)
 
 
 @dataclasses.dataclass

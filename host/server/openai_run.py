@@ -24,9 +24,10 @@ from starlette.responses import JSONResponse, Response
 from host.events import InstanceEvent
 from host.host import HostBusy
 from host.server.http import read_body, until_disconnect
+from host.server.openai_errors import OpenAIError
 from host.server.openai_handler import OpenAIHandler
 from host.server.openai_images import count_images, resolve_images
-from host.server.openai_request import OpenAIError, OpenAIRequest, schema_problems
+from host.server.openai_request import OpenAIRequest, schema_problems
 from host.server.tenants import TenantLimitError
 
 __all__ = ["Launchable", "Run", "answer", "checked", "handler_messages", "launch", "observe", "read_or_release"]
