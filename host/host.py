@@ -350,35 +350,12 @@ class Host(HostStats):
             if len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
         self._admit()  # its slot goes to the longest waiting launch
-        self.children.ended(inst)  # its children end with it (unless detached)
-        self.topics.drop(inst)
-        self.services.grammars.release(inst)  # its grammars and matchers
-        self.services.slots.drop(inst)  # and its embedding slots
+        self.services.release(inst)  # its children, subscriptions, grammars, embedding slots
         with inst.cond:
             inst.published.clear()  # unread messages go with their subscriber
         inst.drop_inbox()  # and unread client messages: an ended instance is kept (for wait) without them,
         inst.args, inst.return_value = [], None  # and without its request (an OpenAI body: up to --max-body-mb)
-        # A forward still queued or running finishes on its own (its pages stay pinned until it
-        # has, so the backend never writes into a page someone else owns); waiting for the guest's
-        # own forwards here means its pages are all free by the time its end is reported. Not for a
-        # decode-step run ahead that the guest never claimed (host/api/lookahead.py): a guest that
-        # stops stepping (its max_tokens reached) would report its end one step late, every time;
-        # that step's pages stay pinned and come free when it ends (`PageManager.unpin`).
-        if inst.stepper is not None:
-            inst.stepper.close()  # (withdrawn if still queued)
-        for fut in inst.forwards.values():
-            if not fut.done():
-                try:
-                    fut.wait()
-                except Exception as e:  # only its end matters here; the error was the instance's to see
-                    log.debug("instance %s ends with a failed forward: %s", inst.id, e)
-        inst.forwards.clear()
-        rep = self.replicas[inst.pages.replica]
-        rep.pages.release_all(inst.pages)  # (and its swapped-out pages' host memory, if suspended)
-        if rep.suspender is not None:
-            rep.suspender.forget(inst)
-        rep.scheduler.forget(inst.id)
-        rep.scheduler.drop_class(inst.id)
+        self.replicas[inst.pages.replica].release(inst)  # its forwards run, then its pages go back
 
     def logs(self, instance_id: str, tenant: str | None = None) -> list[dict[str, Any]] | None:
         """The last lines of an instance's runtime.log, stdout and stderr (host/wasm/logs.py), running or

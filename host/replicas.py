@@ -11,6 +11,7 @@ With one replica (the default) this is the whole host's pages and scheduler.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from host.wasm.instance import Instance
 
 __all__ = ["ExportNames", "Replica", "total_stats"]
+
+log = logging.getLogger(__name__)
 
 _NO_GATE = nullcontext()
 
@@ -51,6 +54,30 @@ class Replica:
             return _NO_GATE
         g = self.suspender.gate(inst)
         return g if g.try_enter() else None
+
+    def release(self, inst: Instance) -> None:
+        """An ended instance gives back what it holds here: its forwards are waited for, then its
+        pages (and their host memory, if suspended) and its place in the scheduler."""
+        # A forward still queued or running finishes on its own (its pages stay pinned until it
+        # has, so the backend never writes into a page someone else owns); waiting for the guest's
+        # own forwards here means its pages are all free by the time its end is reported. Not for a
+        # decode-step run ahead that the guest never claimed (host/api/lookahead.py): a guest that
+        # stops stepping (its max_tokens reached) would report its end one step late, every time;
+        # that step's pages stay pinned and come free when it ends (`PageManager.unpin`).
+        if inst.stepper is not None:
+            inst.stepper.close()  # (withdrawn if still queued)
+        for fut in inst.forwards.values():
+            if not fut.done():
+                try:
+                    fut.wait()
+                except Exception as e:  # only its end matters here; the error was the instance's to see
+                    log.debug("instance %s ends with a failed forward: %s", inst.id, e)
+        inst.forwards.clear()
+        self.pages.release_all(inst.pages)  # (and its swapped-out pages' host memory, if suspended)
+        if self.suspender is not None:
+            self.suspender.forget(inst)
+        self.scheduler.forget(inst.id)
+        self.scheduler.drop_class(inst.id)
 
 
 class ExportNames:

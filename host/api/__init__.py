@@ -28,6 +28,7 @@ from host.net.client import HttpService
 from host.replicas import ExportNames, Replica
 from host.state.kvstore import KeyValueStore
 from host.state.topics import Topics
+from host.wasm.instance import Instance
 
 __all__ = ["ApiServices", "PACKAGE", "WIT_VERSION", "WIT_VERSIONS", "build_linker", "import_tables", "version_tables"]
 
@@ -75,6 +76,15 @@ class ApiServices:
     def grammars(self) -> grammar.Grammars:
         """Grammar compiler and per-instance grammar / matcher tables (release them as instances end)."""
         return grammar.Grammars(self.tokenizer, self.info)
+
+    def release(self, inst: Instance) -> None:
+        """An ended instance gives back what the imports' services hold for it: its children end
+        with it (unless detached), its subscriptions, grammars and matchers, embedding slots go."""
+        if self.children is not None:
+            self.children.ended(inst)
+        self.topics.drop(inst)
+        self.grammars.release(inst)
+        self.slots.drop(inst)
 
 
 def import_tables(s: ApiServices) -> dict[str, dict[str, Import]]:
