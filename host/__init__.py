@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Host", "HostBusy", "HostConfig", "InstanceEvent", "TERMINAL_EVENTS", "CompileError", "Backend"]
+__all__ = ["Host", "HostBusy", "InboxFull", "HostConfig", "InstanceEvent", "TERMINAL_EVENTS", "CompileError", "Backend"]
 
 _LAZY = {
     "Host": "host.host",
     "HostBusy": "host.host",
+    "InboxFull": "host.wasm.inbox",
     "HostConfig": "host.config",
     "InstanceEvent": "host.events",
     "TERMINAL_EVENTS": "host.events",
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from host.events import TERMINAL_EVENTS, InstanceEvent
     from host.host import Host, HostBusy
     from host.wasm.engine import CompileError
+    from host.wasm.inbox import InboxFull
 
 
 def __getattr__(name: str) -> Any:
