@@ -235,6 +235,7 @@ def _number(driver: Any, element_id: str) -> int:
     return int(text) if text.isdigit() else -1
 
 
+@pytest.mark.heavy  # (a browser: not in make test-fast)
 def test_the_page_loads_and_shows_the_hosts_numbers(browser: Any, live: tuple[Host, Any]) -> None:
     _host, srv = live
     _open(browser, srv, ADMIN)
@@ -245,6 +246,7 @@ def test_the_page_loads_and_shows_the_hosts_numbers(browser: Any, live: tuple[Ho
     assert browser.find_element("id", "admin").is_displayed()
 
 
+@pytest.mark.heavy  # (a browser: not in make test-fast)
 def test_the_numbers_follow_a_burst_of_instances(browser: Any, live: tuple[Host, Any]) -> None:
     host, srv = live
     prog = host.compile(wasm_bytes("blocked_receive"))
@@ -299,6 +301,7 @@ def test_an_instance_shows_the_pages_it_holds_and_the_tokens_in_them(live: tuple
     assert run.finish(30).event == "completed"
 
 
+@pytest.mark.heavy  # (a browser: not in make test-fast)
 def test_a_tenants_token_shows_its_own_instances_only(browser: Any, live: tuple[Host, Any]) -> None:
     host, srv = live
     prog = host.compile(wasm_bytes("blocked_receive"))
@@ -321,6 +324,7 @@ def test_a_tenants_token_shows_its_own_instances_only(browser: Any, live: tuple[
         host.terminate(theirs)
 
 
+@pytest.mark.heavy  # (a browser: not in make test-fast)
 def test_a_bad_token_is_refused_and_the_login_box_takes_a_good_one(browser: Any, live: tuple[Host, Any]) -> None:
     _host, srv = live
     browser.get(f"{srv.http_url}/dashboard?token=not-a-token")
