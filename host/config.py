@@ -61,6 +61,9 @@ class HostConfig:
     max_pages_per_tenant: KV pages the instances of one tenant may own at once together (None =
         no cap): one tenant cannot take the whole cache from the others.
     max_inbox_bytes: unread client messages (signals) per instance; a signal past it is refused.
+    max_embedding_slots, max_embedding_bytes: embedding slots (WIT `embed`, host/api/embed.py) one
+        instance may hold at once, by count and by their vectors' bytes; an `embed-text` /
+        `embed-image` past either is an error result naming the limit (release some first).
     swap_memory_bytes: host memory for the KV of instances suspended under KV pressure (host/suspend.py);
         0 = never suspend (an instance that waits for pages nobody frees ends with out_of_resources).
     max_kv_store_bytes: UTF-8 bytes of keys and values one tenant may keep in the key-value store
@@ -144,6 +147,8 @@ class HostConfig:
     max_pages_per_instance: int | None = None
     max_pages_per_tenant: int | None = None
     max_inbox_bytes: int = 4 * 2**20
+    max_embedding_slots: int = 256
+    max_embedding_bytes: int = 256 * 2**20
     swap_memory_bytes: int = 4 * 2**30
     max_kv_store_bytes: int = 64 * 2**20
     max_recording_bytes: int = 64 * 2**20
@@ -252,6 +257,9 @@ class HostConfig:
             raise ValueError(f"max_pages_per_tenant must be >= 1, got {self.max_pages_per_tenant}")
         if self.max_recording_bytes < 1:
             raise ValueError(f"max_recording_bytes must be >= 1, got {self.max_recording_bytes}")
+        if self.max_embedding_slots < 1 or self.max_embedding_bytes < 1:
+            raise ValueError(f"max_embedding_slots and max_embedding_bytes must be >= 1, got "
+                             f"{self.max_embedding_slots}, {self.max_embedding_bytes}")
         if self.max_inbox_bytes < 1 or self.max_kv_store_bytes < 1:
             raise ValueError(f"max_inbox_bytes and max_kv_store_bytes must be >= 1, got {self.max_inbox_bytes}, "
                              f"{self.max_kv_store_bytes}")

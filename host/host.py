@@ -20,6 +20,7 @@ from typing import Any
 
 from gpu_backend.types import Backend
 from host.api import ApiServices, build_linker
+from host.api.embed import SlotLimits
 from host.assembly import (
     http_service,
     instance_limits,
@@ -113,7 +114,8 @@ class Host(HostStats):
         self.services = ApiServices(
             info=info, tokenizer=backend.tokenizer, replicas=self.replicas,
             kvstore=self.kvstore, topics=self.topics, step_lookahead=self.config.step_lookahead,
-            http=self.http, children=self.children)
+            http=self.http, children=self.children,
+            slot_limits=SlotLimits(config.max_embedding_slots, config.max_embedding_bytes))
         self.linker = build_linker(self.wasm.engine, self.services)
         self._env = InstanceEnv(
             engine=self.wasm, linker=self.linker, gate=self.gate,

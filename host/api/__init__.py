@@ -61,6 +61,7 @@ class ApiServices:
     step_lookahead: bool = True  # HostConfig.step_lookahead
     http: HttpService = field(default_factory=HttpService)  # outbound HTTP (off without an allowlist)
     children: Children | None = None  # child inferlets (the host's; None: runtime.launch traps)
+    slot_limits: embed.SlotLimits = field(default_factory=embed.SlotLimits)  # per instance (HostConfig.max_embedding_*)
 
     @cached_property
     def export_names(self) -> ExportNames:
@@ -70,7 +71,7 @@ class ApiServices:
     @cached_property
     def slots(self) -> embed.Slots:
         """Per-instance embedding slots (release them as instances end)."""
-        return embed.Slots(int(getattr(self.info, "hidden_size", 0) or 0))
+        return embed.Slots(int(getattr(self.info, "hidden_size", 0) or 0), self.slot_limits)
 
     @cached_property
     def grammars(self) -> grammar.Grammars:

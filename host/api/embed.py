@@ -16,6 +16,7 @@ import base64
 import binascii
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,9 +35,12 @@ _NOT_HERE = ("this host's engine runs in another process (--engine process, --tp
 MAX_IMAGE_BYTES = 20 << 20  # an image's encoded bytes (the OpenAI routes bound them first: --max-image-mb)
 
 
+@dataclass(frozen=True)
 class SlotLimits:
-    def __init__(self, max_slots: int = 256, max_bytes: int = 256 << 20) -> None:
-        self.max_slots, self.max_bytes = max_slots, max_bytes
+    """What one instance's slots may hold at once (HostConfig.max_embedding_slots / _bytes)."""
+
+    max_slots: int = 256
+    max_bytes: int = 256 << 20
 
 
 class Slots:
@@ -54,11 +58,12 @@ class Slots:
         with self._lock:
             mine = self._by_inst.setdefault(inst.id, {})
             if len(mine) >= self.limits.max_slots:
-                return f"the instance holds its maximum of {self.limits.max_slots} embedding slots: release some"
+                return (f"the instance holds its maximum of {self.limits.max_slots} embedding slots "
+                        "(--max-embedding-slots): release some")
             held = sum(len(d) for d in mine.values())
             if held + len(data) > self.limits.max_bytes:
                 return (f"the instance's embedding slots would hold {held + len(data)} bytes, over its "
-                        f"{self.limits.max_bytes}: release some")
+                        f"{self.limits.max_bytes} (--max-embedding-mb): release some")
             h = self._next[inst.id] = self._next.get(inst.id, 0) + 1
             mine[h] = data
             return h

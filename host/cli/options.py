@@ -95,6 +95,12 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inbox-kb", type=int,
                         help="unread client messages per instance; a signal past it is refused "
                              f"(default {_default('max_inbox_bytes') // 1024} KiB)")
+    parser.add_argument("--max-embedding-slots", type=int,
+                        help="embedding slots (WIT embed) one instance may hold at once "
+                             f"(default {_default('max_embedding_slots')})")
+    parser.add_argument("--max-embedding-mb", type=float,
+                        help="bytes of vectors one instance's embedding slots may hold at once "
+                             f"(default {_default('max_embedding_bytes') // MIB} MiB)")
     parser.add_argument("--prefix-cache", choices=list(PREFIX_CACHE_MODES),
                         help="automatic prefix cache: entries kept per client (tenant), shared by all clients "
                              f"(a timing side channel between them), or off (default {_default('prefix_cache')})")
@@ -204,7 +210,8 @@ def host_config_from_args(args: argparse.Namespace) -> HostConfig:
         "memory_limit_bytes": _mib(args.memory_limit_mb),
         "wall_budget_s": args.wall_budget_s, "max_pages_per_instance": args.max_pages_per_instance,
         "max_pages_per_tenant": args.max_pages_per_tenant, "swap_memory_bytes": _mib(args.swap_memory),
-        "max_inbox_bytes": _kib(args.max_inbox_kb),
+        "max_inbox_bytes": _kib(args.max_inbox_kb), "max_embedding_slots": args.max_embedding_slots,
+        "max_embedding_bytes": None if args.max_embedding_mb is None else int(args.max_embedding_mb * MIB),
         "max_kv_store_bytes": None if args.max_kv_store_mb is None else int(args.max_kv_store_mb * MIB),
         "prefix_cache": args.prefix_cache, "max_instances": args.max_instances,
         "gpu_memory_utilization": args.gpu_memory_utilization, "launch_queue": args.launch_queue, "launch_queue_timeout_s": args.launch_queue_timeout_s,
