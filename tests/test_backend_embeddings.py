@@ -126,3 +126,57 @@ def test_standin_and_wire_carry_both() -> None:
     assert back.embeds == r.embeds and [o.hidden for o in back.outputs] == [True, True]
     assert decode_results(encode_results([out]))[0][0].hidden == out[0].hidden
     assert decode_results(encode_results([[OutputResult(token=3)]]))[0][0].hidden is None
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_qwen3_embedding_checkpoint_pools_as_transformers(tmp_path, tied) -> None:  # type: ignore[no-untyped-def]
+    # Qwen3-Embedding ships the base model (transformers' Qwen3Model: `embed_tokens.weight`, `layers.N.*`,
+    # `norm.weight`, no `model.` prefix, no LM head; the 8B's config says untied). Its embedding is the
+    # last token's final-norm hidden state, L2-normalized: through the host's `embed.hidden` (pooling
+    # last and mean, normalized or not) against transformers' `Qwen3Model` on the same random weights.
+    from wasmtime.component import Record
+
+    from host import Host, HostConfig
+    from host.api import import_tables
+    from host.wasm.calling import calling
+    from host.wasm.instance import Instance
+
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3Config(**_common(), head_dim=32, tie_word_embeddings=tied, architectures=["Qwen3Model"])
+    model = transformers.Qwen3Model(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(tmp_path / "q3e")
+    hf_default_tokenizer().save_pretrained(tmp_path / "q3e")
+    files = load_model_files(tmp_path / "q3e", progress=False)
+    assert "embed_tokens.weight" not in files.weights and files.config.tie_embeddings
+    ours = backend_from_weights(files.config, files.weights, files.tokenizer, files.name, device=torch.device("cpu"),
+                                dtype=torch.float32, page_size=4, num_pages=64, attention=make_attention("sdpa"))
+    with torch.no_grad():
+        ref = model.eval()(torch.tensor([IDS])).last_hidden_state[0].numpy()
+    assert np.abs(ref[-1]).max() > 0.1  # not vanishing: the tolerance means something
+
+    class Pooling(Record):
+        pass
+
+    with Host(HostConfig(data_dir=tmp_path / "h"), backend=ours) as host:
+        flat = import_tables(host.services)
+        inst = Instance(host._env, "0" * 64, [], lambda ev: None)
+        calling.instance = inst
+        try:
+            for pooling, normalize in (("last", True), ("last", False), ("mean", True), ("mean", False)):
+                pages = flat["kv"]["allocate"](None, 3)
+                p = Pooling()
+                p.name = pooling
+                got = np.asarray(flat["embed"]["hidden"](None, pages, len(IDS) - 8, IDS, list(range(len(IDS))), [],
+                                                         p, normalize))
+                want = ref[-1] if pooling == "last" else ref.mean(0)
+                want = want / np.linalg.norm(want) if normalize else want
+                assert got.shape == (64,)
+                np.testing.assert_allclose(got, want, atol=TOL, rtol=1e-4, err_msg=f"{pooling} {normalize}")
+                flat["kv"]["release"](None, pages)
+        finally:
+            calling.instance = None
+            host._instance_ended(inst)

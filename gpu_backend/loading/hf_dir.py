@@ -5,6 +5,7 @@ tokenizer (`hf_tokenizer.py`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -309,8 +310,22 @@ def load_hf_dir(path: Path, progress: bool, dtype: torch.dtype | None = None) ->
                 if name is not None:
                     t = st.get_tensor(k)
                     into[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    cfg = headless(weights, cfg)
     unfuse(weights, cfg)
     return LoadedModel(path.name, cfg, weights, tokenizer, vision, vision_weights)
+
+
+def headless(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> ModelConfig:
+    """A checkpoint saved from the base model (transformers' `Qwen3Model`, as Qwen3-Embedding ships:
+    `embed_tokens.weight`, `layers.N.*`, `norm.weight`, no LM head, untied in the 8B's config): its
+    names under `model.` in place, and the head tied to the embedding table (its logits are then the
+    table's; such a model is for its hidden states). Other checkpoints are returned as they are."""
+    if "model.embed_tokens.weight" not in weights and "embed_tokens.weight" in weights:
+        for k in [k for k in weights if not k.startswith(("model.", "lm_head."))]:
+            weights["model." + k] = weights.pop(k)
+    if not cfg.tie_embeddings and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+        return dataclasses.replace(cfg, tie_embeddings=True)
+    return cfg
 
 
 def _renamed(name: str, prefixes: dict[str, str]) -> str | None:
