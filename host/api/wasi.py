@@ -24,18 +24,20 @@ from collections.abc import Callable
 from typing import Any
 
 from wasmtime import Engine
-from wasmtime.component import Component, Linker, ResourceAny
+from wasmtime.component import Component, Func, Linker, ResourceAny
 
 from host.api.fastcall import add_func
 from host.api.guest import Import, guest_import
 from host.wasm.instance import Instance
 
-__all__ = ["WASI_VERSION", "add_clock_waits"]
+__all__ = ["CLOCK_FUNCS", "CLOCK_INTERFACE", "ReadyPollables", "WASI_VERSION", "add_clock_waits"]
 
 # The WASI version that wasmtime-py's `add_wasip2` defines (0.2.12 in wasmtime-py 50.0.1).
 # Shadowing must use the same name: a guest importing any 0.2.x gets the latest 0.2 definition
 # the linker holds. tests/test_isolation_wasm.py fails if the shadow stops applying.
 WASI_VERSION = "0.2.12"
+CLOCK_INTERFACE = f"wasi:clocks/monotonic-clock@{WASI_VERSION}"
+CLOCK_FUNCS = ("now", "resolution", "subscribe-instant", "subscribe-duration")  # (host/replay/ serves them too)
 _CHUNK_S = 3600.0  # a very long wait is waited in pieces (Condition.wait has a maximum)
 
 # Exports `ready`: a wasmtime pollable that is ready at once (subscribe-duration(0)).
@@ -57,7 +59,7 @@ _READY_POLLABLE_WAT = """
 """
 
 
-class _ReadyPollables:
+class ReadyPollables:
     """Makes ready wasmtime pollables in an instance's store (one helper instance per store)."""
 
     def __init__(self, engine: Engine) -> None:
@@ -65,13 +67,16 @@ class _ReadyPollables:
         self.linker = Linker(engine)
         self.linker.add_wasip2()  # wasmtime's own clock: the helper's pollable is wasmtime's type
 
+    def helper(self, store: Any) -> Func:
+        """The helper's `ready` function, instantiated in `store` (call once per store)."""
+        ready = self.linker.instantiate(store, self.component).get_func(store, "ready")
+        assert ready is not None  # the helper component exports it
+        return ready
+
     def make(self, store: Any, inst: Instance) -> ResourceAny:
-        ready = inst.wasi_helper
-        if ready is None:
-            ready = self.linker.instantiate(store, self.component).get_func(store, "ready")
-            assert ready is not None  # the helper component exports it
-            inst.wasi_helper = ready
-        pollable: ResourceAny = ready(store)
+        if inst.wasi_helper is None:
+            inst.wasi_helper = self.helper(store)
+        pollable: ResourceAny = inst.wasi_helper(store)
         return pollable
 
 
@@ -81,7 +86,7 @@ def _sleep_until(inst: Instance, deadline_ns: int) -> None:
         inst.wait_until(lambda: time.monotonic_ns() >= deadline_ns, min(left_ns / 1e9, _CHUNK_S))
 
 
-def clock_imports(ready: _ReadyPollables) -> dict[str, Import]:
+def clock_imports(ready: ReadyPollables) -> dict[str, Import]:
     """`wasi:clocks/monotonic-clock`: now, resolution, subscribe-instant, subscribe-duration."""
 
     @guest_import("wasi:clocks/monotonic-clock.now")
@@ -107,9 +112,9 @@ def clock_imports(ready: _ReadyPollables) -> dict[str, Import]:
 
 def add_clock_waits(linker: Linker, engine: Engine) -> None:
     """Replace wasmtime's `wasi:clocks/monotonic-clock` in `linker` (call after `add_wasip2`)."""
-    table = clock_imports(_ReadyPollables(engine))
+    table = clock_imports(ReadyPollables(engine))
     linker.allow_shadowing = True
-    with linker.root() as root, root.add_instance(f"wasi:clocks/monotonic-clock@{WASI_VERSION}") as li:
-        for name, fn in table.items():
-            add_func(li, name, fn)
+    with linker.root() as root, root.add_instance(CLOCK_INTERFACE) as li:
+        for name, fn in table.items():  # (labelled for the recorder: host/replay/)
+            add_func(li, name, fn, label=f"monotonic-clock.{name}")
     linker.allow_shadowing = False

@@ -5,8 +5,11 @@ host's linker and in each worker's (host/workers/worker.py: its stubs, its local
 model's constants). While at least one recorder is tapped (`Recorder.tap`), fastcall hands each
 call to `_tap`, which looks up the calling thread's instance: one whose `recorder` is set has the
 call's name, arguments and outcome (its result, or the text of the trap it raised) appended, in
-the order the guest made them. While none is, a call pays one global read. WASI (clocks, output,
-randomness) and resource drops are not recorded: they are not `add_func` functions.
+the order the guest made them. While none is, a call pays one global read. The host's
+`wasi:clocks/monotonic-clock` (host/api/wasi.py) is recorded too, as "monotonic-clock.now" etc.: a
+guest that reads the time replays the times it read; a subscription's pollable (wasmtime's own
+resource, ready once the wait is over) is recorded as None. The rest of WASI (the wall clock,
+output, randomness) and resource drops are not recorded: they are not `add_func` functions.
 
 A recording is bounded (`max_bytes`, `HostConfig.max_recording_bytes`): the call that would pass
 the bound is not kept, the recording is marked truncated and stops growing; the instance runs on.
@@ -74,6 +77,8 @@ class Recorder:
         return result
 
     def _add(self, name: str, args: bytes, ok: bool, value: Any) -> None:
+        if type(value) is ResourceAny:  # a WASI pollable: the replay makes its own (host/replay/replay.py)
+            value = None
         try:
             out = wire.dumps(value)
         except wire.WireError as e:

@@ -6,7 +6,10 @@ importing what the recording's host did not serve fails the same way) as a funct
 the next recorded call, checks the guest's call against it (the name, then each argument, compared
 in the recording's encoding) and gives back the recorded result, or raises the recorded trap.
 Resources (grammar, matcher) are host resources with the recorded type ids, as the host defines
-them. WASI is wasmtime's own: clocks and randomness are the replay's, not the recording's.
+them. `wasi:clocks/monotonic-clock`, which the host provides (host/api/wasi.py), is served from the
+recording as well: `now` gives back the recorded times, and a subscription, once matched, a pollable
+that is ready at once (a replay does not wait). The rest of WASI is wasmtime's own: the wall clock
+and randomness are the replay's, not the recording's.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from wasmtime import Store, WasiConfig
 from wasmtime.component import Component, ComponentInstanceType, FuncType, Linker, ResourceType
 
 from host.api.fastcall import add_func
+from host.api.wasi import CLOCK_FUNCS, CLOCK_INTERFACE, ReadyPollables
 from host.replay.format import Call, Recording
 from host.workers import wire
 
@@ -118,9 +122,31 @@ def _encode(value: Any, store: Any) -> bytes:
 
 
 def _linker(engine: wasmtime.Engine, component: Component, recording: Recording, rp: _Replayer) -> Linker:
-    """WASI p2, and every `pie:inferlet` function the component imports served from the recording."""
+    """WASI p2 with its monotonic clock, and every `pie:inferlet` function the component imports,
+    served from the recording."""
     linker = Linker(engine)
     linker.add_wasip2()
+    pollables = ReadyPollables(engine)
+    helper: list[Any] = []  # its `ready` in the replay's store, once made
+
+    def clock(name: str) -> Any:
+        label = f"monotonic-clock.{name}"
+
+        def replayed(store: Any, *args: Any) -> Any:
+            value = rp.next(label, store, list(args))
+            if not name.startswith("subscribe-"):
+                return value
+            if not helper:
+                helper.append(pollables.helper(store))
+            return helper[0](store)
+
+        return replayed
+
+    linker.allow_shadowing = True  # (over add_wasip2's clock, as the host's own)
+    with linker.root() as root, root.add_instance(CLOCK_INTERFACE) as li:
+        for name in CLOCK_FUNCS:
+            add_func(li, name, clock(name), label=f"monotonic-clock.{name}")
+    linker.allow_shadowing = False
     with linker.root() as root:
         for name, ext in component.type.imports(engine).items():
             ty = ext.ty
