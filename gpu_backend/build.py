@@ -184,6 +184,7 @@ def backend_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tok
         dtype=str(dtype).removeprefix("torch."), max_position=cfg.max_position, hidden_size=cfg.hidden_size,
         image_token_id=None if vision is None else vision.image_token_id,
         image_tokens=0 if vision is None else vision.image_tokens,
+        matryoshka=None if cfg.matryoshka is None else list(cfg.matryoshka),
     )
     tower = None if vision is None else VisionTower(vision, vision_weights or {}, device, dtype)
     backend = TorchBackend(lm, tok, info, cache, attn, graphs)

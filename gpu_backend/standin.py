@@ -48,6 +48,7 @@ class StandInInfo:
     hidden_size: int = 4  # a hidden state: [token, position, sum of the sequence's tokens, 1] (see forward)
     image_token_id: int | None = 250  # `embed_image`: an image is 3 vectors (see there)
     image_tokens: int = 3
+    matryoshka: list[int] | None = None  # widths an embedding may be cut to (ModelInfo.matryoshka)
 
 
 class StandInTokenizer:

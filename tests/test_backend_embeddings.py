@@ -142,7 +142,10 @@ def test_a_qwen3_embedding_checkpoint_pools_as_transformers(tmp_path, tied) -> N
     from host.wasm.instance import Instance
 
     torch.manual_seed(1)
-    cfg = transformers.Qwen3Config(**_common(), head_dim=32, tie_word_embeddings=tied, architectures=["Qwen3Model"])
+    # (the tied one declares Matryoshka widths, as a config.json may: they reach the backend's info)
+    extra = dict(matryoshka_dimensions=[16, 32]) if tied else {}
+    cfg = transformers.Qwen3Config(**_common(), head_dim=32, tie_word_embeddings=tied, architectures=["Qwen3Model"],
+                                   **extra)
     model = transformers.Qwen3Model(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -154,6 +157,7 @@ def test_a_qwen3_embedding_checkpoint_pools_as_transformers(tmp_path, tied) -> N
     assert "embed_tokens.weight" not in files.weights and files.config.tie_embeddings
     ours = backend_from_weights(files.config, files.weights, files.tokenizer, files.name, device=torch.device("cpu"),
                                 dtype=torch.float32, page_size=4, num_pages=64, attention=make_attention("sdpa"))
+    assert ours.info.matryoshka == ([16, 32] if tied else None)
     with torch.no_grad():
         ref = model.eval()(torch.tensor([IDS])).last_hidden_state[0].numpy()
     assert np.abs(ref[-1]).max() > 0.1  # not vanishing: the tolerance means something
@@ -180,3 +184,17 @@ def test_a_qwen3_embedding_checkpoint_pools_as_transformers(tmp_path, tied) -> N
         finally:
             calling.instance = None
             host._instance_ended(inst)
+
+
+def test_matryoshka_widths_from_config_json() -> None:
+    # vLLM's names: `matryoshka_dimensions` (those widths) or `is_matryoshka` (any); neither: full width only
+    from gpu_backend.loading.hf_dir import _hf_config
+
+    raw = dict(model_type="qwen3", **_common(), head_dim=32)
+    assert _hf_config(raw).matryoshka is None
+    assert _hf_config({**raw, "is_matryoshka": True}).matryoshka == ()
+    assert _hf_config({**raw, "matryoshka_dimensions": [32, 16, 32]}).matryoshka == (16, 32)
+    with pytest.raises(ValueError, match=r"matryoshka_dimensions must be a list of widths in \[1, 64\]"):
+        _hf_config({**raw, "matryoshka_dimensions": [128]})
+    cfg = _hf_config({**raw, "matryoshka_dimensions": [16]})
+    assert type(cfg).from_dict(cfg.to_dict()) == cfg  # (the engine wire's round trip)

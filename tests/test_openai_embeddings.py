@@ -32,8 +32,8 @@ MODEL = "stand-in"
 
 
 @contextlib.contextmanager
-def _serving(host: Host, data_dir: Path, embeddings: bool = True) -> Iterator[tuple[openai.OpenAI, str]]:
-    server = Server(host, ServerConfig(port=0, data_dir=data_dir),
+def _serving(host: Host, data_dir: Path, embeddings: bool = True, **config: Any) -> Iterator[tuple[openai.OpenAI, str]]:
+    server = Server(host, ServerConfig(port=0, data_dir=data_dir, **config),
                     openai_program=host.compile(wasm_bytes("openai_chat")),
                     embedding_program=host.compile(wasm_bytes("openai_embed")) if embeddings else None)
     server.start_background()
@@ -45,7 +45,9 @@ def _serving(host: Host, data_dir: Path, embeddings: bool = True) -> Iterator[tu
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
-    h = Host(HostConfig(data_dir=tmp_path_factory.mktemp("embed")), backend=FakeBackend(page_size=4, num_pages=64))
+    backend = FakeBackend(page_size=4, num_pages=64)
+    backend.info = dataclasses.replace(backend.info, matryoshka=[])  # a Matryoshka model: any width
+    h = Host(HostConfig(data_dir=tmp_path_factory.mktemp("embed")), backend=backend)
     yield h
     h.shutdown()
 
@@ -144,13 +146,36 @@ def test_a_model_without_hidden_states_and_a_server_without_the_handler(tmp_path
             _refused(client, "model", "serves no embeddings", "--embedding-handler none", input="xyz")
 
 
+def test_dimensions_only_where_the_model_allows_it(tmp_path: Path) -> None:
+    # a model whose config declares no Matryoshka representation: its full width only, unless the
+    # operator says otherwise (pie-serve --matryoshka); declared widths: those only
+    with Host(HostConfig(data_dir=tmp_path / "h"), backend=FakeBackend(page_size=4, num_pages=64)) as h:
+        assert h.backend.info.matryoshka is None
+        with _serving(h, tmp_path / "s") as (client, _):
+            _refused(client, "dimensions", "does not allow dimensions=2", "--matryoshka", input="xyz", dimensions=2)
+            full = client.embeddings.create(model=MODEL, input="xyz", dimensions=4, encoding_format="float")
+            np.testing.assert_allclose(full.data[0].embedding, _want("xyz"), rtol=1e-6)
+        with _serving(h, tmp_path / "s2", matryoshka=(2,)) as (client, _):
+            two = client.embeddings.create(model=MODEL, input="xyz", dimensions=2, encoding_format="float")
+            np.testing.assert_allclose(two.data[0].embedding, _want("xyz", 2), rtol=1e-6)
+            _refused(client, "dimensions", "allows dimensions 2 or 4, not 3", input="xyz", dimensions=3)
+    backend = FakeBackend(page_size=4, num_pages=64)
+    backend.info = dataclasses.replace(backend.info, matryoshka=[1, 3])  # as config.json's matryoshka_dimensions
+    with Host(HostConfig(data_dir=tmp_path / "h2"), backend=backend) as h, _serving(h, tmp_path / "s3") as (client, _):
+        three = client.embeddings.create(model=MODEL, input="ab", dimensions=3, encoding_format="float")
+        np.testing.assert_allclose(three.data[0].embedding, _want("ab", 3), rtol=1e-6)
+        _refused(client, "dimensions", "allows dimensions 1, 3 or 4, not 2", input="ab", dimensions=2)
+
+
 # ---- the default model under pie-serve, against transformers ------------------------------------
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from test_openai_e2e import serving
 
-    yield from serving(tmp_path_factory.mktemp("embed-e2e"), "--warm-start", "none", "--num-pages", "256")
+    # (--matryoshka: SmolLM2 was not trained for it, but the test truncates as the flag allows)
+    yield from serving(tmp_path_factory.mktemp("embed-e2e"), "--warm-start", "none", "--num-pages", "256",
+                       "--matryoshka")
 
 
 @pytest.mark.slow

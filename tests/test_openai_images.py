@@ -328,3 +328,8 @@ def test_pie_serve_flags() -> None:
     with pytest.raises(ValueError, match="max_images must be > 0"):
         server_config_from_args(parse_args(["--max-images", "0"]))
     assert parse_args([]).embedding_handler == "openai_embed"
+    assert default.matryoshka is None
+    assert server_config_from_args(parse_args(["--matryoshka"])).matryoshka == ()
+    assert server_config_from_args(parse_args(["--matryoshka", "64", "128"])).matryoshka == (64, 128)
+    with pytest.raises(ValueError, match="matryoshka widths must be > 0"):
+        server_config_from_args(parse_args(["--matryoshka", "0"]))

@@ -265,7 +265,19 @@ def _hf_config(cfg: dict[str, Any]) -> ModelConfig:
         sliding_window=window,
         sliding_layers=slides,
         local_rope_theta=local_theta if any(slides) else None,
+        matryoshka=_matryoshka(cfg, hidden),
     )
+
+
+def _matryoshka(cfg: dict[str, Any], hidden: int) -> tuple[int, ...] | None:
+    """The widths config.json says an embedding may be cut to (`matryoshka_dimensions`, or any with
+    `is_matryoshka`), as vLLM reads them; None when it says neither."""
+    dims = cfg.get("matryoshka_dimensions")
+    if dims is not None:
+        if not isinstance(dims, list) or not all(isinstance(d, int) and 0 < d <= hidden for d in dims):
+            raise ValueError(f"matryoshka_dimensions must be a list of widths in [1, {hidden}], got {dims!r}")
+        return tuple(sorted(set(dims)))
+    return () if cfg.get("is_matryoshka") else None
 
 
 def unfuse(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:

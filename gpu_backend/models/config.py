@@ -68,6 +68,10 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()
     # RoPE base of the sliding layers, unscaled (Gemma 3's rope_local_base_freq); None = rope_theta
     local_rope_theta: float | None = None
+    # the embedding widths the model was trained to be cut to (Matryoshka representation: config.json's
+    # `is_matryoshka` / `matryoshka_dimensions`, vLLM's names): None = none declared (an embedding is
+    # its full width), () = any width, else those widths (`/v1/embeddings` `dimensions`)
+    matryoshka: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -115,6 +119,8 @@ class ModelConfig:
         d = dict(d)
         if "sliding_layers" in d:  # a list after a JSON round trip
             d["sliding_layers"] = tuple(d["sliding_layers"])
+        if d.get("matryoshka") is not None:
+            d["matryoshka"] = tuple(d["matryoshka"])
         return cls(**d)
 
 
@@ -138,6 +144,9 @@ class ModelInfo:
     # how many of them one image takes; None / 0 for a text-only model
     image_token_id: int | None = None
     image_tokens: int = 0
+    # the widths an embedding may be cut to (`ModelConfig.matryoshka`; a list: it crosses the engine
+    # wire): None = its full width only, [] = any width up to hidden_size
+    matryoshka: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="fetch http(s) image URLs of chat requests (default: refused, 400; data: URLs only): "
                          "alone, from any host on a global address (never loopback, private or link-local); "
                          "with patterns, from those only (the forms of --http-allow)")
+    ap.add_argument("--matryoshka", nargs="*", type=int, default=None, metavar="DIM",
+                    help="the model was trained for Matryoshka embeddings: /v1/embeddings may cut a vector to "
+                         "`dimensions` (alone: any width; with widths: those), as when its config.json has "
+                         "is_matryoshka / matryoshka_dimensions (default: what config.json says; neither: "
+                         "`dimensions` other than the full width is a 400)")
     ap.add_argument("--warm-start", nargs="+", default=["text_completion"], metavar="PATH_OR_NAME",
                     help="inferlets whose instances the host starts ahead of demand before it serves, together "
                          "with the OpenAI handler's, sharing --warm-auto: a fresh host's first burst then skips "
@@ -156,6 +161,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         responses_max_stored=args.responses_max_stored, responses_ttl_s=args.responses_ttl_s,
                         max_image_bytes=int(args.max_image_mb * MIB), max_images=args.max_images,
                         allow_remote_images=_remote_images(args.allow_remote_images),
+                        matryoshka=None if args.matryoshka is None else tuple(args.matryoshka),
                         max_instances_per_tenant=_instances_per_tenant(args))
 
 

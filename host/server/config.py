@@ -68,6 +68,10 @@ class ServerConfig:
     max_image_bytes: int = 20 * MIB  # one image's encoded bytes (the host takes at most 20 MiB: openai_images.py)
     max_images: int = 8
     allow_remote_images: tuple[str, ...] = ()
+    # /v1/embeddings `dimensions`: the operator's word that the model was trained for Matryoshka
+    # embeddings, () any width, else those widths; None: what its config.json says (is_matryoshka /
+    # matryoshka_dimensions; neither: its full width only)
+    matryoshka: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.tenants]
@@ -90,6 +94,8 @@ class ServerConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.matryoshka is not None and not all(d > 0 for d in self.matryoshka):
+            raise ValueError(f"matryoshka widths must be > 0, got {list(self.matryoshka)}")
 
     @property
     def requires_auth(self) -> bool:

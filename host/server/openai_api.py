@@ -148,7 +148,7 @@ async def _respond_embeddings(h: OpenAIHandler, request: Request, tenant: str,
         raise OpenAIError(404, f"the model {req.model!r} does not exist; this server has {h.model!r}",
                           param="model", code="model_not_found")
     f = h.facts or ModelFacts()
-    await asyncio.to_thread(check_inputs, req, f.hidden_size, f.vocab_size, f.embed_tokens, f.count)
+    await asyncio.to_thread(check_inputs, req, f.hidden_size, f.vocab_size, f.embed_tokens, f.count, f.matryoshka)
     run = launch(h, req, tenant, h.embedding_program)
     return await answer(request, _embeddings(req, run), release)
 

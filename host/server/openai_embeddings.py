@@ -7,7 +7,7 @@ size). The handler instance (inferlets/openai_embed) gets `handler_argument()`, 
 [string or token ids, ...]}`, and sends `{"index": i, "embedding": [float, ...]}` per input, then
 `{"usage": {"prompt_tokens": n}}` (or `{"error": {"message", "param"}}` alone: a 400). `response`
 makes OpenAI's answer: `dimensions` keeps the first N values and L2-normalizes them again
-(Matryoshka truncation, as Qwen3-Embedding allows), `encoding_format: "base64"` gives each vector as
+(Matryoshka truncation, where the model allows it: `check_inputs`), `encoding_format: "base64"` gives each vector as
 the base64 of its little-endian float32 bytes (what the openai client decodes).
 """
 
@@ -98,15 +98,16 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingRequest:
 
 
 def check_inputs(req: EmbeddingRequest, hidden_size: int | None, vocab_size: int | None, max_tokens: int | None,
-                 count: Callable[[str], int] | None) -> None:
+                 count: Callable[[str], int] | None, matryoshka: tuple[int, ...] | None = None) -> None:
     """OpenAIError 400 when the model cannot embed `req`: it gives no embeddings (`hidden_size` 0),
-    `dimensions` past its hidden size, a token id outside the vocabulary, an input of more than
-    `max_tokens` tokens (`count` counts a string's, as the handler tokenizes it). None: not known
-    (not checked). Tokenizes: run it off the event loop."""
+    `dimensions` past its hidden size or a width it does not allow (`matryoshka`: the widths it was
+    trained to be cut to, () any, None none: its full width only), a token id outside the vocabulary,
+    an input of more than `max_tokens` tokens (`count` counts a string's, as the handler tokenizes
+    it). None: not known (not checked). Tokenizes: run it off the event loop."""
     if hidden_size == 0:
         raise _bad("model", f"the model {req.model!r} gives no embeddings (its backend returns no hidden states)")
-    if req.dimensions is not None and hidden_size is not None and req.dimensions > hidden_size:
-        raise _bad("dimensions", f"{req.dimensions} is more than the model's {hidden_size} dimensions")
+    if req.dimensions is not None and hidden_size is not None:
+        _check_dimensions(req.model, req.dimensions, hidden_size, matryoshka)
     for i, x in enumerate(req.inputs):
         if isinstance(x, str):
             n = count(x) if count is not None else None
@@ -118,6 +119,21 @@ def check_inputs(req: EmbeddingRequest, hidden_size: int | None, vocab_size: int
         if n is not None and max_tokens and n > max_tokens:
             raise _bad("input", f"input {i} is {n} tokens, more than the {max_tokens} the model can embed at once; "
                        "shorten it")
+
+
+def _check_dimensions(model: str, dims: int, hidden_size: int, matryoshka: tuple[int, ...] | None) -> None:
+    if dims > hidden_size:
+        raise _bad("dimensions", f"{dims} is more than the model's {hidden_size} dimensions")
+    if dims == hidden_size:
+        return
+    if matryoshka is None:
+        raise _bad("dimensions", f"the model {model!r} does not allow dimensions={dims}: its config.json declares no "
+                   f"Matryoshka representation (is_matryoshka / matryoshka_dimensions), so its embeddings are "
+                   f"{hidden_size} wide; leave dimensions out, or start pie-serve with --matryoshka if the model was "
+                   "trained for it")
+    if matryoshka and dims not in matryoshka:
+        raise _bad("dimensions", f"the model {model!r} allows dimensions {', '.join(map(str, matryoshka))} or "
+                   f"{hidden_size}, not {dims}")
 
 
 def response(req: EmbeddingRequest, vectors: dict[int, list[float]], prompt_tokens: int) -> dict[str, Any]:

@@ -35,6 +35,7 @@ class ModelFacts:
     vocab_size: int | None = None
     embed_tokens: int | None = None  # the most tokens one embedding input may have (context, KV pages)
     count: Callable[[str], int] | None = None  # a string's tokens, as the embedding handler tokenizes it
+    matryoshka: tuple[int, ...] | None = None  # widths an embedding may be cut to: None none, () any
 
     @classmethod
     def of(cls, host: Any, budget: PromptBudget | None) -> ModelFacts:
@@ -44,8 +45,10 @@ class ModelFacts:
             return cls()
         tok = backend.tokenizer
         limits = [x for x in (info.max_position, budget.kv_tokens if budget is not None else 0) if x]
+        dims = getattr(info, "matryoshka", None)
         return cls(int(getattr(info, "image_tokens", 0) or 0), int(getattr(info, "hidden_size", 0) or 0),
-                   info.vocab_size, min(limits) if limits else None, lambda text: len(tok.encode_prompt(text)))
+                   info.vocab_size, min(limits) if limits else None, lambda text: len(tok.encode_prompt(text)),
+                   None if dims is None else tuple(dims))
 
 
 @dataclasses.dataclass
@@ -77,6 +80,9 @@ class OpenAIHandler:
     embedding_program: str | None = None  # the /v1/embeddings handler (inferlets/openai_embed); None: not served
     images: ImageLimits = dataclasses.field(default_factory=ImageLimits)  # chat's image parts
     facts: ModelFacts | None = None  # None: ModelFacts.of(host)
+    # the operator's word that the model was trained for Matryoshka embeddings (pie-serve --matryoshka):
+    # () any width, else those widths; None: what the model's config.json says (ModelFacts.matryoshka)
+    matryoshka: tuple[int, ...] | None = None
     image_fetcher: ImageFetcher | None = None  # None: made when images.allow_remote is set
 
     def __post_init__(self) -> None:
@@ -84,6 +90,8 @@ class OpenAIHandler:
             self.budget = PromptBudget.of(self.host)
         if self.facts is None:
             self.facts = ModelFacts.of(self.host, self.budget)
+        if self.matryoshka is not None:
+            self.facts = dataclasses.replace(self.facts, matryoshka=self.matryoshka)
         if self.image_fetcher is None and self.images.allow_remote:
             self.image_fetcher = ImageFetcher(self.images)
 

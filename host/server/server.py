@@ -110,7 +110,8 @@ class Server:
                                         responses=ResponseStore(config.responses_max_stored, config.responses_ttl_s),
                                         embedding_program=embedding_program,
                                         images=ImageLimits(config.max_image_bytes, config.max_images,
-                                                           config.allow_remote_images))
+                                                           config.allow_remote_images),
+                                        matryoshka=config.matryoshka)
         routes: list[BaseRoute] = (openai_routes(self.openai) if self.openai is not None
                                    else service_routes(self.metrics))
         self.dashboard = Dashboard(host, config, self.limits)
