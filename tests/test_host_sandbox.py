@@ -10,8 +10,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import wasmtime
 from fakes import FakeBackend
-from helpers import Run, wait_for, wasm_bytes
+from helpers import FIXTURES, Run, wait_for, wasm_bytes
 
 from host import Host, HostConfig
 from host.wasm.engine import CompileError
@@ -154,6 +155,17 @@ def test_a_component_built_against_wit_0_2_0_still_runs(host: Host) -> None:
 def test_a_component_built_against_wit_0_3_0_still_runs(host: Host) -> None:
     end = Run(host, host.compile(wasm_bytes("v0_3_component")), []).finish(30)
     assert end.event == "completed", end.message
+
+
+def test_a_component_built_against_wit_0_4_0_still_runs(host: Host) -> None:
+    end = Run(host, host.compile(wasm_bytes("v0_4_component")), []).finish(30)
+    assert end.event == "completed", end.message
+    # and 0.4.0 never had interface embed: a component asking for it does not link
+    wat = (FIXTURES / "v0_4_component.wat").read_text().replace("kv@0.4.0", "embed@0.4.0").replace(
+        '"page-size" (func (result u32))', '"hidden-size" (func (result u32))').replace(
+        'alias export $kv "page-size"', 'alias export $kv "hidden-size"')
+    end = Run(host, host.compile(bytes(wasmtime.wat2wasm(wat))), []).finish(30)
+    assert end.event == "exception" and "embed@0.4.0" in end.message, end.message
 
 
 def test_set_priority_takes_a_value_in_range_and_traps_one_out_of_range(host: Host) -> None:
