@@ -371,6 +371,21 @@ class Host(HostStats):
             return None
         return inst.log.entries()
 
+    def ended_instances(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The instances that ended up to LOG_RETENTION_S ago, whose logs `logs` still reads, the newest
+        first (at most `limit`): id, program, tenant, state (its end event), started_at, ended_at and
+        log_lines (the dashboard lists them)."""
+        cutoff = time.time() - LOG_RETENTION_S
+        with self._lock:
+            insts = list(self._ended.values())
+        out: list[dict[str, Any]] = []
+        for i in reversed(insts):  # (kept in the order they ended)
+            if i.ended_at is None or i.ended_at < cutoff or len(out) >= limit:
+                break
+            out.append({"id": i.id, "program": i.program, "tenant": i.pages.tenant, "state": i.state,
+                        "started_at": i.started_at, "ended_at": i.ended_at, "log_lines": len(i.log)})
+        return out
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Terminate every instance, then stop the scheduler and the epoch ticker."""
         if self._closed:

@@ -35,7 +35,15 @@ def _ignore(_event: InstanceEvent) -> None:
 
 
 class LoggingHost(FakeHost):
-    """A scripted host that keeps one log line per instance (`Host.logs`' shape)."""
+    """A scripted host that keeps one log line per instance (`Host.logs`' shape) and lists the
+    instances in `gone` as ended (`Host.ended_instances`' shape)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gone: list[dict[str, Any]] = []
+
+    def ended_instances(self, limit: int = 100) -> list[dict[str, Any]]:
+        return self.gone[:limit]
 
     def logs(self, instance_id: str, tenant: str | None = None) -> list[dict[str, Any]] | None:
         owner = self.tenants.get(instance_id)
@@ -170,6 +178,19 @@ def test_logs_of_an_instance_are_its_tenants_only(server: Any, fake: LoggingHost
         assert _get(server, "/dashboard/logs?id=nope", ADMIN).status_code == 404
     finally:
         fake.terminate(iid)
+
+
+def test_ended_instances_are_listed_for_their_logs_to_their_tenant_only(server: Any, fake: LoggingHost) -> None:
+    now = time.time()
+    fake.gone = [{"id": f"{owner}-{k}", "program": "p" * 64, "tenant": owner, "state": "completed",
+                  "started_at": now - 5, "ended_at": now - 2, "log_lines": 3}
+                 for k in range(dashboard.MAX_ENDED + 5) for owner in ("bob", "alice")]
+    full = _get(server, "/dashboard/snapshot", ADMIN).json()
+    first = full["ended"][0]
+    assert len(full["ended"]) == dashboard.MAX_ENDED and 2.0 <= first.pop("ended_s") < 10 and first == {
+        "id": "bob-0", "program": "p" * 12, "tenant": "bob", "state": "completed", "ran_s": 3.0, "log_lines": 3}
+    own = _get(server, "/dashboard/snapshot", ALICE).json()["ended"]
+    assert [i["id"] for i in own] == [f"alice-{k}" for k in range(dashboard.MAX_ENDED)]  # hers, not the newest 100
 
 
 def test_page_usage_counts_the_pages_held_and_the_tokens_written_in_them() -> None:
@@ -337,3 +358,20 @@ def test_a_bad_token_is_refused_and_the_login_box_takes_a_good_one(browser: Any,
     box.submit()
     _until(browser, lambda d: d.find_element("id", "status").text == "live", "the page to go live")
     assert browser.find_element("id", "viewer").text == "bob"
+
+
+@pytest.mark.build
+def test_an_ended_instance_is_listed_and_its_log_read_after_its_end(browser: Any, live: tuple[Host, Any]) -> None:
+    host, srv = live
+    run = Run(host, host.compile(wasm_bytes("chatty")), ["lines", "2"], tenant="alice")
+    assert run.finish(60).event == "completed"
+    _open(browser, srv, ALICE)
+    row = f"#ended-body tr[data-id='{run.id}']"
+    _until(browser, lambda d: d.find_elements("css selector", row), "the ended instance's row")
+    assert "completed" in browser.find_element("css selector", row).text
+    browser.find_element("css selector", row).click()
+    _until(browser, lambda d: "stdout out 1" in d.find_element("id", "logs").text, "its log lines")
+    assert "stderr err line" in browser.find_element("id", "logs").text
+    _open(browser, srv, BOB)  # another tenant: not listed
+    time.sleep(1.2)
+    assert not browser.find_elements("css selector", row) and run.id not in browser.page_source

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from helpers import wait_for, wasm_bytes
 from server_support import running_server
 
 from host import Host, HostConfig
+from host import host as host_mod
 from host.client import PieClient, PieError
 from host.events import InstanceEvent
 from host.wasm import logs as logs_mod
@@ -76,6 +78,21 @@ def test_a_failed_instances_log_outlives_it(host: Host, prog: str) -> None:
     iid, events = _run(host, prog, ["crash"])
     assert events[-1].event == "exception" and "on purpose" in events[-1].message
     assert [(e["stream"], e["text"]) for e in host.logs(iid) or []] == [("stdout", "about to fail")]
+
+
+def test_an_ended_instances_log_is_kept_for_the_retention_time_only(host: Host, prog: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readable, and listed by `Host.ended_instances` (the dashboard's "recently ended"), until
+    LOG_RETENTION_S after its end; then it reads as unknown and is no longer listed."""
+    iid, _ = _run(host, prog, ["lines", "2"], tenant="alice")
+    listed = {i["id"]: i for i in host.ended_instances()}
+    assert listed[iid]["tenant"] == "alice" and listed[iid]["state"] == "completed"
+    assert listed[iid]["log_lines"] == len(host.logs(iid) or []) > 0
+    assert host.ended_instances()[0]["id"] == iid  # the newest first
+    monkeypatch.setattr(host_mod, "LOG_RETENTION_S", 0.05)
+    time.sleep(0.1)
+    assert host.logs(iid) is None and host.logs(iid, "alice") is None
+    assert iid not in {i["id"] for i in host.ended_instances()}
 
 
 def test_the_ring_and_the_stream_are_bounded(host: Host, prog: str) -> None:

@@ -3,12 +3,13 @@
 Routes: `GET /dashboard` (one self-contained page, static/dashboard.html: inline CSS and vanilla
 JS, no build step), `GET /dashboard/events` (SSE: one JSON snapshot a second), `GET
 /dashboard/snapshot` (the same JSON once) and `GET /dashboard/logs?id=` (an instance's recent log
-lines, where the host keeps them). docs/observability.md says what each panel shows.
+lines, where the host keeps them: running instances, and those that ended up to the host's log
+retention ago, listed as `ended`). docs/observability.md says what each panel shows.
 
 Auth as the rest of the server: a token as `Authorization: Bearer` or `?token=` (EventSource
 cannot send headers); no token configured, everyone sees everything; a bad or missing one is
 answered 401. The page itself holds no data and is served to anyone. Invariant: a tenant's
-snapshot holds its own instances and its own per-tenant row only; the host-wide gauges (batches,
+snapshot holds its own instances (running and ended) and its own per-tenant row only; the host-wide gauges (batches,
 KV pages, launch queue, prefix cache) are what the `stats` query shows every tenant already. The
 admin (`--auth-token`) sees every tenant, and the workers, outbound HTTP and server summaries.
 
@@ -41,6 +42,8 @@ __all__ = ["Dashboard", "MAX_STREAMS", "INTERVAL_S"]
 INTERVAL_S = 1.0  # between two snapshots of a stream
 MAX_STREAMS = 64  # event streams open at once, all tenants together
 MAX_LOG_LINES = 200  # the most recent lines /dashboard/logs returns
+MAX_ENDED = 100  # ended instances a snapshot lists (the viewer's newest)
+_ENDED_COLLECTED = 1024  # asked of the host: a tenant's newest 100 are among them (Host keeps 1024)
 _FRESH_S = 0.5  # a collection this recent serves another stream's tick
 _PAGE_HEADERS = {
     "cache-control": "no-store", "referrer-policy": "no-referrer", "x-content-type-options": "nosniff",
@@ -157,19 +160,22 @@ class Dashboard:
         async with self._refresh:
             now = time.monotonic()
             if self._last is None or now - self._last[0] >= max_age_s:
-                stats, instances = await asyncio.to_thread(lambda: (self.host.stats(), self.host.instances()))
+                ended_fn = getattr(self.host, "ended_instances", None)  # (a host that keeps logs)
+                stats, instances, ended = await asyncio.to_thread(lambda: (
+                    self.host.stats(), self.host.instances(), ended_fn(_ENDED_COLLECTED) if ended_fn else []))
                 self._last = (now, full_snapshot(stats, instances, dict(self.limits.connections), self.streams,
-                                                 logs=getattr(self.host, "logs", None) is not None))
+                                                 logs=getattr(self.host, "logs", None) is not None, ended=ended))
             return self._last[1]
 
     def view(self, full: dict[str, Any], tenant: str) -> dict[str, Any]:
         """`full` as `tenant` may see it: the admin (or a server without tokens) all of it, another
         tenant its own instances and row, and the host-wide gauges."""
         if self.config.is_admin(tenant):
-            return dict(full, viewer={"tenant": tenant, "admin": True})
+            return dict(full, ended=full["ended"][:MAX_ENDED], viewer={"tenant": tenant, "admin": True})
         hidden = ("workers", "http", "children", "server")
         out = {k: v for k, v in full.items() if k not in hidden}
         out["instances"] = [i for i in full["instances"] if i["tenant"] == tenant]
+        out["ended"] = [i for i in full["ended"] if i["tenant"] == tenant][:MAX_ENDED]
         out["tenants"] = {tenant: full["tenants"].get(tenant, _tenant_row())}
         out["viewer"] = {"tenant": tenant, "admin": False}
         return out
@@ -180,9 +186,10 @@ def _tenant_row() -> dict[str, float]:
 
 
 def full_snapshot(stats: dict[str, Any], instances: list[dict[str, Any]], connections: dict[str, int],
-                  streams: int, logs: bool = False) -> dict[str, Any]:
-    """One snapshot of everything from `Host.stats()`, `Host.instances()` and the server's
-    connections per tenant; keys a host does not report read as 0."""
+                  streams: int, logs: bool = False, ended: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One snapshot of everything from `Host.stats()`, `Host.instances()`, `Host.ended_instances()`
+    (`ended`: whose logs are still kept) and the server's connections per tenant; keys a host does
+    not report read as 0."""
     now = time.time()
     sched = stats.get("scheduler", {})
     memory = stats.get("memory", {})
@@ -194,6 +201,10 @@ def full_snapshot(stats: dict[str, Any], instances: list[dict[str, Any]], connec
              "priority": i.get("priority", 0), "pages": i.get("pages", 0), "tokens": i.get("tokens", 0),
              "swapped": i.get("swapped", 0)} for i in instances]
     rows.sort(key=lambda r: -r["age_s"])
+    gone = [{"id": i["id"], "program": str(i.get("program", ""))[:12], "tenant": i.get("tenant", LOCAL_TENANT),
+             "state": i.get("state", ""), "ended_s": round(max(0.0, now - i.get("ended_at", now)), 1),
+             "ran_s": round(max(0.0, i.get("ended_at", now) - i.get("started_at", now)), 1),
+             "log_lines": i.get("log_lines", 0)} for i in ended or []]
     tenants: dict[str, dict[str, float]] = {}
     for r in rows:
         t = tenants.setdefault(r["tenant"], _tenant_row())
@@ -207,7 +218,7 @@ def full_snapshot(stats: dict[str, Any], instances: list[dict[str, Any]], connec
     lq = stats.get("launch_queue", {})
     return {
         "time": now, "interval_s": INTERVAL_S, "model": stats.get("model", ""), "logs": logs,
-        "instances": rows,
+        "instances": rows, "ended": gone,
         "scheduler": {k: sched.get(k, 0) for k in ("batches", "forwards", "tokens", "max_batch_size")},
         "kv": {"total": total, "free": free, "used": total - free, "suspended": memory.get("suspended", 0),
                "swapped_pages": sum(r["swapped"] for r in rows), "swap_used_bytes": memory.get("swap_used_bytes", 0),

@@ -68,6 +68,10 @@ class InstanceLog:
             self._partial.clear()
         return out
 
+    def __len__(self) -> int:
+        """Lines in the ring now."""
+        return len(self._lines)
+
     def entries(self) -> list[dict[str, object]]:
         """The ring, oldest first: {"t": unix time, "stream", "text"}."""
         with self._lock:
