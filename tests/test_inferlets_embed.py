@@ -95,3 +95,38 @@ def test_retrieval_ranks_as_transformers_hidden_states(real_host: Host) -> None:
         assert abs(x["score"] - s) < 1e-3
     end = run_to_end(real_host, real_host.compile(wasm_bytes("image_qa")), ["--image", base64.b64encode(b"png").decode()])
     assert end.event == "exception" and "has no vision tower" in end.message
+
+
+def test_retrieval_answers_from_the_nearest_document(tmp_path: Path) -> None:
+    # the stand-in (tests/fakes.py): a token is a byte, the last-token hidden state of ids is [last,
+    # position, sum, 1] (so the ranking is known without the code under test), and with reads=True a
+    # drawn token depends on every token the prompt holds: the answer tells which document was in it
+    import numpy as np
+    from fakes import FakeBackend
+
+    docs, question = ["zebra stripes", "apples", "a cat sat on a mat"], "what sat?"
+
+    def vec(text: str) -> np.ndarray:
+        ids = list(text.encode())
+        v = np.asarray([ids[-1], len(ids) - 1, sum(ids), 1.0])
+        return v / np.linalg.norm(v)
+
+    scores = {d: float(vec(d) @ vec(question)) for d in docs}
+    want = sorted(docs, key=lambda d: -scores[d])
+    assert len(set(scores.values())) == 3
+    with Host(HostConfig(data_dir=tmp_path), backend=FakeBackend(page_size=4, num_pages=256, reads=True)) as h:
+        prog = h.compile(wasm_bytes("retrieval"))
+
+        def ask(*given: str) -> dict:
+            end = run_to_end(h, prog, ["--question", question, "--json", "-n", "4",
+                                       *[a for d in given for a in ("--doc", d)]])
+            assert end.event == "completed", end.message
+            return json.loads(end.message)
+
+        got = ask(*docs)
+        assert [x["doc"] for x in got["ranking"]] == want
+        for x in got["ranking"]:
+            assert abs(x["score"] - scores[x["doc"]]) < 1e-5
+        alone = {d: ask(d)["answer"] for d in docs}
+        assert len(set(alone.values())) == 3  # the answer does tell the documents apart
+        assert got["answer"] == alone[want[0]]
