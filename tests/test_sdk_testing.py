@@ -130,6 +130,10 @@ def test_fake_host_embed_through_the_sdk() -> None:
         assert [a.decode_step(Sampler.greedy()) for _ in range(4)] == [b.decode_step(Sampler.greedy()) for _ in range(4)]
     assert host.embed.slots == {}  # the image's slot was released once it ran
     assert embed.embed_tokens([5, 6], "mean", False) == [5.5, 0.5, 8.0, 1.0]
+    # a slot's vectors in place of placeholders act as their tokens (the fake: a vector is its token)
+    slot = embed.embed_text([6, 7])
+    assert embed.embed_tokens([5, 0, 0, 8], "last", False, slots={1: slot}) == [8.0, 3.0, 26.0, 1.0]
+    slot.release()
     FakeHost().install()
     with pytest.raises(embed.EmbedError, match="no vision tower"):
         embed.embed_image(b"xx")

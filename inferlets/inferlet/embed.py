@@ -17,7 +17,7 @@ A `Slot` holds vectors in host memory (counted against the instance's limit): re
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from inferlet import _host
 
@@ -76,10 +76,12 @@ def embed_text(tokens: Sequence[int]) -> Slot:
         raise EmbedError(str(e.value)) from None
 
 
-def embed_tokens(tokens: Sequence[int], pooling: str = "last", normalize: bool = True) -> list[float]:
+def embed_tokens(tokens: Sequence[int], pooling: str = "last", normalize: bool = True,
+                 slots: Mapping[int, Slot] | None = None) -> list[float]:
     """One vector for a token sequence: its hidden states (after the model's final norm), the last
     token's or their mean, L2-normalized by default (as embedding models such as Qwen3-Embedding).
-    Runs one pass over fresh pages, released before returning."""
+    `slots` puts a slot's vectors at `tokens[index:index + len(slot)]` (the ids there are
+    placeholders: an image's embedding, say). Runs one pass over fresh pages, released before returning."""
     from inferlet.pages import PAGES
 
     ids = list(tokens)
@@ -88,7 +90,8 @@ def embed_tokens(tokens: Sequence[int], pooling: str = "last", normalize: bool =
     ps = int(_host.kv.page_size())
     pages = PAGES.allocate(-(-len(ids) // ps))
     try:
-        return list(_host.embed.hidden(pages, len(ids) - (len(pages) - 1) * ps, ids, list(range(len(ids))), [],
+        embeds = [(int(i), s.handle) for i, s in (slots or {}).items()]
+        return list(_host.embed.hidden(pages, len(ids) - (len(pages) - 1) * ps, ids, list(range(len(ids))), embeds,
                                        _pooling(pooling), normalize))
     finally:
         PAGES.release(pages)
