@@ -251,6 +251,19 @@ def _until(driver: Any, cond: Any, what: str, timeout: float = 10) -> Any:
     return WebDriverWait(driver, timeout, poll_frequency=0.1).until(cond, f"timed out waiting for {what}")
 
 
+def _line_pixels(driver: Any, canvas_id: str) -> int:
+    """Pixels of a plot's canvas in its line's colour (#2f6fd6, give or take antialiasing)."""
+    return int(driver.execute_script("""
+        const c = document.getElementById(arguments[0]);
+        const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+        let n = 0;
+        for (let k = 0; k < d.length; k += 4) {
+          if (Math.abs(d[k] - 47) < 40 && Math.abs(d[k + 1] - 111) < 40 && Math.abs(d[k + 2] - 214) < 40
+              && d[k + 3] > 128) n++;
+        }
+        return n;""", canvas_id))
+
+
 def _number(driver: Any, element_id: str) -> int:
     text = driver.find_element("id", element_id).text
     return int(text) if text.isdigit() else -1
@@ -279,6 +292,8 @@ def test_the_numbers_follow_a_burst_of_instances(browser: Any, live: tuple[Host,
         assert {r.get_attribute("data-id") for r in rows} == set(ids)
         tenants = browser.find_element("id", "tenants-body").text
         assert "alice 10" in tenants and "bob 10" in tenants
+        # the plot of instances running has drawn its line (the page's line colour, #2f6fd6) up to 20
+        _until(browser, lambda d: _line_pixels(d, "plot-running") > 20, "the plot of instances running")
     finally:
         for iid in ids:
             host.terminate(iid)
@@ -296,6 +311,8 @@ def test_the_batch_counters_move_while_instances_generate(browser: Any, live: tu
         _until(browser, lambda d: _number(d, "batches-total") > before and _number(d, "running") > 0,
                "batches to be counted while instances run")
         _until(browser, lambda d: d.find_element("id", "batches-rate").text not in ("-", "0.0"), "a batch rate")
+        _until(browser, lambda d: d.find_element("id", "batch-size").text not in ("-", "0.00"), "a batch size")
+        assert _number(browser, "batch-max") >= 1
         _until(browser, lambda d: _number(d, "kv-used") > 0, "KV pages in use")
         _until(browser, lambda d: _number(d, "running") == 0, "the instances to end", timeout=30)
         assert _number(browser, "batches-total") > before
@@ -375,3 +392,37 @@ def test_an_ended_instance_is_listed_and_its_log_read_after_its_end(browser: Any
     _open(browser, srv, BOB)  # another tenant: not listed
     time.sleep(1.2)
     assert not browser.find_elements("css selector", row) and run.id not in browser.page_source
+
+
+@pytest.mark.heavy  # (a browser and a host of its own)
+def test_the_launch_queue_shows_launches_waiting(browser: Any, tmp_path: Path) -> None:
+    with Host(HostConfig(warm_auto=0, max_instances=1, data_dir=tmp_path / "h"),
+              backend=FakeBackend(page_size=16, num_pages=64)) as host, \
+            running_server(tmp_path / "s", host=host, auth_token=ADMIN, tenants=TENANTS) as srv:
+        prog = host.compile(wasm_bytes("blocked_receive"))
+        ids = [host.launch(prog, [], _ignore, tenant="alice") for _ in range(3)]
+        try:
+            _open(browser, srv, ADMIN)
+            _until(browser, lambda d: _number(d, "queued") == 2 and _number(d, "running") == 1, "2 launches queued")
+            assert _number(browser, "queue-limit") == host.stats()["launch_queue"]["limit"]
+            states = [r.text.split()[3] for r in browser.find_elements("css selector", "#instances-body tr")]
+            assert sorted(states) == ["queued", "queued", "running"]
+            assert "alice 1 2" in browser.find_element("id", "tenants-body").text  # running 1, queued 2
+        finally:
+            for iid in ids:
+                host.terminate(iid)
+
+
+@pytest.mark.build
+def test_the_prefix_cache_hit_rate_follows_a_repeated_prompt(browser: Any, live: tuple[Host, Any]) -> None:
+    host, srv = live
+    prog = host.compile(wasm_bytes("text_completion"))
+    prompt = "Tell me about the lighthouse lens in the maritime museum and its keeper " * 3
+    _open(browser, srv, ADMIN)
+    assert browser.find_element("id", "cache-hit").text != "off"
+    hits = _number(browser, "cache-hits")
+    for _ in range(2):  # the second run finds the first's full pages
+        assert Run(host, prog, ["--prompt", prompt, "--max-tokens", "2"], tenant="alice").finish(60).event == "completed"
+    _until(browser, lambda d: _number(d, "cache-hits") > hits, "a prefix cache hit")
+    rate = browser.find_element("id", "cache-hit").text
+    assert rate.endswith("%") and float(rate[:-1]) > 0
