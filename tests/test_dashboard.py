@@ -426,3 +426,29 @@ def test_the_prefix_cache_hit_rate_follows_a_repeated_prompt(browser: Any, live:
     _until(browser, lambda d: _number(d, "cache-hits") > hits, "a prefix cache hit")
     rate = browser.find_element("id", "cache-hit").text
     assert rate.endswith("%") and float(rate[:-1]) > 0
+
+
+@pytest.mark.build
+def test_kv_pages_used_free_and_swapped_out(browser: Any, tmp_path: Path) -> None:
+    """Two instances of 10 pages on a pool of 16: the second's growth suspends the first, its 10
+    pages swapped out to host memory (as tests/test_kv_pressure.py)."""
+    with Host(HostConfig(warm_auto=0, data_dir=tmp_path / "h"),
+              backend=FakeBackend(page_size=4, num_pages=16, delay_s=0.001, reads=True)) as host, \
+            running_server(tmp_path / "s", host=host, auth_token=ADMIN, tenants=TENANTS) as srv:
+        prog = host.compile(wasm_bytes("pressure"))
+        first = Run(host, prog, ["grow", "10"], tenant="alice")
+        assert first.events.get(timeout=60).message == "held"
+        second = Run(host, prog, ["grow", "10"], tenant="alice")
+        assert second.events.get(timeout=60).message == "held"  # the first is suspended
+        try:
+            _open(browser, srv, ALICE)
+            _until(browser, lambda d: _number(d, "kv-swapped") == 10, "10 pages swapped out")
+            assert (_number(browser, "kv-used"), _number(browser, "kv-free"), _number(browser, "kv-total")) == \
+                (10, 6, 16)
+            assert _number(browser, "kv-suspended") == 1
+            row = browser.find_element("css selector", f"#instances-body tr[data-id='{first.id}']").text.split()
+            assert row[-2:] == ["10", "0"]  # swapped 10, priority 0
+        finally:
+            host.signal(second.id, "go")
+            host.signal(first.id, "go")
+            assert second.finish(30).event == "completed" and first.finish(30).event == "completed"
