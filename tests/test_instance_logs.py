@@ -148,3 +148,24 @@ def test_pie_run_prints_log_lines_on_stderr(tmp_path: Path, capsys: pytest.Captu
     out, err = capsys.readouterr()
     assert out.strip() == "done"  # stdout: the inferlet's messages and return value only
     assert "[stdout] out 0\n[stdout] out 1\n" in err and "[stderr] err line" in err and "[log] log line" in err
+
+
+def test_embedded_pie_run_prints_log_lines_on_stderr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """pie-run without --server (its own host; here on the stand-in)."""
+    import dataclasses
+
+    import host as host_pkg
+    from host.cli import run as pie_run
+
+    real = host_pkg.Host
+    monkeypatch.setenv("PIE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(pie_run, "_pump_stdin", lambda send, close: None)  # (no stdin to forward)
+    monkeypatch.setattr(host_pkg, "Host", lambda config: real(dataclasses.replace(config, warm_auto=0),
+                                                              backend=FakeBackend(page_size=4, num_pages=64)))
+    wasm = tmp_path / "chatty.wasm"
+    wasm.write_bytes(wasm_bytes("chatty"))
+    assert pie_run.main([str(wasm), "--", "lines", "2"]) == pie_run.EXIT_OK
+    out, err = capsys.readouterr()
+    assert out.strip() == "done"
+    assert "[stdout] out 0\n[stdout] out 1\n" in err and "[stderr] err line" in err and "[log] log line" in err
