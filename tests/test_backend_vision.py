@@ -289,6 +289,28 @@ def test_embed_image(llava):
         embed_image(be, b"GIF89a-broken", "image/gif")
 
 
+@pytest.mark.heavy  # (an engine process loads the model; make test runs it)
+def test_embed_image_in_an_engine_process(llava):
+    # --engine process: the tower runs in the engine process, its vectors those of the in-process backend
+    from gpu_backend.engine.client import EngineSpec, ProcessBackend
+
+    path, _ = llava
+    data = _encoded(_gradient(50, 37), "PNG")
+    want = embed_image(_backend(path), data, "image/png")
+    engine = ProcessBackend(EngineSpec(model=str(path), device="cpu", dtype="float32", page_size=4, num_pages=64))
+    try:
+        assert (engine.info.image_tokens, engine.info.image_token_id) == (16, IMAGE_TOKEN)  # type: ignore[attr-defined]
+        got = np.frombuffer(engine.embed_image(data, "image/png"), dtype="<f4").reshape(16, 64)
+        np.testing.assert_array_equal(got, want)
+        with pytest.raises(ValueError, match="cannot decode"):
+            engine.embed_image(b"GIF89a-broken", "image/gif")
+        ids = [256, 65, 66]
+        table = np.frombuffer(engine.input_embeddings(ids), dtype="<f4").reshape(3, 64)
+        np.testing.assert_array_equal(table, np.frombuffer(_backend(path).input_embeddings(ids), "<f4").reshape(3, 64))
+    finally:
+        engine.close()
+
+
 def test_text_only_model_has_no_vision(tmp_path):
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)

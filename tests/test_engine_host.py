@@ -5,6 +5,7 @@ no page is lost)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -49,6 +50,20 @@ def _holding(run: Run) -> None:
 
 def _replicas(h: Host) -> list[dict]:
     return h.stats()["engine"]["replicas"]
+
+
+def test_embed_runs_on_an_engine_process(one: tuple[Host, str]) -> None:
+    # WIT embed with the model in the engine process: an image's vectors (the stand-in's "tower": its
+    # first three bytes as tokens) between text tokens, and a hidden-state pass, as in process
+    # (tests/test_embed_host.py has the same numbers on the in-process stand-in)
+    h, _ = one
+    prog = h.compile(wasm_bytes("embedder"))
+    end = Run(h, prog, ["image", "050607ff"]).finish(60)
+    assert end.event == "completed", end.message
+    assert json.loads(end.message) == {"hidden": [100.0, 6.0, 97 + 98 + 5 + 6 + 7 + 99 + 100, 1.0], "tokens": 7}
+    end = Run(h, prog, ["slots"]).finish(60)
+    assert (end.event, end.message) == ("completed", "3")
+    assert h.free_pages() == PAGES
 
 
 def test_inferlets_run_on_an_engine_process(one: tuple[Host, str]) -> None:

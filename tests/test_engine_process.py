@@ -68,6 +68,19 @@ def test_process_backend_answers_like_the_in_process_one(engine: ProcessBackend)
 
 
 @pytest.mark.heavy  # (its engine process; make test runs it)
+def test_embeddings_come_from_the_engine_process(engine: ProcessBackend) -> None:
+    # WIT embed's embed-text / embed-image over the engine wire: what the in-process stand-in gives
+    local = StandInBackend(page_size=4, num_pages=32)
+    assert engine.input_embeddings([5, 6, 255]) == local.input_embeddings([5, 6, 255])
+    png = b"\x89PNG\r\n\x1a\n-rest"
+    assert engine.embed_image(png, "image/png") == local.embed_image(png, "image/png")
+    assert len(engine.embed_image(png, "")) == 3 * 4 * engine.info.hidden_size  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="does not decode"):  # the image's fault: a ValueError, the engine carries on
+        engine.embed_image(b"x", "image/png")
+    assert engine.input_embeddings([7]) == local.input_embeddings([7])
+
+
+@pytest.mark.heavy  # (its engine process; make test runs it)
 def test_a_bad_request_fails_alone_with_its_index(engine: ProcessBackend) -> None:
     good, bad = _req([4], 1, [7], 0), _req([99], 1, [7], 0, "bad")
     with pytest.raises(ForwardError) as e:

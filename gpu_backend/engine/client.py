@@ -121,6 +121,17 @@ class ProcessBackend:
     def copy_tokens(self, src_page: int, src_offset: int, dst_page: int, dst_offset: int, count: int) -> None:
         self._call("copy", [src_page, src_offset, dst_page, dst_offset, count])
 
+    # -- embeddings (WIT embed, host/api/embed.py): the engine's embedding table and vision tower --
+
+    def input_embeddings(self, tokens: Sequence[int]) -> bytes:
+        """The model's input vectors of `tokens`, float32 little-endian [len(tokens), hidden_size]."""
+        return bytes(self._call("input_embeddings", [int(t) for t in tokens]))
+
+    def embed_image(self, data: bytes, media_type: str) -> bytes:
+        """An image through the engine's vision tower, float32 little-endian [image_tokens, hidden_size];
+        ValueError when it does not decode, is too large, or the model has no tower."""
+        return bytes(self._call("embed_image", [bytes(data), media_type]))
+
     # -- swapping pages out (gpu_backend.types.SwapsPages): the copies stay in the engine process --
 
     def swap_out(self, pages: Sequence[int]) -> EngineSwap:

@@ -85,6 +85,20 @@ def _hello_payload(spec: EngineSpec, backend: Any) -> dict[str, Any]:
     return {"kind": "model", "info": asdict(backend.info), "tokenizer": asdict(tok.spec), "swap_page_bytes": swap}
 
 
+def _embed_image(backend: Any, data: bytes, media_type: str) -> bytes:
+    """An image's vectors: the stand-in's own `embed_image`, or the model's vision tower (rank 0 runs
+    it alone: the tower is not sharded, and its vectors reach the other ranks inside the pass that
+    takes them). ValueError for an image that does not decode or a model without a tower."""
+    own = getattr(backend, "embed_image", None)
+    if own is not None:
+        return bytes(own(bytes(data), media_type))
+    import numpy as np
+
+    from gpu_backend.images import embed_image
+
+    return np.ascontiguousarray(embed_image(backend, bytes(data), media_type), dtype="<f4").tobytes()
+
+
 def _serve(spec: EngineSpec, endpoint: str, backend: Any, tp: Any) -> None:
     """Rank 0: answer the host's requests until `stop` or until the host goes away."""
     import zmq
@@ -130,6 +144,10 @@ def _serve(spec: EngineSpec, endpoint: str, backend: Any, tp: Any) -> None:
                     raise ValueError(f"swap_in: no swapped pages under handle {payload[0]} (the engine restarted?)")
                 backend.swap_in(copy, payload[1])
                 reply = ["ok", None]
+            elif op == "input_embeddings":
+                reply = ["ok", backend.input_embeddings(payload)]
+            elif op == "embed_image":  # [bytes, media type]
+                reply = ["ok", _embed_image(backend, payload[0], payload[1])]
             elif op == "logits":
                 out = backend.logits(decode_requests(payload))
                 reply = ["ok", [[list(t.shape), t.float().cpu().numpy().tobytes()] for t in out]]

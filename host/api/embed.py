@@ -29,9 +29,9 @@ from host.wasm.instance import Instance
 
 __all__ = ["SlotLimits", "Slots", "imports"]
 
-# an engine in its own process (--engine process, --tp, --replicas) has no call for these yet
-_NOT_HERE = ("this host's engine runs in another process (--engine process, --tp or --replicas), which does not "
-             "embed yet: run it with --engine inproc")
+# a backend with neither `input_embeddings` / `embed_image` nor a vision tower (the torch backend, the
+# stand-in and an engine process (gpu_backend/engine/client.py) have them)
+_NOT_HERE = "this host's backend gives no embeddings (it has no input_embeddings / embed_image)"
 MAX_IMAGE_BYTES = 20 << 20  # an image's encoded bytes (the OpenAI routes bound them first: --max-image-mb)
 
 
