@@ -4,7 +4,8 @@ A slot is a run of float32 vectors of the model's hidden size, held in host memo
 that made it (`Slots`: per instance, bounded by a count and bytes, like pages by a quota; freed
 when released or when the instance ends). `embed-image` runs the model's vision tower on the
 scheduler's thread between batches (`Scheduler.call_soon`: the backend is that thread's), the
-instance waiting without its run-gate slot; `embed-text` reads the embedding table there too.
+instance waiting without its run-gate slot; `embed-text` reads the embedding table there too (an
+engine process answers both itself: gpu_backend/engine/client.py).
 `run` and `hidden` are `forward.run` with `ForwardRequest.embeds` made from the slots: checked and
 queued as any pass (host/api/passes.py), never cached by the prefix cache (their token ids are
 placeholders), never split by chunked prefill.
