@@ -66,6 +66,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from common import ROOT, settle
 
+from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
 from host.cli.build import resolve_inferlet
 from host.server import Server, ServerConfig
@@ -106,6 +107,9 @@ def tool_text(path: str) -> str:
 
 class _ToolHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, for clients that keep connections
+    # the headers and the body go out in two writes: with Nagle's algorithm on, the body waited for
+    # the client's delayed ACK of the headers, ~40 ms on every call of both ways (not a tool latency)
+    disable_nagle_algorithm = True
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -322,7 +326,7 @@ def table(results: list[dict[str, Any]]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-SWEEP_KEYS = ("kinds", "ios", "tool_ms", "agents", "tokens", "repeats", "quick", "kv_mib")
+SWEEP_KEYS = ("kinds", "ios", "tool_ms", "agents", "tokens", "repeats", "quick", "kv_mib", "stand_in")
 
 
 def _resumed(path: Path | None, config: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -348,6 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-mib", type=int, default=1024,
                     help="KV cache budget in MiB (1024; 0: the host's default, 256 MiB on CPU, which 8 agents "
                          "at 32 I/Os overflow: the host then suspends instances, and both ways measure swapping)")
+    ap.add_argument("--stand-in", action="store_true",
+                    help="the stand-in backend instead of the model: a batch costs --step-ms plus --token-us per new "
+                         "token (a GPU's regime, where model time is small beside the host's and the client's)")
+    ap.add_argument("--step-ms", type=float, default=2.0,
+                    help="with --stand-in: its time per batch (2.0: the H200 kit's 1B shape decodes a step "
+                         "of 1 to 8 sequences in 1.7-1.8 ms, bench/gpu_h200_final.md)")
+    ap.add_argument("--token-us", type=float, default=10.0,
+                    help="with --stand-in: its time per new token in a batch (10: ~100k prefill tokens/s)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the cells an interrupted run of the same sweep left in --json; run the rest")
     ap.add_argument("--quick", action="store_true",
@@ -364,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("host.wasm.warm").setLevel(logging.INFO)  # a warm pool that gives up is said
     config: dict[str, Any] = {"kinds": kinds, "ios": a.ios, "tool_ms": a.tool_ms, "agents": a.agents,
                               "tokens": a.tokens, "repeats": a.repeats, "quick": a.quick, "kv_mib": a.kv_mib,
-                              "tool_ms_applies_to": ["react"]}
+                              "tool_ms_applies_to": ["react"],
+                              "stand_in": {"step_ms": a.step_ms, "token_us": a.token_us} if a.stand_in else None}
     results, sessions = _resumed(a.json, config) if a.resume else ([], [])
     done = {(r["kind"], r["ios"], r["tool_ms"], r["agents"]) for r in results}
     cells = [(kind, ios, tool_ms, n) for kind in kinds for ios in a.ios
@@ -380,8 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     agent_wasm = resolve_inferlet(AGENT_DIR, quiet=True).read_bytes()
     openai_wasm = resolve_inferlet("openai_chat", quiet=True).read_bytes()
     data_dir = Path(tempfile.mkdtemp(prefix="pie-bench-agent-io-"))
-    host = Host(HostConfig(data_dir=data_dir, device=a.device, kv_memory_bytes=a.kv_mib * 2**20 if a.kv_mib else None,
-                           http_allow=(f"127.0.0.1:{tools.server_address[1]}",)), progress=False)
+    hc = HostConfig(data_dir=data_dir, device=a.device, kv_memory_bytes=a.kv_mib * 2**20 if a.kv_mib else None,
+                    http_allow=(f"127.0.0.1:{tools.server_address[1]}",))
+    if a.stand_in:
+        backend = StandInBackend(page_size=16, num_pages=16384, delay_s=a.step_ms / 1000, token_s=a.token_us / 1e6)
+        host = Host(hc, backend=backend, progress=False)
+    else:
+        host = Host(hc, progress=False)
     config.update(model=host.model_name, device=str(getattr(host.backend.info, "device", a.device or "?")),
                   prefix_cache=host.config.prefix_cache, workers=host.config.worker_count, kv_pages=host.total_pages,
                   page_size=host.config.page_size)

@@ -68,3 +68,19 @@ def test_targets(result: dict[str, Any]) -> None:
     assert at["latency_ratio_target"] == 1.15 and at["throughput_ratio_target"] == 1.3
     assert isinstance(at["met"], bool)
     assert set(targets["trend"]) == {f"{k}/tool_ms=0/agents={n}" for k in ("react", "codeact", "swarm") for n in (1, 2)}
+
+
+def test_stand_in_regime_runs_both_ways_with_the_same_work(tmp_path: Path) -> None:
+    """`--stand-in`: the same sweep behind the stand-in backend (a GPU's regime: 2 ms a batch), the
+    backend named in the config, both ways doing the same I/Os and the same generations."""
+    out = tmp_path / "agent_io_standin.json"
+    r = subprocess.run([sys.executable, "bench/agent_io.py", "--quick", "--stand-in", "--kinds", "react,swarm",
+                        "--agents", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["stand_in"] == {"step_ms": 2.0, "token_us": 10.0}
+    assert doc["config"]["model"] == "stand-in"
+    assert {(x["kind"], x["agents"]) for x in doc["results"]} == {("react", 1), ("swarm", 1)}
+    for x in doc["results"]:
+        assert x["inferlet"]["ios_done"] == x["client"]["ios_done"] == 2
+        assert x["inferlet"]["completion_tokens_per_agent"] == x["client"]["completion_tokens_per_agent"] > 0
