@@ -152,14 +152,24 @@ def test_a_qwen3_embedding_checkpoint_pools_as_transformers(tmp_path, tied) -> N
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(tmp_path / "q3e")
-    hf_default_tokenizer().save_pretrained(tmp_path / "q3e")
+    from tokenizers import processors
+
+    tok = hf_default_tokenizer()  # with Qwen3-Embedding's post-processor: the text, then <|endoftext|>
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eot)])
+    tok.save_pretrained(tmp_path / "q3e")
     files = load_model_files(tmp_path / "q3e", progress=False)
     assert "embed_tokens.weight" not in files.weights and files.config.tie_embeddings
     ours = backend_from_weights(files.config, files.weights, files.tokenizer, files.name, device=torch.device("cpu"),
                                 dtype=torch.float32, page_size=4, num_pages=64, attention=make_attention("sdpa"))
     assert ours.info.matryoshka == ([16, 32] if tied else None)
+    # a text as the embedding handler tokenizes it (`encode_prompt`) = transformers' tokenizer(text)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "q3e")("The capital of France is Paris.")
+    ids = ours.tokenizer.encode_prompt("The capital of France is Paris.")
+    assert ids == theirs["input_ids"] and ids[-1] == eot and 4 <= len(ids) <= 12
     with torch.no_grad():
-        ref = model.eval()(torch.tensor([IDS])).last_hidden_state[0].numpy()
+        ref = model.eval()(torch.tensor([ids])).last_hidden_state[0].numpy()
     assert np.abs(ref[-1]).max() > 0.1  # not vanishing: the tolerance means something
 
     class Pooling(Record):
@@ -171,11 +181,11 @@ def test_a_qwen3_embedding_checkpoint_pools_as_transformers(tmp_path, tied) -> N
         calling.instance = inst
         try:
             for pooling, normalize in (("last", True), ("last", False), ("mean", True), ("mean", False)):
-                pages = flat["kv"]["allocate"](None, 3)
+                pages = flat["kv"]["allocate"](None, -(-len(ids) // 4))
                 p = Pooling()
                 p.name = pooling
-                got = np.asarray(flat["embed"]["hidden"](None, pages, len(IDS) - 8, IDS, list(range(len(IDS))), [],
-                                                         p, normalize))
+                got = np.asarray(flat["embed"]["hidden"](None, pages, len(ids) - 4 * (-(-len(ids) // 4) - 1), ids,
+                                                         list(range(len(ids))), [], p, normalize))
                 want = ref[-1] if pooling == "last" else ref.mean(0)
                 want = want / np.linalg.norm(want) if normalize else want
                 assert got.shape == (64,)

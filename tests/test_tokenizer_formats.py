@@ -162,6 +162,28 @@ def test_raw_prompt_starts_with_bos_where_the_post_processor_adds_it(tmp_path, l
     assert plain.encode_prompt("Hello") == plain_theirs("Hello")["input_ids"] == plain.encode("Hello")
 
 
+def test_raw_prompt_ends_with_what_the_post_processor_appends(tmp_path):
+    # Qwen3-Embedding's tokenizer.json: TemplateProcessing "$A <|endoftext|>" (its embedding is the
+    # hidden state at that token); on the byte-level default vocabulary, against transformers
+    from tokenizers import processors
+
+    tok = hf_default_tokenizer().backend_tokenizer
+    eot = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eot)])
+    ours, theirs = _pair(_write(tmp_path / "eos", tok.to_str()))
+    for text in ("Hello world", "a", ""):
+        assert ours.encode_prompt(text) == theirs(text)["input_ids"]
+        assert ours.encode_prompt(text)[-1] == eot and ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+    # both ends (a BOS template with an EOS after)
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A <|endoftext|> <|im_end|>",
+                                                       special_tokens=[("<|im_start|>", tok.token_to_id("<|im_start|>")),
+                                                                       ("<|endoftext|>", eot),
+                                                                       ("<|im_end|>", tok.token_to_id("<|im_end|>"))])
+    ours, theirs = _pair(_write(tmp_path / "both", tok.to_str()))
+    assert ours.encode_prompt("Hello") == theirs("Hello")["input_ids"] and len(ours.encode_prompt("Hello")) == \
+        len(ours.encode("Hello")) + 3
+
+
 def test_chat_template_bos_token_comes_once(tmp_path):
     # a Llama 2-style template writes {{ bos_token }} itself; the rendered chat is encoded without the
     # post-processor's BOS (what the SDK's fill_chat does), so it starts with one BOS, as transformers'

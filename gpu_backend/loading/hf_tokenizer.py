@@ -79,6 +79,25 @@ def _post_processor_bos(tj: dict[str, Any], vocab: dict[str, int]) -> int | None
     return None
 
 
+def _post_processor_suffix(tj: dict[str, Any], vocab: dict[str, int]) -> list[int]:
+    """The special tokens the post-processor puts after a single sequence (a TemplateProcessing whose
+    `single` template ends with them: Qwen3-Embedding's "$A <|endoftext|>", the token its embedding
+    is pooled at), [] for none."""
+    for step in _steps(tj.get("post_processor"), "processors"):
+        if step.get("type") == "TemplateProcessing" and step.get("single"):
+            names = []
+            for item in reversed(step["single"]):
+                if "SpecialToken" not in item:
+                    break
+                names.append(item["SpecialToken"]["id"])
+            out: list[int] = []
+            for name in reversed(names):
+                ids = (step.get("special_tokens") or {}).get(name, {}).get("ids")
+                out += [int(i) for i in ids] if ids else [vocab[name]] if name in vocab else []
+            return out
+    return []
+
+
 def hf_tokenizer(path: Path, cfg: dict[str, Any]) -> TokenizerSpec:
     """The tokenizer of HF directory `path` (`cfg`: its config.json, for BOS/EOS ids it may hold)."""
     if not (path / "tokenizer.json").exists():
@@ -134,4 +153,5 @@ def hf_tokenizer(path: Path, cfg: dict[str, Any]) -> TokenizerSpec:
         normalizer=normalizer,
         sentencepiece=text if sentencepiece else None,
         add_bos=prefix is not None,
+        suffix=_post_processor_suffix(tj, vocab),
     )

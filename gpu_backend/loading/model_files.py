@@ -73,6 +73,8 @@ class TokenizerSpec:
     # a raw prompt starts with BOS (the tokenizer.json post-processor's template; GGUF add_bos_token),
     # as transformers' `tokenizer(text)` and llama.cpp add it; a rendered chat template has its own
     add_bos: bool = False
+    # ...and ends with these (the post-processor's template after the text: Qwen3-Embedding's EOS)
+    suffix: list[int] = field(default_factory=list)
 
 
 @dataclass

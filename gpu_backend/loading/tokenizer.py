@@ -133,9 +133,10 @@ class Tokenizer:
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a raw prompt as transformers' `tokenizer(text)` gives them: `encode`, after
-        BOS where the tokenizer adds one (its post-processor; GGUF add_bos_token). Not for a rendered
-        chat template, which writes its own `bos_token`."""
-        ids = self.encode(text)
+        BOS where the tokenizer adds one and before the tokens its post-processor appends (GGUF
+        add_bos_token; Qwen3-Embedding's EOS). Not for a rendered chat template, which writes its own
+        `bos_token`."""
+        ids = self.encode(text) + list(self.spec.suffix)
         bos = self.spec.bos_token_id
         return [bos, *ids] if self.spec.add_bos and bos is not None else ids
 
