@@ -31,6 +31,11 @@ Target (issue): at 8 I/Os, latency_ratio >= 1.15 (at 1 agent) and throughput_rat
 largest agent count), growing with the I/O count.
 
     python bench/agent_io.py --json bench/agent_io.json [--quick]
+    python bench/agent_io.py --stand-in --json bench/agent_io_standin.json   # a GPU's step, no model
+
+`--stand-in` runs the same sweep behind the stand-in backend (`--step-ms` per batch, `--token-us`
+per new token): where the model's time is small, as on a GPU, and the two ways differ by what the
+host and the client do around it. The default is the real model on this machine's device.
 
 Defaults: --kinds react,codeact,swarm --ios 2 8 32 --tool-ms 0 50 --agents 1 8 --tokens 8
 --repeats 2 --kv-mib 1024. T = 8 tokens per generation is small on purpose (the run's length), and it
