@@ -344,7 +344,10 @@ def _resumed(path: Path | None, config: dict[str, Any]) -> tuple[list[dict[str, 
     return old["results"], old.get("sessions", [])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, backend: Any = None, wasm: tuple[bytes, bytes] | None = None) -> int:
+    """`backend`: run behind this backend object instead of the model or the stand-in (the GPU kit's
+    agents section: the 1B shape on the GPU); `wasm`: the agent's and the OpenAI handler's components,
+    prebuilt (a machine with no componentize-py)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=None, help="write the results here (after every cell too)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated agent kinds (react,codeact,swarm)")
@@ -395,12 +398,14 @@ def main(argv: list[str] | None = None) -> int:
     sessions.append(session)
     tools = start_tool_server()
     tool_base = f"http://127.0.0.1:{tools.server_address[1]}"
-    agent_wasm = resolve_inferlet(AGENT_DIR, quiet=True).read_bytes()
-    openai_wasm = resolve_inferlet("openai_chat", quiet=True).read_bytes()
+    agent_wasm, openai_wasm = wasm or (resolve_inferlet(AGENT_DIR, quiet=True).read_bytes(),
+                                       resolve_inferlet("openai_chat", quiet=True).read_bytes())
     data_dir = Path(tempfile.mkdtemp(prefix="pie-bench-agent-io-"))
     hc = HostConfig(data_dir=data_dir, device=a.device, kv_memory_bytes=a.kv_mib * 2**20 if a.kv_mib else None,
                     http_allow=(f"127.0.0.1:{tools.server_address[1]}",))
-    if a.stand_in:
+    if backend is not None:
+        host = Host(hc, backend=backend, progress=False)
+    elif a.stand_in:
         backend = StandInBackend(page_size=16, num_pages=16384, delay_s=a.step_ms / 1000, token_s=a.token_us / 1e6)
         host = Host(hc, backend=backend, progress=False)
     else:

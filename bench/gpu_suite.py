@@ -18,14 +18,16 @@ transformers, tree mask and hidden token vs separate runs, graphs on == off, ove
 decode (tokens/s at batch 1 / 8 / 64 / 256 for each attention path with graphs off and on, vs
 transformers with a static cache, vs the HBM bound at batch 1), run256 (256 requests x 256 tokens),
 host (text_completion through the host vs the backend's own greedy loop at 1 / 64 / 256), decode8b,
-qwen3 (Qwen3-0.6B's shape, SDPA with graphs off and on vs transformers), pytest (`pytest -m gpu` on a small model saved to disk). Writes DIR/gpu_suite.json and
-DIR/gpu_suite.md.
+qwen3 (Qwen3-0.6B's shape, SDPA with graphs off and on vs transformers), pytest (`pytest -m gpu` on a small model saved to disk),
+agents (bench/agent_io.py at 8 I/Os behind the 1B shape: agents as inferlets vs driven by an OpenAI
+client, issue 51; also DIR/agent_io.json). Writes DIR/gpu_suite.json and DIR/gpu_suite.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import math
 import os
@@ -91,13 +93,16 @@ class Plan:
     host_no_ahead: bool = True  # the host section also measures run_ahead off (the baseline of the feed)
     host_config: dict[str, Any] = field(default_factory=dict)  # more HostConfig fields for the host section
     host_workers: tuple[str, ...] = ()  # the host section once per HostConfig.workers value ("0", "auto", ...)
+    agents_ios: tuple[int, ...] = (8,)  # the agents section's I/O counts (agent_io.py --ios)
+    agents_pages: int = 8192  # its KV pages (16 tokens each): 8 agents' and their peers' transcripts, both ways
 
     @classmethod
     def make(cls, dry: bool) -> Plan:
         if not dry:
             return cls(dry=False)
         return cls(dry=True, batches=(1, 4), prompt_len=8, new_tokens=8, run_reqs=4, run_tokens=4,
-                   host_conc=(1, 4), host_tokens=4, host_tokens_long=6, hf_tokens=3, b8_batches=(1,))
+                   host_conc=(1, 4), host_tokens=4, host_tokens_long=6, hf_tokens=3, b8_batches=(1,),
+                   agents_ios=(2,), agents_pages=1024)
 
 
 @dataclass
@@ -121,7 +126,13 @@ class Suite:
 
 # ---- the kit ------------------------------------------------------------------------------------
 
-KIT_WHEELS = ("wasmtime==50.0.1", "llguidance==1.9.1")
+KIT_WHEELS = ("wasmtime==50.0.1", "llguidance==1.9.1",
+              # the agents section: the server (starlette, uvicorn, websockets) and the OpenAI client
+              # (openai and what it needs that the machine's image lacks: KINDS.md's package list)
+              "websockets==16.1.1", "starlette==1.10.0", "uvicorn==0.54.0", "openai==3.57.0", "pydantic==2.14.4",
+              "pydantic-core==2.50.5", "jiter==0.19.0", "distro==1.9.0", "sniffio==1.3.1", "annotated-types==0.8.0",
+              "typing-inspection==0.4.5", "typing-extensions==4.16.0")
+KIT_MODULES = ("wasmtime", "llguidance", "websockets", "starlette", "uvicorn", "openai", "pydantic")
 
 
 def prepare(kit: Path, wheels: bool = True) -> None:
@@ -135,7 +146,11 @@ def prepare(kit: Path, wheels: bool = True) -> None:
     kit.mkdir(parents=True, exist_ok=True)
     path = default_model_path()
     transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(kit / "tokenizer")
-    (kit / "text_completion.wasm").write_bytes(resolve_inferlet("text_completion", quiet=True).read_bytes())
+    # the components gzipped (18 MB -> 6.7 MB each): the kit travels within the device's 64 MiB
+    for name, src in (("text_completion", "text_completion"), ("openai_chat", "openai_chat"),
+                      ("agent_io", ROOT / "bench" / "inferlets" / "agent_io")):
+        (kit / f"{name}.wasm").unlink(missing_ok=True)  # (a kit written before they were gzipped)
+        (kit / f"{name}.wasm.gz").write_bytes(gzip.compress(resolve_inferlet(src, quiet=True).read_bytes(), 6))
     if not wheels:
         return
     wheel_dir = kit / "wheels"
@@ -152,11 +167,17 @@ def prepare(kit: Path, wheels: bool = True) -> None:
     print(f"kit ready in {kit}: {sorted(p.name for p in kit.rglob('*') if p.is_file())}")
 
 
+def kit_wasm(kit: Path, name: str) -> bytes:
+    """A component the kit carries (NAME.wasm.gz, or NAME.wasm from an older kit)."""
+    plain = kit / f"{name}.wasm"
+    return plain.read_bytes() if plain.is_file() else gzip.decompress((kit / f"{name}.wasm.gz").read_bytes())
+
+
 def install_wheels(kit: Path) -> None:
     """Make the kit's wheels importable (the GPU machine has no registry) unless they already are."""
     wheels = sorted((kit / "wheels").glob("*.whl")) if (kit / "wheels").is_dir() else []
     missing = []
-    for mod in ("wasmtime", "llguidance"):
+    for mod in KIT_MODULES:
         try:
             __import__(mod)
         except ImportError:
@@ -513,7 +534,7 @@ def sec_host(s: Suite) -> dict[str, Any]:
     from host import Host, HostConfig
 
     plan = s.plan
-    wasm = s.kit / "text_completion.wasm"
+    wasm = kit_wasm(s.kit, "text_completion")
     hf = hf_model("llama-1b", s, torch.bfloat16 if s.device == "cuda" else torch.float32)
     n_max = max(plan.host_conc)
     longest = max(plan.host_tokens, plan.host_tokens_long)
@@ -554,7 +575,7 @@ def sec_host(s: Suite) -> dict[str, Any]:
                 if workers is not None:
                     out.setdefault("by_workers", {})[workers] = tables
                 try:
-                    program = host.compile(wasm.read_bytes())
+                    program = host.compile(wasm)
                     for _, table, tokens in [r for r in runs if r[0] == ahead]:
                         for n in plan.host_conc:
                             if s.left() < 30:
@@ -644,6 +665,34 @@ def host_run(host: Any, program: str, args: list[str], n: int,
     return secs, n * tokens, [e.message for e in ends], t, launched
 
 
+def sec_agents(s: Suite) -> dict[str, Any]:
+    """bench/agent_io.py behind the 1B shape on the GPU (graphs on): every kind at `agents_ios` I/Os,
+    as an inferlet and as a client-driven agent over the OpenAI endpoint (issue 51's dividend where a
+    model step is a GPU's). Random weights and no stop token: both ways generate exactly T tokens a
+    turn. Its JSON is written to OUT/agent_io.json; the section keeps the targets and the rows."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import agent_io
+
+    hf = hf_model("llama-1b", s, torch.bfloat16 if s.device == "cuda" else torch.float32)
+    be = ours(hf, s, s.plan.agents_pages, graphs=True)
+    assert be.info.stop_tokens == []
+    del hf
+    out = s.out / "agent_io.json"
+    argv = ["--ios", *map(str, s.plan.agents_ios), "--json", str(out)] + (["--quick"] if s.plan.dry else [])
+    try:
+        agent_io.main(argv, backend=be, wasm=(kit_wasm(s.kit, "agent_io"), kit_wasm(s.kit, "openai_chat")))
+    finally:
+        del be
+        free()
+    doc = json.loads(out.read_text())
+    return {"json": str(out), "config": doc["config"], "targets": doc["targets"],
+            "rows": [{k: r[k] for k in ("kind", "ios", "tool_ms", "agents", "latency_ratio", "throughput_ratio")}
+                     | {f"{w}_{m}": r[w][m] for w in ("inferlet", "client") for m in ("latency_s_median", "agents_per_s")}
+                     for r in doc["results"]]}
+
+
 def sec_decode8b(s: Suite) -> dict[str, Any]:
     return sec_decode(s, "llama-8b", s.plan.b8_batches)
 
@@ -683,7 +732,7 @@ def sec_pytest(s: Suite) -> dict[str, Any]:
 
 SECTIONS: dict[str, Callable[[Suite], dict[str, Any]]] = {
     "env": sec_env, "parity": sec_parity, "decode": sec_decode, "run256": sec_run256, "host": sec_host,
-    "decode8b": sec_decode8b, "qwen3": sec_qwen3, "pytest": sec_pytest,
+    "decode8b": sec_decode8b, "qwen3": sec_qwen3, "pytest": sec_pytest, "agents": sec_agents,
 }  # the default order; --sections picks and orders
 
 
@@ -747,6 +796,20 @@ def markdown(res: dict[str, Any]) -> str:
                                         + [str(row.get(f"host_ahead_{c}")) for c in ("own_tokens_per_s", "tokens_per_s",
                                                                                      "tax", "step_tax")]
                                         + [str(long.get("host_ahead_tax"))]) + " |")
+    ag = res.get("agents")
+    if isinstance(ag, dict) and ag.get("rows"):
+        lines += ["", "## agents (agent_io.py, 1B shape): inferlet vs client-driven over the OpenAI endpoint", "",
+                  "| kind | ios | tool ms | agents | inferlet latency s | client latency s | latency x | "
+                  "inferlet agents/s | client agents/s | throughput x |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in ag["rows"]:
+            lines.append(f"| {r['kind']} | {r['ios']} | {r['tool_ms']:g} | {r['agents']} | "
+                         f"{r['inferlet_latency_s_median']:.3f} | {r['client_latency_s_median']:.3f} | "
+                         f"{r['latency_ratio']:.2f} | {r['inferlet_agents_per_s']:.3f} | "
+                         f"{r['client_agents_per_s']:.3f} | {r['throughput_ratio']:.2f} |")
+        tg = next((v for k, v in ag.get("targets", {}).items() if k.startswith("ios_")), None)
+        if tg:
+            lines.append(f"\nTargets at {tg['ios']} I/Os: latency x{tg['latency_ratio_min']:.2f} (>= 1.15), "
+                         f"throughput x{tg['throughput_ratio_min']:.2f} (>= 1.3): {'met' if tg['met'] else 'not met'}")
     for key in ("parity", "pytest"):
         if key in res:
             lines += ["", f"## {key}", "", "```", json.dumps(res[key], indent=1, default=str)[:4000], "```"]

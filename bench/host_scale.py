@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import resource
@@ -152,7 +153,7 @@ def parse_args() -> argparse.Namespace:
                     help="with --back-to-back: a backend with only `forward`, and one that overlaps")
     ap.add_argument("--inferlets", type=Path, default=None, metavar="DIR",
                     help="with --back-to-back: take NAME.wasm from DIR instead of building the standard inferlets "
-                         "(the GPU kit's folder has text_completion.wasm)")
+                         "(the GPU kit's folder has text_completion.wasm.gz)")
     ap.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=["default"],
                     help="host settings to compare in the same run, each on hosts of its own (settled: "
                          "reported as WORKLOAD@VARIANT; a variant's warm_start applies to --back-to-back only)")
@@ -390,8 +391,9 @@ def patched(starts_wait: bool = True, prime_factor: int | None = None, fast_valu
 def inferlet_wasm(opts: argparse.Namespace, name: str) -> bytes:
     """A standard inferlet's component: built here (cached), or NAME.wasm from --inferlets (a machine
     without the guest toolchain, such as the GPU kit's: bench/gpu_suite.py --prepare)."""
-    if opts.inferlets is not None:
-        return (opts.inferlets / f"{name}.wasm").read_bytes()
+    if opts.inferlets is not None:  # NAME.wasm, or NAME.wasm.gz as the kit carries it
+        plain = opts.inferlets / f"{name}.wasm"
+        return plain.read_bytes() if plain.is_file() else gzip.decompress((opts.inferlets / f"{name}.wasm.gz").read_bytes())
     return resolve_inferlet(name, quiet=True).read_bytes()
 
 

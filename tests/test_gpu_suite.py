@@ -21,7 +21,7 @@ def test_dry_run_runs_every_section(tmp_path):
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_suite.json").read_text())
-    assert set(res) == {"env", "parity", "decode", "run256", "host", "decode8b", "qwen3", "pytest"}
+    assert set(res) == {"env", "parity", "decode", "run256", "host", "decode8b", "qwen3", "pytest", "agents"}
     assert not [k for k, v in res.items() if "error" in v], res
     p = res["parity"]
     assert p["small_fp32_max_logit_diff"] < 1e-3 and p["sdpa_graphs_on_equals_off"] and p["sdpa_overlap_on_equals_off"]
@@ -33,8 +33,12 @@ def test_dry_run_runs_every_section(tmp_path):
     row = res["host"]["concurrency"]["4"]
     assert row["host_ahead_tokens_per_s"] > 0 and row["host_no_ahead_tokens_per_s"] > 0
     assert res["pytest"]["returncode"] == 0  # (every GPU test skips on CPU; collection must succeed)
+    ag = res["agents"]  # agent_io behind the kit's model: every kind both ways, the same I/Os
+    assert {r["kind"] for r in ag["rows"]} == {"react", "codeact", "swarm"} and ag["config"]["model"] == "kit"
+    assert all(r["inferlet_agents_per_s"] > 0 and r["client_agents_per_s"] > 0 for r in ag["rows"])
+    assert json.loads((tmp_path / "agent_io.json").read_text())["results"]
     md = (tmp_path / "gpu_suite.md").read_text()
-    assert "## host tax" in md and "## decode: llama-1b" in md
+    assert "## host tax" in md and "## decode: llama-1b" in md and "## agents" in md
 
 
 def test_bad_arguments_are_refused():
