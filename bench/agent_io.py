@@ -254,6 +254,69 @@ def close_clients() -> None:
 
 # ---- the run ----------------------------------------------------------------------------------------
 
+class StepLog:
+    """`--steps`: every batch the scheduler runs during a burst, as (new tokens, prefill tokens, its
+    own seconds), read where the scheduler times it for `--prefill-chunk auto` (`StepCost.observe`),
+    and the scheduler's chunk counters. `end` summarises the burst."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.batches: list[tuple[Any, ...]] = []  # (tokens, prefill tokens, seconds, forwards)
+        self.on = False
+        cost = host.scheduler.cost
+        observe = cost.observe
+
+        def logged(tokens: int, seconds: float, prefill: int = 0) -> None:
+            if self.on:
+                self.batches.append((tokens, prefill, seconds))
+            observe(tokens, seconds, prefill)
+
+        cost.observe = logged  # type: ignore[method-assign]
+        stats = host.scheduler.stats
+        record = stats.record
+
+        def sized(size: int, tokens: int, waited: float, start: float, end: float) -> None:
+            if self.on and self.batches and len(self.batches[-1]) == 3:  # (observe came first: its batch)
+                self.batches[-1] += (size,)
+            record(size, tokens, waited, start, end)
+
+        stats.record = sized  # type: ignore[method-assign]
+
+    def begin(self) -> None:
+        st = self.host.scheduler.stats
+        self.batches, self.on = [], True
+        self.chunks0 = (st.chunked_prefills, st.prefill_chunks)
+
+    def end(self, agents: int) -> dict[str, Any]:
+        self.on = False
+        st = self.host.scheduler.stats
+        b = self.batches
+        raw = [[x[3] if len(x) > 3 else None, x[0], x[1], round(1000 * x[2], 2)] for x in b]
+        b = [x[:3] for x in b]
+        pre = [x for x in b if x[1] > 0]
+        dec = [x for x in b if x[1] == 0]
+        ms = [1000 * s for _t, _p, s in b]
+
+        def med(xs: list[float]) -> float | None:
+            return round(statistics.median(xs), 2) if xs else None
+
+        return {
+            "batches": len(b), "batches_per_agent": round(len(b) / agents, 1),
+            "prefill_batches": len(pre), "decode_only_batches": len(dec),
+            "tokens": sum(t for t, _p, _s in b), "prefill_tokens": sum(p for _t, p, _s in b),
+            "backend_s": round(sum(ms) / 1000, 3),
+            "prefill_batches_s": round(sum(s for _t, _p, s in pre), 3),
+            "decode_only_ms_median": med([1000 * s for _t, _p, s in dec]),
+            "prefill_batch_ms_median": med([1000 * s for _t, _p, s in pre]),
+            "prefill_tokens_per_batch_median": med([float(p) for _t, p, _s in pre]),
+            "tokens_per_batch_mean": round(sum(t for t, _p, _s in b) / max(len(b), 1), 2),
+            "chunked_prefills": st.chunked_prefills - self.chunks0[0],
+            "prefill_chunks": st.prefill_chunks - self.chunks0[1],
+            "prefill_budget_last": st.prefill_budget, "step_fit_ms_us": [st.step_fixed_ms, st.step_token_us],
+            "batch_list": raw,  # each batch: [forwards (loops' steps included), new tokens, prefill tokens, ms]
+        }
+
+
 def _summary(runs: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """Medians over the repeats of one way in one cell."""
     per_agent = [a for r in runs for a in r["agents"]]
@@ -266,6 +329,7 @@ def _summary(runs: list[dict[str, Any]], n: int) -> dict[str, Any]:
         "backend_tokens_per_agent": statistics.median(r["backend_tokens"] / n for r in runs),
         "load_1m": [round(r["load_1m"], 2) for r in runs],  # the machine's load average before each run
         "suspensions": sum(r["suspensions"] for r in runs),  # instances the host suspended (KV pressure)
+        **({"steps": [r["steps"] for r in runs]} if all("steps" in r for r in runs) else {}),
     }
 
 
@@ -370,6 +434,11 @@ def main(argv: list[str] | None = None, backend: Any = None, wasm: tuple[bytes, 
                     help="with --stand-in: its time per new token in a batch (10: ~100k prefill tokens/s)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the cells an interrupted run of the same sweep left in --json; run the rest")
+    ap.add_argument("--prefill-chunk", default=None, metavar="auto|N",
+                    help="the host's --prefill-chunk (default: the host's default); both ways run under it")
+    ap.add_argument("--steps", action="store_true",
+                    help="also record each burst's backend steps (the scheduler's batches: how many, their "
+                         "tokens, prefill tokens and time; chunked prefills): `steps` per way in the JSON")
     ap.add_argument("--quick", action="store_true",
                     help="a small, fast run (CI): every kind at ios 2, 4 tokens, agents 1 and 2, tool-ms 0, 1 repeat")
     a = ap.parse_args(argv)
@@ -401,8 +470,11 @@ def main(argv: list[str] | None = None, backend: Any = None, wasm: tuple[bytes, 
     agent_wasm, openai_wasm = wasm or (resolve_inferlet(AGENT_DIR, quiet=True).read_bytes(),
                                        resolve_inferlet("openai_chat", quiet=True).read_bytes())
     data_dir = Path(tempfile.mkdtemp(prefix="pie-bench-agent-io-"))
+    extra: dict[str, Any] = {}
+    if a.prefill_chunk is not None:
+        extra["prefill_chunk"] = a.prefill_chunk if a.prefill_chunk == "auto" else int(a.prefill_chunk)
     hc = HostConfig(data_dir=data_dir, device=a.device, kv_memory_bytes=a.kv_mib * 2**20 if a.kv_mib else None,
-                    http_allow=(f"127.0.0.1:{tools.server_address[1]}",))
+                    http_allow=(f"127.0.0.1:{tools.server_address[1]}",), **extra)
     if backend is not None:
         host = Host(hc, backend=backend, progress=False)
     elif a.stand_in:
@@ -410,7 +482,9 @@ def main(argv: list[str] | None = None, backend: Any = None, wasm: tuple[bytes, 
         host = Host(hc, backend=backend, progress=False)
     else:
         host = Host(hc, progress=False)
-    config.update(model=host.model_name, device=str(getattr(host.backend.info, "device", a.device or "?")),
+    steps = StepLog(host) if a.steps else None
+    config.update(prefill_chunk=host.config.prefill_chunk, prefill_ratio=host.config.prefill_ratio,
+                  model=host.model_name, device=str(getattr(host.backend.info, "device", a.device or "?")),
                   prefix_cache=host.config.prefix_cache, workers=host.config.worker_count, kv_pages=host.total_pages,
                   page_size=host.config.page_size)
     phases = session["phases_s"] = {"start_s": 0.0, "warm_up_s": 0.0, "settle_s": 0.0}
@@ -454,11 +528,15 @@ def main(argv: list[str] | None = None, backend: Any = None, wasm: tuple[bytes, 
                         print(f"settle: {settle_failures[-1]}", file=sys.stderr, flush=True)
                 phases["settle_s"] = round(phases["settle_s"] + time.perf_counter() - t, 1)
                 tokens0, load = host.scheduler.stats.tokens, os.getloadavg()[0]
+                if steps is not None:
+                    steps.begin()
                 suspended0 = host.memory_stats().get("suspensions", 0)
                 bursts[0] += 1
                 r = pool.submit(drive, way, info, kind, n, ios, a.tokens, f"{tool_base}/ms{tool_ms:g}",
                                 bursts[0]).result()
                 r["backend_tokens"] = host.scheduler.stats.tokens - tokens0
+                if steps is not None:
+                    r["steps"] = steps.end(n)
                 r["load_1m"] = load
                 r["suspensions"] = host.memory_stats().get("suspensions", 0) - suspended0
                 short = [x["ios_done"] for x in r["agents"] if x["ios_done"] != ios]
@@ -486,6 +564,14 @@ def main(argv: list[str] | None = None, backend: Any = None, wasm: tuple[bytes, 
                       f"{row['inferlet']['latency_s_median']:.3f} s vs {row['client']['latency_s_median']:.3f} s "
                       f"(x{row['latency_ratio']:.2f}), agents/s {row['inferlet']['agents_per_s']:.3f} vs "
                       f"{row['client']['agents_per_s']:.3f} (x{row['throughput_ratio']:.2f})", file=sys.stderr, flush=True)
+                for way in WAYS if a.steps else ():
+                    for st in row[way].get("steps", []):
+                        print(f"  {way:8s} steps: {st['batches']} batches ({st['batches_per_agent']}/agent), "
+                              f"{st['prefill_batches']} with prefill ({st['prefill_tokens']} tokens, median "
+                              f"{st['prefill_tokens_per_batch_median']}/batch, {st['prefill_batch_ms_median']} ms), "
+                              f"decode-only median {st['decode_only_ms_median']} ms, backend {st['backend_s']} s, "
+                              f"chunks {st['prefill_chunks']} of {st['chunked_prefills']} prefills",
+                              file=sys.stderr, flush=True)
             pool.submit(close_clients).result()
         out = document(complete=True)
     finally:

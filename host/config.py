@@ -33,17 +33,19 @@ class HostConfig:
     model: None for the default SmolLM2 GGUF, else a .gguf path or an HF safetensors dir.
     policy: "adaptive" (one batch in flight, fire all queued when it returns) or "k-or-t"
         (fire when `batch_k` forwards are queued or the oldest waited `batch_t_ms`).
-    prefill_chunk: "auto" (the default) or an int. "auto": a batch with running decodes takes at
-        most as many prefill tokens as keep its predicted time within `prefill_ratio` decode-only
-        steps, predicted from a running fit of the batches' times (fixed + per token) the scheduler
-        measures (host/batching/stepcost.py); longer prompts run in chunks, one batch each, the
+    prefill_chunk: "auto" (the default) or an int. "auto": a batch with running decodes takes of
+        each queued prefill at most as many tokens as would keep its predicted time within
+        `prefill_ratio` decode-only steps were that prefill its only one (k prefills: k such shares,
+        not one share for all, which starved agents' prefills on CPU: bench/agent_io.md), predicted
+        from a running fit of the batches' times (fixed + per token) the scheduler measures
+        (host/batching/stepcost.py); longer prompts run in chunks, one batch each, the
         running decodes stepping in every one (docs/architecture.md, "Chunked prefill"); a batch with
         no running decodes is capped by `max_batch_tokens` only. An int: a forward of more new tokens
         than this runs in chunks of at most this many, the chunks in one batch at most this many
         together, whatever a token costs; 0 = never split.
-    prefill_ratio: with `prefill_chunk="auto"`, a batch with prefill chunks and running decodes is
+    prefill_ratio: with `prefill_chunk="auto"`, a batch with a prefill chunk and running decodes is
         sized to take at most this many times a decode-only step's time (1.5: issue 52's bound on the
-        decodes' mean TPOT while a long prompt prefills).
+        decodes' mean TPOT while a long prompt prefills); with k prefills queued, 1 + k * (ratio - 1).
     launch_grace_ms: with "adaptive", how long after the last launch onto an idle host a batch waits
         for the launched instances' first forwards (it fires as soon as all have come, or blocked on
         something else). 2 ms: a burst's instances join the batches as they come, best in front of the

@@ -160,13 +160,18 @@ def test_a_failed_chunk_fails_its_forward_and_frees_its_pins() -> None:
 
 def _loops(chunk: int | str, prompt_len: int, loops: int = 4, delay_s: float = 0.002, token_s: float = 0.0,
            stats: dict[str, Any] | None = None, loop_prompt: int = 2,
-           loop_tokens: int = 30) -> tuple[dict[str, Any], Recording]:
-    """`loops` host-side loops start, then one with a `prompt_len` prompt: every loop's result, the
-    backend (a step of `delay_s` + `token_s` a new token); `stats`: filled with the scheduler's."""
+           loop_tokens: int = 30, longs: int = 1, cost: StepCost | None = None) -> tuple[dict[str, Any], Recording]:
+    """`loops` host-side loops start, then one with a `prompt_len` prompt ("long"; `longs` > 1: as
+    many at once, "long0", "long1", ...): every loop's result, the backend (a step of `delay_s` +
+    `token_s` a new token); `stats`: filled with the scheduler's; `cost`: the scheduler's step cost
+    (`--prefill-chunk auto`), kept as given (the batches run do not change it)."""
     be = Recording(delay_s=delay_s)
     be.token_s = token_s
     pm = PageManager(128, None, PrefixCache(PS))
     s = _scheduler(be, chunk, pm)
+    if cost is not None:
+        cost.observe = lambda *_a, **_k: None  # type: ignore[method-assign]
+        s.cost = cost
     futs = {}
     try:
         def start(name: str, prompt: list[int], max_tokens: int, seed: int | None = None) -> None:
@@ -188,7 +193,8 @@ def _loops(chunk: int | str, prompt_len: int, loops: int = 4, delay_s: float = 0
                   seed=k if k % 2 else None)
         while len(be.rows) < 3:  # the loops are running
             threading.Event().wait(0.001)
-        start("long", [(7 * i) % 190 + 3 for i in range(prompt_len)], 5)
+        for j in range(longs):
+            start("long" if longs == 1 else f"long{j}", [(7 * i + j) % 190 + 3 for i in range(prompt_len)], 5)
         results = {name: tuple(f.wait(30).tokens) for name, f in futs.items()}
         assert all(pm.pinned(p) == 0 for p in range(128))
         if stats is not None:
@@ -374,3 +380,37 @@ def test_auto_sizes_the_chunk_by_the_measured_step_cost(token_s: float, chunked:
         # the probe, then doubling as the range measured widens (8, 16, 32, 64: the rest)
         assert long_rows[0] == PROBE_TOKENS and len(long_rows) <= 6 and max(long_rows) >= 40, long_rows
         assert st["prefill_budget"] >= 60 and st["step_token_us"] <= 2000, st  # (400 us; a loaded machine adds)
+
+
+def test_auto_gives_each_queued_prefill_its_own_budget() -> None:
+    """Four prompts come at once while four loops decode, on a CPU-like step cost (100 ms + 5 ms a
+    token: a budget of ~0.5 * (100 / 5 + 4) = 12 prefill tokens with 4 decodes). Each prompt gets
+    its own 12 tokens a batch, so all four are prefilled in the batches one of them takes alone
+    (40 tokens: 4). One budget for all of them (the old rule) lined them up, 12 tokens a batch for
+    all four: 14 batches, with the loops' steps at most 1.5x slower but the prompts 4x later; a
+    load whose prefills need more than (ratio - 1) / ratio of the backend's time (agents on the
+    model on CPU, bench/agent_io.md) then queued them without bound. Outputs as unchunked."""
+    from host.batching.future import ForwardFuture
+    from host.batching.queue import JobQueue, decode_tokens
+
+    whole, _ = _loops(0, 40, longs=4, loop_tokens=40)
+    cost = _fitted(0.100, 5e-3)
+    assert cost.prefill_budget(4, 10240) in (11, 12)  # (12 less a rounding)
+    auto, be = _loops("auto", 40, longs=4, loop_tokens=40, cost=cost)
+    assert auto == whole
+    longs = {f"long{j}" for j in range(4)}
+    rows = [i for i, batch in enumerate(be.rows) if any(name in longs and n > 1 for name, n in batch)]
+    chunks = [n for i in rows for name, n in be.rows[i] if name in longs and n > 1]
+    assert sum(chunks) == 4 * 40 and max(chunks) <= 12, chunks
+    assert rows[-1] - rows[0] + 1 <= 6, [be.rows[i] for i in rows]  # (4 on an idle machine; 14 with one budget)
+
+    # the queue's part: each prefill takes at most its share of the budget
+    q = JobQueue()
+    for k, owner in enumerate("abc"):
+        q.append(ForwardFuture(long_request(list(range(10 * k, 10 * k + 10)), context=0, n=40, base=k), owner))
+    q.append(ForwardFuture(ForwardRequest(pages=[40], last_page_len=2, tokens=[5], positions=[1],
+                                          outputs=[OutputSpec(index=0, sample=GREEDY)], name="d"), "d"))
+    assert decode_tokens(q.jobs) == (1, 3)
+    _copies, batch = q.take(True, [], PS, 10240, budget=30, share=10)
+    assert [(f.owner, len(f.request.tokens)) for f in batch] == [("a", 10), ("b", 10), ("c", 10), ("d", 1)]
+    assert decode_tokens(q.jobs) == (0, 0)  # (their chunks are in flight)

@@ -31,18 +31,19 @@ def _split(chunk: int, budget: int | None) -> int:
     return DECODE_TOKENS if budget is not None else chunk
 
 
-def decode_tokens(jobs: Iterable[ForwardFuture]) -> tuple[int, bool]:
-    """The new tokens of the queued decode steps among `jobs`, and whether a prefill (a longer
-    forward) is queued too (`--prefill-chunk auto`)."""
-    n, prefill = 0, False
+def decode_tokens(jobs: Iterable[ForwardFuture]) -> tuple[int, int]:
+    """The new tokens of the queued decode steps among `jobs`, and how many prefills (longer
+    forwards) could join the next batch: those queued with no chunk of theirs in flight
+    (`--prefill-chunk auto`: each of them gets a prefill budget of its own)."""
+    n = prefills = 0
     for f in jobs:
         req = f.request
         if isinstance(req, ForwardRequest):
             if f.chunks is None and len(req.tokens) <= DECODE_TOKENS:
                 n += len(req.tokens)
-            else:
-                prefill = True
-    return n, prefill
+            elif f.chunks is None or not f.chunks.running:
+                prefills += 1
+    return n, prefills
 
 
 def job_pages(job: Job) -> list[int]:
@@ -100,15 +101,17 @@ class JobQueue:
         return jobs
 
     def choose(self, ahead: int, max_tokens: int, chunk: int, turns: Turns, now: float,
-               budget: int | None = None) -> dict[ForwardFuture, int] | None:
+               budget: int | None = None, share: int | None = None) -> dict[ForwardFuture, int] | None:
         """The queued forwards a batch after `ahead` tokens should take when they do not all fit in
         `max_tokens`, or the chunked ones not in their share (`chunk`, or with `--prefill-chunk auto`
         the batch's prefill `budget`) (None: they do), in the service levels' order (`turns`); a
         forward whose owner has one left out before it is left out too (its order). Each chosen one
-        with the tokens it may take (a chunked one: its part of the share, in that order)."""
+        with the tokens it may take (a chunked one: its part of the share, in that order). `share`
+        (with a `budget`): what one chunked forward may take of it at most."""
         costs: dict[ForwardFuture, int] = {}
         split = _split(chunk, budget)
         cap = budget if budget is not None else chunk
+        each = share if share is not None and budget is not None else cap
         chunked: set[ForwardFuture] = set()
         total, pre = ahead, 0
         for f in self.jobs:
@@ -118,7 +121,7 @@ class JobQueue:
             n = len(req.tokens) - (f.chunks.done if f.chunks is not None else 0)
             if split and req.embeds is None and (f.chunks is not None or n > split):
                 chunked.add(f)
-                n = min(n, cap)
+                n = min(n, cap, each)
                 pre += n
             costs[f] = n
             total += n
@@ -144,7 +147,7 @@ class JobQueue:
 
     def take(self, fire: bool, ahead: Sequence[ForwardFuture], page_size: int, max_tokens: int,
              dry: bool = False, chunk: int = 0, chosen: dict[ForwardFuture, int] | None = None,
-             budget: int | None = None) -> tuple[list[ForwardFuture], list[ForwardFuture]]:
+             budget: int | None = None, share: int | None = None) -> tuple[list[ForwardFuture], list[ForwardFuture]]:
         """The copies that may run now and, if `fire`, the queued forwards that may join a batch after
         `ahead` (the running loops' steps, which go first): nothing they touch is touched by a job
         ahead of them, and the batch stays within `max_tokens` tokens. `dry`: leave the queue as is.
@@ -159,8 +162,10 @@ class JobQueue:
 
         `budget` (`--prefill-chunk auto`, host/batching/stepcost.py): instead of a fixed chunk, every
         forward of more than `DECODE_TOKENS` new tokens (a prefill) is chunked as needed so that the
-        prefills in this batch take at most `budget` tokens together; shorter ones (decode steps)
-        join whole. A forward with input embeddings runs whole either way."""
+        prefills in this batch take at most `budget` tokens together, and each at most `share` (if
+        given: the scheduler's budget is a share per prefill that could join, so that several
+        owners' prefills are not lined up behind one share); shorter ones (decode steps) join
+        whole. A forward with input embeddings runs whole either way."""
         copies: list[ForwardFuture] = []
         batch: list[ForwardFuture] = []
         rest: list[ForwardFuture] = []
@@ -171,6 +176,7 @@ class JobQueue:
         tokens = len(ahead)
         split = _split(chunk, budget)  # forwards of more new tokens than this are chunked (0: none)
         chunk_left = budget if budget is not None else chunk  # tokens the chunks taken so far leave to others
+        each = share if share is not None and budget is not None else chunk_left  # one forward's most
         if self.jobs:  # the loops' pages count as ahead of every queued job
             for fut in ahead:
                 r, w = footprint(fut.request, page_size)
@@ -190,7 +196,7 @@ class JobQueue:
                 # (a forward with input embeddings runs whole: its vectors' runs are not split)
                 if split and req.embeds is None and (ch is not None or len(req.tokens) > split):
                     left = len(req.tokens) - (ch.done if ch is not None else 0)
-                    n = min(left, chunk_left, max_tokens - tokens if batch or ahead else left,
+                    n = min(left, chunk_left, each, max_tokens - tokens if batch or ahead else left,
                             left if chosen is None else chosen[fut])
                     if n > 0 and not (ch is not None and ch.running):
                         chunk_left -= n

@@ -280,19 +280,25 @@ class Scheduler(BatchRunner):
                 lp.ahead, lp.ahead_reqs, lp.ahead_rows, lp.resident = [], [], [], []
                 self._loops_in_batch = len(loops)
         now = time.perf_counter()
-        budget = None
+        budget = share = None
         if self._auto and fire and self._queue:  # prefill tokens this batch may take (stepcost.py)
-            decodes, prefill = decode_tokens(self._queue.jobs)
-            if prefill:  # (else nothing to cap, and no fit to make)
-                budget = self.cost.prefill_budget(len(loops) + decodes, self.max_batch_tokens)
+            decodes, prefills = decode_tokens(self._queue.jobs)
+            if prefills:  # (else nothing to cap, and no fit to make)
+                # each prefill that could join gets the ratio's budget (`share`), not one budget for
+                # all of them: with one shared, prefills of several owners queued at once ran one
+                # share a batch, so while any decode ran the prefills got at most (ratio - 1) /
+                # ratio of the backend's time, and a load whose prefills need more (agents on the
+                # model on CPU: ~half of it) queued them without bound (bench/agent_io.md)
+                share = self.cost.prefill_budget(len(loops) + decodes, self.max_batch_tokens)
+                budget = min(share * prefills, max(self.max_batch_tokens - len(loops) - decodes, 1))
                 self.stats.prefill_budget = self.cost.budget
                 self.stats.step_fixed_ms, self.stats.step_token_us = self.cost.fit_ms_us()
             else:
                 budget = self.max_batch_tokens
-        chosen = self._queue.choose(len(loops), self.max_batch_tokens, self._chunk, self.turns, now, budget) \
+        chosen = self._queue.choose(len(loops), self.max_batch_tokens, self._chunk, self.turns, now, budget, share) \
             if fire and self._queue else None
         copies, queued = self._queue.take(fire, loops, self._page_size, self.max_batch_tokens, dry, self._chunk,
-                                          chosen, budget)
+                                          chosen, budget, share)
         if not dry and queued:
             self._waited(queued, now, chosen is not None)
         return copies, loops + queued

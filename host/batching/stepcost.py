@@ -30,6 +30,15 @@ CPU: a line through a few prefill batches put the fixed part at 2.7 s, the decod
 several times a later batch's of its size). With `T(d) = fixed + per_token * d`:
 `P <= (ratio - 1) * (fixed / per_token + d)`.
 
+The budget is per prefill: the scheduler gives each queued prefill that could join the batch
+(host/batching/queue.py, `decode_tokens`) its own `P`, so a batch with `k` of them may take `k * P`
+(`max_batch_tokens` still caps it). With one `P` for all of them, the prefills of several owners
+queued at once went one `P` a batch, so while any decode ran the prefills had at most
+`(ratio - 1) / ratio` of the backend's time: a load whose prefills need more (8 agents on the model on
+CPU, whose turns each prefill their observation: about half the model's time) queued them without
+bound and ran at that rate (bench/agent_io.md: 2x slower than never splitting, both ways). The
+decodes' bound holds per prefill: one long prompt still runs in chunks of `P`.
+
 So on a device where a step is mostly its fixed part (10 ms + 20 us a token: P ~ 250 + d / 2 at
 1.5) prefills go in large chunks, and on CPU, where a token costs about what a step's fixed part
 does, in a few tokens. A batch with no running decodes is not capped beyond `max_batch_tokens`.
