@@ -259,8 +259,8 @@ class StepLog:
     own seconds), read where the scheduler times it for `--prefill-chunk auto` (`StepCost.observe`),
     and the scheduler's chunk counters. `end` summarises the burst."""
 
-    def __init__(self, host: Host) -> None:
-        self.host = host
+    def __init__(self, host: Host, keep: bool = False) -> None:
+        self.host, self.keep = host, keep
         self.batches: list[tuple[Any, ...]] = []  # (tokens, prefill tokens, seconds, forwards)
         self.on = False
         cost = host.scheduler.cost
@@ -300,7 +300,7 @@ class StepLog:
         def med(xs: list[float]) -> float | None:
             return round(statistics.median(xs), 2) if xs else None
 
-        return {
+        out: dict[str, Any] = {
             "batches": len(b), "batches_per_agent": round(len(b) / agents, 1),
             "prefill_batches": len(pre), "decode_only_batches": len(dec),
             "tokens": sum(t for t, _p, _s in b), "prefill_tokens": sum(p for _t, p, _s in b),
@@ -313,8 +313,10 @@ class StepLog:
             "chunked_prefills": st.chunked_prefills - self.chunks0[0],
             "prefill_chunks": st.prefill_chunks - self.chunks0[1],
             "prefill_budget_last": st.prefill_budget, "step_fit_ms_us": [st.step_fixed_ms, st.step_token_us],
-            "batch_list": raw,  # each batch: [forwards (loops' steps included), new tokens, prefill tokens, ms]
         }
+        if self.keep:
+            out["batch_list"] = raw  # each batch: [forwards (loops' steps included), new tokens, prefill tokens, ms]
+        return out
 
 
 def _summary(runs: list[dict[str, Any]], n: int) -> dict[str, Any]:
@@ -439,6 +441,8 @@ def main(argv: list[str] | None = None, backend: Any = None, wasm: tuple[bytes, 
     ap.add_argument("--steps", action="store_true",
                     help="also record each burst's backend steps (the scheduler's batches: how many, their "
                          "tokens, prefill tokens and time; chunked prefills): `steps` per way in the JSON")
+    ap.add_argument("--batch-list", action="store_true",
+                    help="with --steps: every batch too ([forwards, new tokens, prefill tokens, ms]; a long JSON)")
     ap.add_argument("--quick", action="store_true",
                     help="a small, fast run (CI): every kind at ios 2, 4 tokens, agents 1 and 2, tool-ms 0, 1 repeat")
     a = ap.parse_args(argv)
@@ -482,7 +486,7 @@ def main(argv: list[str] | None = None, backend: Any = None, wasm: tuple[bytes, 
         host = Host(hc, backend=backend, progress=False)
     else:
         host = Host(hc, progress=False)
-    steps = StepLog(host) if a.steps else None
+    steps = StepLog(host, a.batch_list) if a.steps else None
     config.update(prefill_chunk=host.config.prefill_chunk, prefill_ratio=host.config.prefill_ratio,
                   model=host.model_name, device=str(getattr(host.backend.info, "device", a.device or "?")),
                   prefix_cache=host.config.prefix_cache, workers=host.config.worker_count, kv_pages=host.total_pages,
