@@ -43,6 +43,9 @@ favours the inferlet: the per-turn overheads it saves weigh more against short g
 run took 62 minutes on the 2-core CPU VM (bench/agent_io.md), most of it the 32-I/O, 8-agent cells;
 `--ios 2 8` or `--repeats 1` shorten it. The JSON is rewritten after every cell; `--resume` runs only
 the cells an interrupted run of the same sweep did not finish.
+`--steps` also records each burst's backend batches (how many, how many carry prefill, their tokens and
+time, chunked prefills; `--batch-list`: every batch), and `--prefill-chunk auto|N` sets the host's (both
+ways run under it): what explained the inferlet way's loss at 8 agents on the CPU (bench/agent_io.md).
 `--quick` (CI): every kind at ios 2, 4 tokens, agents 1 and 2, tool-ms 0, 1 repeat, no warm-up
 (~45 s; its numbers are not measurements).
 """
