@@ -80,7 +80,8 @@ def start_workers(config: HostConfig, services: ApiServices, limits: InstanceLim
         tokenizer = None
     spec = WorkerSpec(index=0, cache_dir=config.cache_dir, epoch_tick_ms=config.epoch_tick_ms, limits=limits,
                       pool_slots=pool_slots, imports=names, resources=resources, package=PACKAGE,
-                      constants=constants, wit_version=WIT_VERSION, info=services.info, tokenizer=tokenizer)
+                      constants=constants, wit_version=WIT_VERSION, info=services.info, tokenizer=tokenizer,
+                      warm_in_background=config.warm_yield)
     return WorkerPool(config.worker_count, spec, imports)
 
 

@@ -19,6 +19,7 @@ from helpers import Run, text_completion_burst, wait_for, wasm_bytes
 from host import Host, HostConfig
 from host.cli.options import add_host_options, host_config_from_args
 from host.config import auto_workers
+from host.wasm import priority
 
 
 def expected_generation(prompt: list[int], n: int) -> str:
@@ -216,5 +217,49 @@ def test_terminate_answers_a_step_served_on_the_reader_and_frees_its_pages(tmp_p
         wait_for(lambda: h.free_pages() == h.total_pages, what="every page back")
         end = Run(h, prog, ["generate", "2", "9"]).finish(30)
         assert (end.event, end.message) == ("completed", expected_generation([9], 2))
+    finally:
+        h.shutdown()
+
+
+def _nice_threads(pid: int) -> dict[int, int]:
+    """The nice value of each thread of process `pid` (Linux's /proc)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                out[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+        except (OSError, IndexError, ValueError):  # (a thread that ended meanwhile)
+            pass
+    return out
+
+
+@pytest.mark.skipif(not priority.available(), reason="a lowered thread cannot be raised back here")
+def test_a_warm_guest_in_a_worker_runs_in_the_background_until_its_launch(tmp_path: Path) -> None:
+    """As in the host's process (HostConfig.warm_yield): a warm guest's thread in its worker runs at the
+    lowest CPU priority while it is parked, so refills do not take the cores from a running burst,
+    and at its launch it is raised back to the worker's priority."""
+    h = make_host(tmp_path, max_instances=8, warm_auto=0)
+    try:
+        pid = h.stats()["workers"]["per_worker"][0]["pid"]
+        base = os.getpriority(os.PRIO_PROCESS, pid)
+        prog = h.compile(wasm_bytes("misbehave"))
+        before = {t for t, n in _nice_threads(pid).items() if n == priority.BACKGROUND_NICE}
+        assert h.prewarm(prog, 1) == 1
+        parked = h.warm._ready[prog][0]
+        parked_pid, parked_id = parked.worker.pid, parked.id  # type: ignore[union-attr]
+        lowered = {t for t, n in _nice_threads(parked_pid).items() if n == priority.BACKGROUND_NICE}
+        guests = lowered - (before if parked_pid == pid else set())
+        assert guests, "no thread of the warm guest's worker runs in the background"
+        with h.warm._cond:  # no refill after the launch below: only the launched guest's thread changes
+            h.warm._target[prog] = 0
+            h.warm._pinned.discard(prog)
+        run = Run(h, prog, ["hog", "1"])
+        assert run.id == parked_id
+        assert run.events.get(timeout=30).message == "holding"
+        nice = _nice_threads(parked_pid)
+        raised = [t for t in guests if nice.get(t) == base]
+        assert len(raised) == 1, (guests, nice)  # the launched guest serves a client now
+        h.signal(run.id, "go")
+        assert run.finish(30).message == "released"
     finally:
         h.shutdown()

@@ -161,17 +161,22 @@ class Instance(Waiter):
             self._t0 = time.perf_counter()
             self.parked = False
             self._begin_start()
-            if self._base_nice is not None:  # from now on it serves a client
-                try:
-                    priority.restore(self._thread.native_id or 0, self._base_nice)
-                except OSError as e:  # (permitted when probed: only a policy change gets here)
-                    log.warning("%s keeps its background priority: %s", self.label, e)
-                self._base_nice = None
+            self.to_foreground()
         # Its thread is woken in its turn, like an instance whose forward is done: woken at once,
         # a burst of launches had every parked thread take the GIL only to queue for a gate slot
         # (host/batching/gate.py).
         self.env.gate.wake(self._resume)
         return True
+
+    def to_foreground(self) -> None:
+        """A warm instance launched: from now on it serves a client, at its thread's priority before
+        it was lowered (`InstanceEnv.warm_in_background`). Called with `cond` held."""
+        if self._base_nice is not None:
+            try:
+                priority.restore(self._thread.native_id or 0, self._base_nice)
+            except OSError as e:  # (permitted when probed: only a policy change gets here)
+                log.warning("%s keeps its background priority: %s", self.label, e)
+            self._base_nice = None
 
     def _resume(self) -> bool:
         """The gate's wake-up for a launched warm instance; returns whether its thread was waiting."""

@@ -105,6 +105,7 @@ class WorkerSpec:
     wit_version: str = ""  # what runtime.version answers
     info: BackendInfo | None = None  # the model's facts (the tokenizer's imports check ids against it)
     tokenizer: bytes | None = None  # the host's tokenizer, pickled (None: its imports go to the host)
+    warm_in_background: bool = False  # warm guests run at the lowest CPU priority until launched (`HostConfig.warm_yield`)
 
 
 class _Worker:
@@ -121,8 +122,12 @@ class _Worker:
         self.linker = self._linker()
         # the host enforces the wall budget (it stops the guest); here only the memory limits apply
         limits = InstanceLimits(**{**vars(spec.limits), "wall_budget_s": None})
+        # A warm guest starts at the lowest CPU priority, as in the host, until its Unpark: refilling
+        # the pool while a burst runs must not take the CPU from the burst's guests (nor, on a
+        # machine with few cores, from the host's scheduler).
         self.env = InstanceEnv(engine=self.engine, linker=self.linker, gate=RunGate(True), limits=limits,
-                               on_block=lambda _iid: None, on_end=self._ended)
+                               on_block=lambda _iid: None, on_end=self._ended,
+                               warm_in_background=spec.warm_in_background and priority.available())
         self.engine.on_tick.append(self.env.gate.poll)  # queued wake-ups go out even if holders stall
         self.instances: dict[str, Instance] = {}
         self.channels: dict[str, _Channel] = {}
@@ -284,6 +289,7 @@ class _Worker:
                 with inst.cond:
                     inst.args = list(msg.args)
                     inst.parked = False
+                    inst.to_foreground()
         elif isinstance(msg, wire.Stop):
             with self._lock:
                 inst = self.instances.get(msg.iid)
