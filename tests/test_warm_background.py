@@ -280,3 +280,29 @@ def test_text_completion_bursts_back_to_back_with_parallel_warmers_and_reapers(
         assert [t.name for t in h.warm._threads if t.is_alive()] == ["pie-warm-0", "pie-warm-1"]
     finally:
         h.shutdown()
+
+
+def test_only_a_warm_instance_calls_before_warm_store_and_before_its_store(host: Host, misbehave_wasm: bytes) -> None:
+    """`InstanceEnv.before_warm_store` (an instance worker waits there for its reaper's frees) runs
+    once for a warm start, before its store is made, and never for a cold one."""
+    import dataclasses
+    import queue
+
+    from host.wasm.instance import Instance
+
+    program = host.compile(misbehave_wasm)
+    seen: list[int] = []
+    env = dataclasses.replace(host._env, before_warm_store=lambda: seen.append(host.wasm._stores_live))
+    live = host.wasm._stores_live
+    warm = Instance(env, program, [], lambda ev: None, warm=True)
+    warm.start()
+    with warm.cond:
+        assert warm.cond.wait_for(lambda: warm.at_first_call, 30)
+    assert seen == [live]  # once, before its store counted
+    events: queue.Queue = queue.Queue()
+    cold = Instance(env, program, ["generate", "2", "5"], events.put)
+    cold.start()
+    assert cold.join(30)
+    assert seen == [live]  # not for a cold start
+    warm.terminate("done")
+    assert warm.join(30)

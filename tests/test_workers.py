@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fakes import FakeBackend
@@ -263,3 +264,28 @@ def test_a_warm_guest_in_a_worker_runs_in_the_background_until_its_launch(tmp_pa
         assert run.finish(30).message == "released"
     finally:
         h.shutdown()
+
+
+def test_a_warm_start_in_a_worker_waits_for_the_reapers_frees_at_most_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_Worker._await_frees` (a warm guest's `before_warm_store`): it returns once the reaper has
+    nothing pending, and after `_FREES_WAIT_S` if it never drains."""
+    from host.workers import worker as worker_mod
+
+    class Reaper:
+        def __init__(self, pending: int) -> None:
+            self.left, self.asked = pending, 0
+
+        def pending(self) -> int:
+            self.asked += 1
+            self.left = max(self.left - 1, 0) if self.left < 1000 else self.left
+            return self.left
+
+    draining = Reaper(3)
+    worker_mod._Worker._await_frees(SimpleNamespace(engine=SimpleNamespace(reaper=draining)))  # type: ignore[arg-type]
+    assert draining.left == 0 and draining.asked == 3
+    monkeypatch.setattr(worker_mod, "_FREES_WAIT_S", 0.05)
+    stuck = Reaper(1000)
+    t0 = time.monotonic()
+    worker_mod._Worker._await_frees(SimpleNamespace(engine=SimpleNamespace(reaper=stuck)))  # type: ignore[arg-type]
+    assert 0.05 <= time.monotonic() - t0 < 1.0 and stuck.asked > 1
+    worker_mod._Worker._await_frees(SimpleNamespace(engine=SimpleNamespace(reaper=None)))  # type: ignore[arg-type]

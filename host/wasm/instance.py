@@ -71,6 +71,8 @@ class InstanceEnv:
     # a warm instance starts at the lowest CPU priority until launched (host/wasm/priority.py)
     warm_in_background: bool = False
     starts: Starts | None = None  # counts launched instances until their first wait
+    # a warm instance calls it before it makes its store (an instance worker: host/workers/worker.py)
+    before_warm_store: Callable[[], None] | None = None
 
 
 class Terminated(Exception):
@@ -405,6 +407,11 @@ class Instance(Waiter):
             with self.cond:  # (not once launched: `launch` raises it only after this)
                 if self.parked:
                     self._base_nice = priority.lower()
+        if env.before_warm_store is not None:
+            with self.cond:
+                warm = self.parked
+            if warm:
+                env.before_warm_store()
         store = self._store = env.engine.new_store()
         env.limits.apply(store)
         self._epoch_key = watch_epochs(store, self)

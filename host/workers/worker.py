@@ -25,6 +25,7 @@ import pickle
 import queue
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -46,6 +47,7 @@ from host.wasm.engine import WasmEngine
 from host.wasm.instance import Instance, InstanceEnv, current
 from host.wasm.limits import InstanceLimits
 from host.wasm.pooling import PoolingConfig
+from host.wasm.starts import START_POLL_S
 from host.workers import wire
 from host.workers.frames import Frames
 
@@ -68,6 +70,7 @@ LOCAL = LOCAL_RUNTIME | LOCAL_MODEL
 ONEWAY = frozenset({"runtime.log", "runtime.set-priority", "kv.release", "messaging.send", "messaging.publish",
                     "messaging.subscribe", "messaging.unsubscribe", "store.set", "store.delete"})
 ONEWAY_MAX = 32
+_FREES_WAIT_S = 1.0  # the longest a warm guest waits for the reaper (`_Worker._await_frees`)
 
 
 def _deliver(replies: queue.SimpleQueue[wire.Reply], reply: wire.Reply) -> bool:
@@ -127,12 +130,25 @@ class _Worker:
         # machine with few cores, from the host's scheduler).
         self.env = InstanceEnv(engine=self.engine, linker=self.linker, gate=RunGate(True), limits=limits,
                                on_block=lambda _iid: None, on_end=self._ended,
-                               warm_in_background=spec.warm_in_background and priority.available())
+                               warm_in_background=spec.warm_in_background and priority.available(),
+                               before_warm_store=self._await_frees)
         self.engine.on_tick.append(self.env.gate.poll)  # queued wake-ups go out even if holders stall
         self.instances: dict[str, Instance] = {}
         self.channels: dict[str, _Channel] = {}
         self._unparked: dict[str, tuple[str, ...]] = {}  # warm instances launched before their Launch came: their args
         self._lock = threading.Lock()
+
+    def _await_frees(self) -> None:
+        """A warm guest makes its store once the stores of the guests that ended here are freed (for
+        at most `_FREES_WAIT_S`), as the host's warm pool waits for its own reaper (WasmEngine.reaping):
+        the pooling allocator then hands it a slot just reset, its pages resident. Refilled while
+        the reaper (at the lowest priority) still held a burst's stores, warm guests took other
+        slots, and every reset faulted its pages in again: half a worker's CPU per instance went
+        to the kernel (bench/host_scale_b2b_workers.md)."""
+        reaper = self.engine.reaper
+        deadline = time.monotonic() + _FREES_WAIT_S
+        while reaper is not None and reaper.pending() > 0 and time.monotonic() < deadline:
+            time.sleep(START_POLL_S)
 
     def send(self, msg: Any, store: Any = None) -> None:
         data = wire.dumps(msg, store)
