@@ -267,25 +267,38 @@ def test_a_warm_guest_in_a_worker_runs_in_the_background_until_its_launch(tmp_pa
 
 
 def test_a_warm_start_in_a_worker_waits_for_the_reapers_frees_at_most_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`_Worker._await_frees` (a warm guest's `before_warm_store`): it returns once the reaper has
-    nothing pending, and after `_FREES_WAIT_S` if it never drains."""
+    """`_Worker._await_frees` (a warm guest's `before_warm_store`): it returns once the worker's
+    reaper has freed every store queued, and after `_FREES_WAIT_S` if it never does."""
+    import threading
+
+    from host.wasm.reaper import StoreReaper
     from host.workers import worker as worker_mod
 
-    class Reaper:
-        def __init__(self, pending: int) -> None:
-            self.left, self.asked = pending, 0
+    class Store:
+        def __init__(self, gate: threading.Event) -> None:
+            self.gate, self.closed = gate, False
 
-        def pending(self) -> int:
-            self.asked += 1
-            self.left = max(self.left - 1, 0) if self.left < 1000 else self.left
-            return self.left
+        def close(self) -> None:
+            self.gate.wait(5)
+            self.closed = True
 
-    draining = Reaper(3)
-    worker_mod._Worker._await_frees(SimpleNamespace(engine=SimpleNamespace(reaper=draining)))  # type: ignore[arg-type]
-    assert draining.left == 0 and draining.asked == 3
-    monkeypatch.setattr(worker_mod, "_FREES_WAIT_S", 0.05)
-    stuck = Reaper(1000)
-    t0 = time.monotonic()
-    worker_mod._Worker._await_frees(SimpleNamespace(engine=SimpleNamespace(reaper=stuck)))  # type: ignore[arg-type]
-    assert 0.05 <= time.monotonic() - t0 < 1.0 and stuck.asked > 1
+    release = threading.Event()
+    reaper = StoreReaper(busy=lambda: False, background=False)
+    try:
+        stores = [Store(release) for _ in range(3)]
+        for st in stores:
+            reaper.put(st)
+        threading.Timer(0.1, release.set).start()
+        fake = SimpleNamespace(engine=SimpleNamespace(reaper=reaper))
+        worker_mod._Worker._await_frees(fake)  # type: ignore[arg-type]
+        assert all(st.closed for st in stores) and reaper.pending() == 0
+        monkeypatch.setattr(worker_mod, "_FREES_WAIT_S", 0.05)
+        stuck = threading.Event()
+        reaper.put(Store(stuck))
+        t0 = time.monotonic()
+        worker_mod._Worker._await_frees(fake)  # type: ignore[arg-type]
+        assert 0.05 <= time.monotonic() - t0 < 1.0
+        stuck.set()
+    finally:
+        reaper.close()
     worker_mod._Worker._await_frees(SimpleNamespace(engine=SimpleNamespace(reaper=None)))  # type: ignore[arg-type]

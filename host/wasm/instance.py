@@ -403,15 +403,12 @@ class Instance(Waiter):
         """Make the store, instantiate the component and run the guest here; its end (event, message)."""
         env = self.env
         self._cpu0 = time.thread_time()
-        if env.warm_in_background:
-            with self.cond:  # (not once launched: `launch` raises it only after this)
-                if self.parked:
-                    self._base_nice = priority.lower()
-        if env.before_warm_store is not None:
-            with self.cond:
-                warm = self.parked
-            if warm:
-                env.before_warm_store()
+        with self.cond:  # (not once launched: `launch` raises it only after this)
+            warm = self.parked
+            if warm and env.warm_in_background:
+                self._base_nice = priority.lower()
+        if warm and env.before_warm_store is not None:
+            env.before_warm_store()
         store = self._store = env.engine.new_store()
         env.limits.apply(store)
         self._epoch_key = watch_epochs(store, self)

@@ -25,7 +25,6 @@ import pickle
 import queue
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -47,7 +46,6 @@ from host.wasm.engine import WasmEngine
 from host.wasm.instance import Instance, InstanceEnv, current
 from host.wasm.limits import InstanceLimits
 from host.wasm.pooling import PoolingConfig
-from host.wasm.starts import START_POLL_S
 from host.workers import wire
 from host.workers.frames import Frames
 
@@ -145,10 +143,8 @@ class _Worker:
         the reaper (at the lowest priority) still held a burst's stores, warm guests took other
         slots, and every reset faulted its pages in again: half a worker's CPU per instance went
         to the kernel (bench/host_scale_b2b_workers.md)."""
-        reaper = self.engine.reaper
-        deadline = time.monotonic() + _FREES_WAIT_S
-        while reaper is not None and reaper.pending() > 0 and time.monotonic() < deadline:
-            time.sleep(START_POLL_S)
+        if self.engine.reaper is not None:
+            self.engine.reaper.wait_drained(_FREES_WAIT_S)
 
     def send(self, msg: Any, store: Any = None) -> None:
         data = wire.dumps(msg, store)
