@@ -50,7 +50,8 @@ finished store to be freed before it refills, even into slots used before that a
 `workers0` / `workers2` / `workers2_switch05` (the guests in the host's process, or in 2 worker
 processes, the last with a 0.5 ms GIL switch interval; `default` runs `HostConfig.workers`' default, auto).
 Every burst also reports the process's CPU, kernel CPU and page faults per instance
-(`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`), the launching thread's time
+(`cpu_ms_per_instance`, `sys_ms_per_instance`, `faults_per_instance`; with workers also theirs:
+`workers_cpu_ms_per_instance`, `workers_faults_per_instance`), the launching thread's time
 for its N launches (`launch_ms`: a launch that finds no parked instance makes one cold, its thread
 started by host/wasm/starter.py's thread), and back to
 back where the time beyond the backend's goes: `ramp_ms` (from the first launch to the first
@@ -242,7 +243,7 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
     before = host.scheduler.stats.as_dict()
     logged = len(log.calls) if log is not None else 0
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
-    w0 = workers_cpu_s(host)
+    w0, f0 = workers_cpu_s(host), workers_faults(host)
     t0 = time.perf_counter()
     runs = [Run(host, program, args) for _ in range(n)]
     launched = time.perf_counter()
@@ -252,7 +253,7 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
             raise RuntimeError(f"wrong result: {end.event}: {end.message[:200]!r} (expected {want[:80]!r})")
     wall = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
-    w1 = workers_cpu_s(host)
+    w1, f1 = workers_cpu_s(host), workers_faults(host)
     after = host.scheduler.stats.as_dict()
     mean_batch = (after["forwards"] - before["forwards"]) / max(after["batches"] - before["batches"], 1)
     tok_s = n * tokens / wall
@@ -273,7 +274,23 @@ def run_once(host: Host, program: str, args: list[str], n: int, want: str, step_
             "cpu_ms_per_instance": round(1000 * (ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime) / n, 2),
             "sys_ms_per_instance": round(1000 * (ru1.ru_stime - ru0.ru_stime) / n, 2),
             "faults_per_instance": round((ru1.ru_minflt - ru0.ru_minflt) / n, 1),
-            **({} if w0 is None or w1 is None else {"workers_cpu_ms_per_instance": round(1000 * (w1 - w0) / n, 2)})}
+            **({} if w0 is None or w1 is None else {"workers_cpu_ms_per_instance": round(1000 * (w1 - w0) / n, 2)}),
+            **({} if f0 is None or f1 is None else {"workers_faults_per_instance": round((f1 - f0) / n, 1)})}
+
+
+def workers_faults(host: Host) -> int | None:
+    """Minor page faults of the host's instance workers so far (None without workers, or where /proc
+    cannot tell): `faults_per_instance` counts the host's process only."""
+    if host.workers is None:
+        return None
+    total = 0
+    for w in host.workers.stats():
+        try:
+            with open(f"/proc/{w['pid']}/stat") as f:
+                total += int(f.read().rsplit(")", 1)[1].split()[7])
+        except (OSError, IndexError, ValueError):
+            return None
+    return total
 
 
 def workers_cpu_s(host: Host) -> float | None:
