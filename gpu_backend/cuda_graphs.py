@@ -91,11 +91,15 @@ class DecodeGraphs:
 
     `scratch_page`: a physical page of `cache` outside the caller's range (padding rows use it).
     `capture=False` skips the capture and runs the forward on the static buffers instead: the same
-    padding and refill path, for checking it on CPU.
+    padding and refill path, for checking it on CPU. `compile_layers`: the forward runs the layers'
+    parts around attention through torch.compile (`LlamaModel.hidden(compiled=True)`): compiled in
+    the first warm-up pass of each bucket (one compile per batch bucket; the KV length is not part
+    of the compiled shapes), never during the capture.
     """
 
     def __init__(self, model: LlamaModel, cache: KVCache, attention: Attention, page_size: int,
-                 scratch_page: int, buckets: Sequence[int] = DEFAULT_BUCKETS, capture: bool = True) -> None:
+                 scratch_page: int, buckets: Sequence[int] = DEFAULT_BUCKETS, capture: bool = True,
+                 compile_layers: bool = False) -> None:
         if not 0 <= scratch_page < cache.num_pages:
             raise ValueError(f"scratch page {scratch_page} is not a page of the cache ({cache.num_pages} pages)")
         if capture and model.device.type != "cuda":
@@ -104,6 +108,9 @@ class DecodeGraphs:
         self.page_size, self.scratch_page = page_size, scratch_page
         self.buckets = sorted(buckets)
         self.capture = capture
+        if compile_layers and model.reduce is not None:
+            raise ValueError("compile_layers: compiled layers run on a single rank (not with tensor parallel)")
+        self.compile_layers = compile_layers
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool: Any = None  # one memory pool shared by all graphs (torch.cuda._POOL_HANDLE)
 
@@ -132,7 +139,7 @@ class DecodeGraphs:
             patch(plan)
         refill(g.plan, plan)
         if g.graph is None:
-            out = self.model.forward(g.plan, self.cache)
+            out = self.model.forward(g.plan, self.cache, compiled=self.compile_layers)
         else:
             g.graph.replay()
             assert g.logits is not None  # captured together with the graph
@@ -151,18 +158,18 @@ class DecodeGraphs:
         if not self.capture:
             return _Graph(plan, None, None)
         dev = self.model.device
-        # warm up on a side stream (compiles flex_attention for this shape, settles lazy inits)
-        # so nothing is compiled or allocated outside the pool during capture; dummies only touch
-        # the scratch page
+        # warm up on a side stream (compiles flex_attention and, with compile_layers, the layers for
+        # this shape, settles lazy inits) so nothing is compiled or allocated outside the pool during
+        # capture; dummies only touch the scratch page
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model.forward(plan, self.cache)
+                self.model.forward(plan, self.cache, compiled=self.compile_layers)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.model.forward(plan, self.cache)
+            logits = self.model.forward(plan, self.cache, compiled=self.compile_layers)
         if self._pool is None:
             self._pool = graph.pool()
         return _Graph(plan, logits, graph)

@@ -139,10 +139,11 @@ class LlamaModel:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def forward(self, plan: BatchPlan, cache: KVCache,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None, *, compiled: bool = False) -> torch.Tensor:
         """Run all layers, write the new K/V, return float32 logits of `plan.output_rows` [M, vocab].
-        `embeds`: (rows of the batch, their input vectors) in place of those rows' token embeddings."""
-        return self.logits(self.hidden(plan, cache, embeds))
+        `embeds`: (rows of the batch, their input vectors) in place of those rows' token embeddings.
+        `compiled`: the layers' parts around attention through torch.compile (`hidden`)."""
+        return self.logits(self.hidden(plan, cache, embeds, compiled=compiled))
 
     def forward_hidden(self, plan: BatchPlan, cache: KVCache,
                        embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,36 +159,144 @@ class LlamaModel:
         return logits
 
     def hidden(self, plan: BatchPlan, cache: KVCache,
-               embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Run all layers, write the new K/V, return the output rows' hidden states after the final norm."""
+               embeds: tuple[torch.Tensor, torch.Tensor] | None = None, *, compiled: bool = False) -> torch.Tensor:
+        """Run all layers, write the new K/V, return the output rows' hidden states after the final norm.
+
+        Each layer is `pre_attn` (norm, q|k|v, q/k norms, RoPE), the K/V write and attention (eager),
+        then `post_attn` (o_proj, residual, the MLP, residual). `compiled`: run the parts between
+        attentions through `torch.compile`d functions (`compiled_parts`): one region from each
+        attention to the next (this layer's `post_attn` + the next one's `pre_attn`), so inductor fuses
+        the residual adds with the norms after them, RoPE with the q/k norms and the K/V concat, and
+        SiLU with the up product. Only for batches of a fixed shape (the CUDA-graph decode buckets,
+        `DecodeGraphs(compile_layers=True)`): each new batch size compiles again. Single rank only."""
         cfg = self.cfg
-        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        hid, inter, eps = cfg.hidden_size, cfg.intermediate_size, cfg.rms_eps
         x = self.embed[plan.tokens]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
-        n = x.shape[0]
         cos = [c[plan.positions].unsqueeze(1) for c in self.cos]
         sin = [s[plan.positions].unsqueeze(1) for s in self.sin_signed]
+        if compiled:
+            return self._hidden_compiled(plan, cache, x, cos, sin)
+        dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, cfg.rms_eps)
         reduce, act = self.reduce, self.act
         for li, lw in enumerate(self.layers):
-            y = F.rms_norm(x, (hid,), lw.attn_norm, eps)
-            qkv = F.linear(y, lw.qkv, lw.qkv_bias).view(n, h + 2 * kvh, d)
-            qk = qkv[:, : h + kvh]
-            if lw.qk_norm is not None:
-                qk = F.rms_norm(qk, (d,), None, eps) * lw.qk_norm
-            qk = qk * cos[lw.rope] + qk.view(n, h + kvh, 2, d // 2).flip(2).view(n, h + kvh, d) * sin[lw.rope]
-            kv_new = torch.cat([qk[:, h:], qkv[:, h + kvh :]], dim=1).view(n, 2, kvh, d)
-            layer_cache = cache.data[li]
-            layer_cache.index_copy_(0, plan.write_slots, kv_new)
-            o = F.linear(plan.attend(qk[:, :h], layer_cache, lw.attn), lw.o_proj)
-            o = o if reduce is None else reduce(o)
-            x = x + (o if lw.attn_out_norm is None else F.rms_norm(o, (hid,), lw.attn_out_norm, eps))
-            y = F.rms_norm(x, (hid,), lw.mlp_norm, eps)
-            gu = F.linear(y, lw.gate_up)
-            o = F.linear(act(gu[:, :inter]) * gu[:, inter:], lw.down)
-            o = o if reduce is None else reduce(o)
-            x = x + (o if lw.mlp_out_norm is None else F.rms_norm(o, (hid,), lw.mlp_out_norm, eps))
-        return F.rms_norm(x[plan.output_rows], (hid,), self.norm, eps)
+            q, kv_new = pre_attn(x, lw.attn_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, cos[lw.rope], sin[lw.rope], dims)
+            o = self._attend(plan, cache, li, lw, q, kv_new)
+            x = post_attn(x, o, lw.o_proj, lw.attn_out_norm, lw.mlp_norm, lw.gate_up, lw.down, lw.mlp_out_norm,
+                          dims, act, reduce)
+        return F.rms_norm(x[plan.output_rows], (cfg.hidden_size,), self.norm, cfg.rms_eps)
+
+    def _attend(self, plan: BatchPlan, cache: KVCache, li: int, lw: LayerWeights, q: torch.Tensor,
+                kv_new: torch.Tensor) -> torch.Tensor:
+        """Layer `li`'s K/V write and attention (outside any compiled region)."""
+        layer_cache = cache.data[li]
+        layer_cache.index_copy_(0, plan.write_slots, kv_new)
+        return plan.attend(q, layer_cache, lw.attn)
+
+    def _hidden_compiled(self, plan: BatchPlan, cache: KVCache, x: torch.Tensor, cos: list[torch.Tensor],
+                         sin: list[torch.Tensor]) -> torch.Tensor:
+        if self.reduce is not None:
+            raise RuntimeError("compiled layers run on a single rank (tensor parallel's all-reduce is eager)")
+        cfg = self.cfg
+        dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, cfg.rms_eps)
+        act = self.cfg.activation
+        first, between, last = compiled_parts()
+        lw = self.layers[0]
+        q, kv_new = first(x, lw.attn_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, cos[lw.rope], sin[lw.rope], dims)
+        for li, lw in enumerate(self.layers):
+            o = self._attend(plan, cache, li, lw, q, kv_new)
+            post = (lw.o_proj, lw.attn_out_norm, lw.mlp_norm, lw.gate_up, lw.down, lw.mlp_out_norm)
+            if li + 1 < len(self.layers):
+                nw = self.layers[li + 1]
+                x, q, kv_new = between(x, o, *post, nw.attn_norm, nw.qkv, nw.qkv_bias, nw.qk_norm, cos[nw.rope],
+                                       sin[nw.rope], dims, act)
+            else:
+                x = last(x, o, *post, self.norm, plan.output_rows, dims, act)
+        return x
+
+
+Dims = tuple[int, int, int, int, int, float]  # heads, KV heads, head dim, hidden, intermediate, RMS eps
+
+
+def pre_attn(x: torch.Tensor, attn_norm: torch.Tensor, qkv_w: torch.Tensor, qkv_bias: torch.Tensor | None,
+             qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+             dims: Dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's work before attention: its input norm, q|k|v, q/k norms, RoPE. Returns the queries
+    [N, H, D] and the new K/V [N, 2, KVH, D] (to write into the cache)."""
+    h, kvh, d, hid, _, eps = dims
+    n = x.shape[0]
+    y = F.rms_norm(x, (hid,), attn_norm, eps)
+    qkv = F.linear(y, qkv_w, qkv_bias).view(n, h + 2 * kvh, d)
+    qk = qkv[:, : h + kvh]
+    if qk_norm is not None:
+        qk = F.rms_norm(qk, (d,), None, eps) * qk_norm
+    qk = qk * cos + qk.view(n, h + kvh, 2, d // 2).flip(2).view(n, h + kvh, d) * sin
+    kv_new = torch.cat([qk[:, h:], qkv[:, h + kvh :]], dim=1).view(n, 2, kvh, d)
+    return qk[:, :h], kv_new
+
+
+def post_attn(x: torch.Tensor, attn_out: torch.Tensor, o_proj: torch.Tensor, attn_out_norm: torch.Tensor | None,
+              mlp_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, mlp_out_norm: torch.Tensor | None,
+              dims: Dims, act: Callable[[torch.Tensor], torch.Tensor],
+              reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """A layer's work after attention: o_proj, the residual, the MLP (gate|up, act * up, down), the
+    residual; `reduce` sums the row-parallel matmuls' partial outputs across ranks (tensor parallel)."""
+    _, _, _, hid, inter, eps = dims
+    o = F.linear(attn_out, o_proj)
+    o = o if reduce is None else reduce(o)
+    x = x + (o if attn_out_norm is None else F.rms_norm(o, (hid,), attn_out_norm, eps))
+    y = F.rms_norm(x, (hid,), mlp_norm, eps)
+    gu = F.linear(y, gate_up)
+    o = F.linear(act(gu[:, :inter]) * gu[:, inter:], down)
+    o = o if reduce is None else reduce(o)
+    return x + (o if mlp_out_norm is None else F.rms_norm(o, (hid,), mlp_out_norm, eps))
+
+
+def _between(x: torch.Tensor, attn_out: torch.Tensor, o_proj: torch.Tensor, attn_out_norm: torch.Tensor | None,
+             mlp_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, mlp_out_norm: torch.Tensor | None,
+             attn_norm: torch.Tensor, qkv_w: torch.Tensor, qkv_bias: torch.Tensor | None,
+             qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, dims: Dims,
+             act: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's `post_attn` and the next one's `pre_attn`: (x, q, kv_new)."""
+    x = post_attn(x, attn_out, o_proj, attn_out_norm, mlp_norm, gate_up, down, mlp_out_norm, dims,
+                  ACTIVATION_FNS[act])
+    q, kv_new = pre_attn(x, attn_norm, qkv_w, qkv_bias, qk_norm, cos, sin, dims)
+    return x, q, kv_new
+
+
+def _last(x: torch.Tensor, attn_out: torch.Tensor, o_proj: torch.Tensor, attn_out_norm: torch.Tensor | None,
+          mlp_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, mlp_out_norm: torch.Tensor | None,
+          norm: torch.Tensor, rows: torch.Tensor, dims: Dims, act: str) -> torch.Tensor:
+    """The last layer's `post_attn` and the final norm of the output rows."""
+    x = post_attn(x, attn_out, o_proj, attn_out_norm, mlp_norm, gate_up, down, mlp_out_norm, dims,
+                  ACTIVATION_FNS[act])
+    return F.rms_norm(x[rows], (dims[3],), norm, dims[5])
+
+
+CompiledParts = tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                      Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]
+_compiled: CompiledParts | None = None
+# recompiles a compiled function may take before dynamo gives up on it (runs it eagerly): each batch
+# bucket of each model shape is one (9 buckets x the kit's 4 shapes), layers share theirs
+RECOMPILE_LIMIT = 64
+
+
+def compiled_parts() -> CompiledParts:
+    """`pre_attn` (the first layer's), `_between` and `_last` through `torch.compile` (inductor, one
+    graph each, static shapes, no inductor CUDA graphs: the decode graphs capture them), made once
+    per process. Weights are arguments, so every layer of every model shares one compiled kernel set
+    per batch shape; dynamo's recompile limit is raised to `RECOMPILE_LIMIT` for the bucket shapes."""
+    global _compiled
+    if _compiled is None:
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+        def comp(fn: Callable[..., object]) -> Callable[..., object]:
+            return torch.compile(fn, fullgraph=True, dynamic=False)
+
+        _compiled = (comp(pre_attn), comp(_between), comp(_last))  # type: ignore[assignment]
+    assert _compiled is not None
+    return _compiled
