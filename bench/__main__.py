@@ -67,7 +67,8 @@ SUITES: dict[str, Suite] = {
     "agents": Suite("agents: tools run on the server (inferlets) vs a client driving the endpoint; KV kept across "
                     "turns vs a stateless API", _steps("agent_io", "agents")),
     "gpu": Suite("the GPU kit: parity, decode vs transformers, a 256-request run, the host's tax, 8B and Qwen3 "
-                 "shapes (on CUDA; --quick: its CPU dry run)", _steps("gpu_suite")),
+                 "shapes (on CUDA; --quick: its CPU dry run); the Triton paged decode attention vs SDPA",
+                 _steps("gpu_suite", "triton_attention")),
     "qos": Suite("decodes' token gaps while a long prompt prefills, by prefill chunk; priorities, tenants",
                  _steps("qos")),
     "embeddings": Suite("text embeddings and image prefill per second vs transformers", _steps("embeddings")),

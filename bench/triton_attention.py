@@ -11,9 +11,10 @@ Two sections, each path under CUDA graphs as the backend runs decode:
           and prompts of 1024 + 32 new; and how many greedy tokens the two paths agree on.
 
     python bench/triton_attention.py --json bench/triton_attention_h200.json      # GPU: ~3-5 min
-    TRITON_INTERPRET=1 python bench/triton_attention.py --dry-run                 # CPU: the script runs
+    python bench/triton_attention.py --dry-run                                    # CPU: the script runs
 
-`--dry-run`: tiny shapes on CPU through Triton's interpreter (numbers mean nothing; no graphs).
+`--dry-run` (`--quick`, as `python -m bench gpu --quick` passes it): tiny shapes on CPU through
+Triton's interpreter (TRITON_INTERPRET=1, set by the script; numbers mean nothing; no graphs).
 Writes the JSON and a markdown table next to it (same name, .md).
 """
 
@@ -31,6 +32,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+if "--dry-run" in sys.argv or "--quick" in sys.argv:  # before triton is first imported (torch may import it)
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -241,16 +244,19 @@ def markdown(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="out/triton_attention.json")
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (needs TRITON_INTERPRET=1)")
+    ap.add_argument("--dry-run", "--quick", action="store_true",
+                    help="tiny shapes on CPU in Triton's interpreter (the numbers mean nothing)")
     ap.add_argument("--sections", default="kernel,decode")
-    args = ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    if rest:  # `python -m bench gpu -- ARGS` passes the kit's own arguments to every step of the suite
+        print(f"triton_attention: ignoring {rest}", file=sys.stderr)
     import triton
 
     dry = args.dry_run
     dev = torch.device("cpu" if dry else "cuda")
     dtype = torch.float32 if dry else torch.bfloat16
-    if dry and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--dry-run runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1")
+    if dry and not triton.knobs.runtime.interpret:
+        raise SystemExit("--dry-run runs the kernel in Triton's interpreter: TRITON_INTERPRET=1 before triton loads")
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                            "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
                            "triton": triton.__version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}

@@ -60,6 +60,7 @@ SCRIPTS: dict[str, tuple[list[pytest.MarkDecorator], str]] = {
     "workers": ([BUILD], "settings"),  # ~12 s: two hosts, 1 s windows
     # the dry run's sections but `pytest` (~24 s); tests/test_gpu_suite.py runs the whole dry run
     "gpu_suite": ([SLOW, BUILD], "host"),
+    "triton_attention": ([HEAVY], "kernel"),  # ~10 s: tiny shapes in Triton's interpreter on CPU
 }
 # each script's first suite (a script in two suites, embeddings, runs once)
 SUITE_OF = {step.key: name for name in reversed(BENCH.ORDER) for step in BENCH.SUITES[name].steps}
