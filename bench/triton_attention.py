@@ -1,7 +1,9 @@
 """The paged Triton decode attention ("triton", gpu_backend/attention/triton_paged.py) against SDPA
 (pages gathered into a padded copy every layer), on one GPU.
 
-Two sections, each path under CUDA graphs as the backend runs decode:
+Three sections (the last two with each path under CUDA graphs, as the backend runs decode):
+  parity: the compiled kernel against SDPA in float32 and bf16, every AttnSpec kind, GQA 1 / 4, a head
+          dim of 80, split-KV and not (what tests/test_triton_attention.py's `gpu` test checks).
   kernel: one layer's `attend` of a decode batch (random cache, shuffled pages, page size 16, bf16),
           microseconds per call from a captured graph of 10 calls, for the 1B shape's heads (32 / 8 KV
           heads x 64) and Qwen3-0.6B's (16 / 8 x 128), batch 1..256 x context 128..8192; the max
@@ -86,6 +88,55 @@ def time_attend(attn: Any, plan: Any, q: torch.Tensor, kv: torch.Tensor, reps: i
     end.record()
     sync(dev)
     return start.elapsed_time(end) * 1e3 / (reps * 10), out
+
+
+def sec_parity(dev: torch.device, dry: bool) -> dict[str, Any]:
+    """The compiled kernel against SDPA: float32 (tolerance 1e-4) and bf16 (2e-2), GQA groups 1 / 4 and
+    a head dim that is not a power of two, every AttnSpec kind, split and not; ragged lengths (1, a
+    page +- 1, long) on shuffled pages. `ok` is False when any cell is off (see `worst`)."""
+    from gpu_backend.attention import AttnSpec, SdpaAttention, build_plan
+    from gpu_backend.attention.triton_paged import TritonAttention
+
+    heads = [(4, 2, 16)] if dry else [(32, 8, 64), (8, 8, 128), (12, 4, 80)]
+    lens = [1, 15, 17, 40] if dry else [1, 15, 16, 17, 300, 2000, 4096, 777]
+    specs = {"global": AttnSpec(), "window": AttnSpec(local=True), "scale+softcap": AttnSpec(scale=0.37, softcap=1.5),
+             "window+softcap": AttnSpec(local=True, softcap=3.0)}
+    rng = np.random.default_rng(2)
+    cells, ok = [], True
+    for dtype in (torch.float32,) if dry else (torch.float32, torch.bfloat16):
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for h, kvh, d in heads:
+            from gpu_backend.types import ForwardRequest
+
+            per = [math.ceil(n / PAGE) for n in lens]
+            pages = [int(p) for p in rng.permutation(sum(per))]
+            reqs = []
+            for n, k in zip(lens, per, strict=True):
+                reqs.append(ForwardRequest(pages=pages[:k], last_page_len=n - (k - 1) * PAGE, tokens=[1],
+                                           positions=[n - 1]))
+                pages = pages[k:]
+            kv = torch.randn(sum(per) * PAGE, 2, kvh, d, device=dev).to(dtype)
+            q = torch.randn(len(lens), h + kvh, d, device=dev).to(dtype)[:, :h]
+            for name, spec in specs.items():
+                for splits in (None, 1, 8):
+                    cell: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "heads": f"{h}/{kvh}x{d}",
+                                            "spec": name, "splits": splits or "auto"}
+                    try:
+                        outs = [a.attend(q, kv, build_plan(reqs, PAGE, dev, h // kvh, a, num_pages=sum(per),
+                                                           window=37), spec)
+                                for a in (SdpaAttention(), TritonAttention(splits=splits))]
+                        diff = (outs[0].float() - outs[1].float()).abs()
+                        ref = outs[0].float().abs().max().item()
+                        cell["max_abs_diff"] = diff.max().item()
+                        cell["ok"] = bool(cell["max_abs_diff"] <= tol * max(1.0, ref))
+                    except Exception as e:
+                        cell["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                        cell["ok"] = False
+                    ok &= cell["ok"]
+                    cells.append(cell)
+    worst = sorted(cells, key=lambda c: -c.get("max_abs_diff", math.inf))[:5]
+    print(json.dumps({"parity_ok": ok, "worst": worst}), flush=True)
+    return {"ok": ok, "cells": len(cells), "worst": worst, "failed": [c for c in cells if not c["ok"]]}
 
 
 def sec_kernel(dev: torch.device, dtype: torch.dtype, dry: bool) -> list[dict[str, Any]]:
@@ -219,8 +270,12 @@ def sec_decode(dev: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, An
 
 
 def markdown(res: dict[str, Any]) -> str:
+    par = res.get("parity", {})
     out = [f"# Triton paged decode attention vs SDPA ({res['device']}, {res['dtype']})", "",
            f"torch {res['torch']}, triton {res['triton']}; `{res['command']}`", "",
+           f"Parity (compiled kernel vs SDPA, fp32 and bf16, {par.get('cells', 0)} cells): "
+           f"{'ok' if par.get('ok') else 'FAILED: ' + json.dumps(par.get('failed', [])[:5])}; worst "
+           f"{json.dumps(par.get('worst', [])[:1])}", "",
            "## One layer's attend (us per call, CUDA graph)", "",
            "| shape | batch | ctx | sdpa | triton | speedup | splits | triton KV GB/s | max abs diff |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -246,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="out/triton_attention.json")
     ap.add_argument("--dry-run", "--quick", action="store_true",
                     help="tiny shapes on CPU in Triton's interpreter (the numbers mean nothing)")
-    ap.add_argument("--sections", default="kernel,decode")
+    ap.add_argument("--sections", default="parity,kernel,decode")
     args, rest = ap.parse_known_args(argv)
     if rest:  # `python -m bench gpu -- ARGS` passes the kit's own arguments to every step of the suite
         print(f"triton_attention: ignoring {rest}", file=sys.stderr)
@@ -264,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")
     t0 = time.perf_counter()
+    if "parity" in sections:
+        res["parity"] = sec_parity(dev, dry)
+        path.write_text(json.dumps(res, indent=1))
     if "kernel" in sections:
         res["kernel"] = sec_kernel(dev, dtype, dry)
         path.write_text(json.dumps(res, indent=1))

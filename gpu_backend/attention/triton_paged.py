@@ -206,7 +206,7 @@ class TritonAttention(Attention):
 
     block_n: KV slots per loop step (any page size works: each slot finds its page). splits: KV
     chunks per (request, KV head); None = chosen per batch from the GPU's SM count (more programs
-    than SMs x 2 and each chunk at least 4 blocks); 1 = never split.
+    than SMs x 2 and each chunk at least 2 blocks); 1 = never split.
     """
 
     name = "triton"
@@ -239,7 +239,7 @@ class TritonAttention(Attention):
         if programs >= target:
             return 1
         blocks = -(-kv_slots // self.block_n)
-        return max(1, min(-(-target // programs), blocks // 4, MAX_SPLITS))
+        return max(1, min(-(-target // programs), blocks // 2, MAX_SPLITS))
 
     def prepare(self, reqs: list[ForwardRequest], lay: Layout) -> TritonMeta | SdpaMeta:
         if not self.is_decode(reqs, lay):
