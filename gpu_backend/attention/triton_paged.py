@@ -273,17 +273,21 @@ class TritonAttention(Attention):
             ml = torch.empty(n, kvh, splits, 2, group, dtype=torch.float32, device=q.device)
         else:
             acc = ml = out  # unused
+        block_d = max(16, _next_pow2(d))
+        block_n = self.block_n
+        while block_n > 16 and block_n * block_d * q.element_size() > 32768:
+            block_n //= 2  # K/V tiles of at most 32 KB (fp32 at head_dim 256: 32 rows), as stages multiply them
         decode, combine = _kernels()
         decode[(n, kvh, splits)](
             q, kv, meta.table, meta.lens, out, acc, ml,
             q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), meta.table.stride(0), out.stride(0),
             float(scale), float(spec.softcap or 0.0), window, meta.page_size,
-            GROUP=group, HEAD_DIM=d, BLOCK_G=max(MIN_ROWS, _next_pow2(group)), BLOCK_D=max(16, _next_pow2(d)),
-            BLOCK_N=self.block_n, SPLITS=splits, SOFTCAP=spec.softcap is not None,
+            GROUP=group, HEAD_DIM=d, BLOCK_G=max(MIN_ROWS, _next_pow2(group)), BLOCK_D=block_d,
+            BLOCK_N=block_n, SPLITS=splits, SOFTCAP=spec.softcap is not None,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=self.num_warps,
         )
         if splits > 1:
             combine[(n, h)](acc, ml, out, out.stride(0), GROUP=group, HEAD_DIM=d, SPLITS=splits,
-                            BLOCK_S=max(2, _next_pow2(splits)), BLOCK_D=max(16, _next_pow2(d)), num_warps=1)
+                            BLOCK_S=max(2, _next_pow2(splits)), BLOCK_D=block_d, num_warps=1)
         return out
 
