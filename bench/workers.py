@@ -9,11 +9,13 @@ tokens) and wait for its end, again and again, against a host in front of the st
 (gpu_backend/standin.py: `--step-ms` per batch, deterministic tokens, every output checked). After
 `--warmup` seconds, the completions that end within `--seconds` are counted: `completions_s`,
 with the process tree's CPU in that window (`cpu_s`; `host_cpu_s`: the host's process, clients
-included, `workers_cpu_s`: its workers') and the
-median time per completion (`latency_ms`). Each setting runs on a fresh host, the settings
-alternate over `--rounds`; the entry is the round with the median rate and `ratio` is each
-setting's median rate over the first setting's (in-process, 0). `--quick` (CI): 0 and 1 worker,
-8 clients, 1 s windows, one round.
+included, `workers_cpu_s`: its workers'), the median time per completion (`latency_ms`), and per
+completion the CPU and minor page faults of the host's process and of its workers
+(`host_cpu_ms_per_completion`, `workers_cpu_ms_per_completion`, `host_faults_per_completion`,
+`workers_faults_per_completion`). Each setting runs on a fresh host, the settings alternate over
+`--rounds`; the entry is the round with the median rate and `ratio` is each setting's median rate
+over the first setting's (in-process, 0). `--quick` (CI): 0 and 1 worker, 8 clients, 1 s windows,
+one round.
 Writes JSON to --json and a markdown table next to it (.md).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import threading
 import time
@@ -53,6 +56,21 @@ def parse_args() -> argparse.Namespace:
     if min(opts.workers) < 0 or opts.clients < 1 or opts.tokens < 1 or opts.rounds < 1 or opts.seconds <= 0:
         ap.error("--workers must be >= 0; --clients, --tokens, --rounds at least 1; --seconds above 0")
     return opts
+
+
+def _faults() -> tuple[int, int]:
+    """Minor page faults of this process and of its running children (the workers: /proc)."""
+    mine = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    children = 0
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:
+            children += int(fields[7])
+    return mine, children
 
 
 def _cpu_s() -> tuple[float, float]:
@@ -113,19 +131,28 @@ def run(opts: argparse.Namespace, workers: int) -> dict[str, Any]:
         for t in threads:
             t.start()
         time.sleep(opts.warmup)
-        cpu0, w0 = _cpu_s(), time.perf_counter()
+        cpu0, f0, w0 = _cpu_s(), _faults(), time.perf_counter()
         time.sleep(opts.seconds)
-        cpu1, w1 = _cpu_s(), time.perf_counter()
+        cpu1, f1, w1 = _cpu_s(), _faults(), time.perf_counter()
         stop.set()
         for t in threads:
             t.join(120)
         if errors:
             raise RuntimeError(f"workers={workers}: a completion went wrong: {errors[0]}")
         window = [lat for end, lat in ends if w0 <= end < w1]
+
+        def per(total: float, scale: float = 1.0) -> float | None:
+            return round(scale * total / len(window), 2) if window else None
+
         return {"workers": workers, "completions_s": round(len(window) / (w1 - w0), 1),
                 "cpu_s": round(sum(cpu1) - sum(cpu0), 2), "host_cpu_s": round(cpu1[0] - cpu0[0], 2),
                 "workers_cpu_s": round(cpu1[1] - cpu0[1], 2), "latency_ms": round(1000 * statistics.median(window), 1) if window else None,
-                "completions": len(window), "since_start_s": round(w0 - start, 2)}
+                "completions": len(window), "since_start_s": round(w0 - start, 2),
+                # where a completion's CPU goes (the window's CPU over its completions)
+                "host_cpu_ms_per_completion": per(cpu1[0] - cpu0[0], 1000),
+                "workers_cpu_ms_per_completion": per(cpu1[1] - cpu0[1], 1000),
+                "host_faults_per_completion": per(f1[0] - f0[0]),
+                "workers_faults_per_completion": per(f1[1] - f0[1])}
     finally:
         host.shutdown()
 
@@ -149,10 +176,13 @@ def main() -> None:
     opts.json.write_text(json.dumps(res, indent=2))
     lines = [f"# bench/workers.py: {opts.clients} clients, `text_completion --raw` {opts.tokens} tokens, "
              f"{opts.step_ms:g} ms stand-in step, {os.cpu_count()} cores", "",
-             "| workers | completions/s (rounds) | ratio | CPU s in the window | median latency ms |",
-             "|---|---|---|---|---|"]
+             "| workers | completions/s (rounds) | ratio | CPU s in the window | median latency ms "
+             "| CPU ms per completion, host / workers | page faults per completion, host / workers |",
+             "|---|---|---|---|---|---|---|"]
     for w, e in res["settings"].items():
-        lines.append(f"| {w} | {e['completions_s']} ({e['rounds']}) | {e['ratio']} | {e['cpu_s']} | {e['latency_ms']} |")
+        lines.append(f"| {w} | {e['completions_s']} ({e['rounds']}) | {e['ratio']} | {e['cpu_s']} | {e['latency_ms']} "
+                     f"| {e['host_cpu_ms_per_completion']} / {e['workers_cpu_ms_per_completion']} "
+                     f"| {e['host_faults_per_completion']} / {e['workers_faults_per_completion']} |")
     md = "\n".join(lines) + "\n"
     opts.json.with_suffix(".md").write_text(md)
     print(md)
