@@ -25,9 +25,11 @@ CUDA graphs: under `Layout.static` the page table is `ceil(kv_slots / page_size)
 depend only on the batch bucket and that KV length; `attend` launches kernels and allocates
 outputs of fixed shapes, with no host sync.
 
-Triton is imported lazily (`gpu_backend.build.make_attention("triton")`). The kernel is wrapped by
-`triton.jit` on first use, so `TRITON_INTERPRET=1` set any time before the first `attend` runs it
-in Triton's interpreter on CPU tensors (the tests do; slow, for checking only).
+Triton is imported lazily (`gpu_backend.build.make_attention("triton")`). With `TRITON_INTERPRET=1`
+the kernels run in Triton's interpreter on CPU tensors (slow, for checking only): the variable must
+be set before triton is first imported (triton.language's own helpers, `tl.cdiv` and the
+reductions, are wrapped when it loads), so tests/test_triton_attention.py runs those cases in a
+fresh process. Our kernels are wrapped by `triton.jit` at their first launch, keyed by the flag.
 """
 
 from __future__ import annotations
