@@ -42,6 +42,11 @@ import torch  # noqa: E402
 
 HEADS = {"llama-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128)}  # query heads, KV heads, head dim
 PAGE = 16
+DEADLINE = [math.inf]  # perf_counter() past which cells are skipped (--budget-s)
+
+
+def out_of_time() -> bool:
+    return time.perf_counter() > DEADLINE[0]
 
 
 def sync(dev: torch.device) -> None:
@@ -151,6 +156,10 @@ def sec_kernel(dev: torch.device, dtype: torch.dtype, dry: bool) -> list[dict[st
         for b in batches:
             for ctx in ctxs:
                 row: dict[str, Any] = {"shape": shape, "batch": b, "ctx": ctx}
+                if out_of_time():
+                    row["error"] = "skipped: budget"
+                    rows.append(row)
+                    continue
                 try:
                     reqs, npages = decode_reqs(b, ctx, rng)
                     kv = torch.randn(npages * PAGE, 2, kvh, d, device=dev, dtype=dtype)
@@ -250,6 +259,9 @@ def sec_decode(dev: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, An
             seqs = [[int(t) for t in rng.integers(300, base.info.vocab_size, prompt)] for _ in range(b)]
             toks = {}
             for attention in ("sdpa", "triton"):
+                if out_of_time():
+                    res["tokens_per_s"].setdefault(attention, {})[key] = "skipped: budget"
+                    continue
                 try:
                     be = variant(base, attention)
                     loop_s(be, seqs, new)  # warm-up: graph capture, kernel compiles
@@ -302,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", "--quick", action="store_true",
                     help="tiny shapes on CPU in Triton's interpreter (the numbers mean nothing)")
     ap.add_argument("--sections", default="parity,kernel,decode")
+    ap.add_argument("--budget-s", type=float, default=math.inf,
+                    help="skip the cells left after this many seconds (the JSON keeps what ran)")
     args, rest = ap.parse_known_args(argv)
     if rest:  # `python -m bench gpu -- ARGS` passes the kit's own arguments to every step of the suite
         print(f"triton_attention: ignoring {rest}", file=sys.stderr)
@@ -319,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")
     t0 = time.perf_counter()
+    DEADLINE[0] = t0 + args.budget_s
     if "parity" in sections:
         res["parity"] = sec_parity(dev, dry)
         path.write_text(json.dumps(res, indent=1))
