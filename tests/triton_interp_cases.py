@@ -7,6 +7,9 @@ attention first cannot guarantee; a fresh process can. Not collected on its own 
 Random caches with shuffled, non-contiguous pages and ragged lengths (1, under a page, not a
 multiple of the page size, several KV blocks), GQA groups 1 / 2 / 4, a sliding window, soft-capping
 and a softmax scale, with and without split-KV; float32, so the kernel and SDPA agree to ~1e-7.
+float32 only: Triton 3.6's interpreter gets `tl.dot` of bf16 operands wrong (~1e10 off on a plain
+16 x 16 product; loads and stores of bf16 are right), so bf16 is checked on the GPU only (the `gpu`
+test in tests/test_triton_attention.py, bench/triton_attention.py's parity section).
 The end-to-end cases run a tiny random Llama's greedy decode with "triton" and "sdpa", eagerly and
 through the CUDA-graph static buffers (`DecodeGraphs(capture=False)`).
 """
