@@ -16,7 +16,10 @@ Sections, in this order, each within what is left of `--budget-s` (results are w
 so a run cut short keeps what it measured): env (GPU, copy bandwidth), parity (logits vs
 transformers, tree mask and hidden token vs separate runs, graphs on == off, overlap on == off),
 decode (tokens/s at batch 1 / 8 / 64 / 256 for each attention path with graphs off and on, vs
-transformers with a static cache, vs the HBM bound at batch 1), run256 (256 requests x 256 tokens),
+transformers with a static cache, vs the HBM bound at batch 1; last, the first attention path's
+graphs over compiled layers, `sdpa+graphs+compile`: `DecodeGraphs(compile_layers=True)`, compiled
+in each bucket's warm-up, `--no-compile` leaves them out), run256 (256 requests x 256 tokens, the
+compiled layers last too; parity checks them against the uncompiled graphs and graphs off),
 host (text_completion through the host vs the backend's own greedy loop at 1 / 64 / 256), decode8b,
 qwen3 (Qwen3-0.6B's shape, SDPA with graphs off and on vs transformers), pytest (`pytest -m gpu` on a small model saved to disk),
 agents (bench/agent_io.py at 8 I/Os behind the 1B shape: agents as inferlets vs driven by an OpenAI
@@ -67,6 +70,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                   num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
                   rope_theta=100000.0, max_position_embeddings=8192),
 }
+# budget left that a measurement over compiled layers needs to start (it may compile its batch bucket first)
+COMPILE_MARGIN_S = 90.0
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
 
@@ -86,6 +91,10 @@ class Plan:
     host_tokens_long: int = 256
     hf_tokens: int = 32
     attentions: tuple[str, ...] = ("sdpa", "flex")
+    compile_layers: bool = True  # also measure the decode graphs over compiled layers (DecodeGraphs(compile_layers))
+    compile_shapes: tuple[str, ...] = ("llama-1b", "llama-8b", "qwen3-0.6b")  # the decode sections that do
+    compile_static_batch: bool = False  # LlamaModel.compile_static_batch: one compile per batch bucket
+    compile_batches: tuple[int, ...] | None = None  # the batch sizes decode measures compiled (None: all)
     b8_batches: tuple[int, ...] = (1, 8)
     pytest_timeout_s: float = 600.0  # the run gives pytest at most this
     switch_ms: float | None = None  # the host section's HostConfig.switch_interval_ms (None: its default)
@@ -102,7 +111,10 @@ class Plan:
             return cls(dry=False)
         return cls(dry=True, batches=(1, 4), prompt_len=8, new_tokens=8, run_reqs=4, run_tokens=4,
                    host_conc=(1, 4), host_tokens=4, host_tokens_long=6, hf_tokens=3, b8_batches=(1,),
-                   agents_ios=(2,), agents_pages=1024)
+                   agents_ios=(2,), agents_pages=1024,
+                   # inductor compiles for seconds per shape on CPU: one tiny model, batch dimension
+                   # dynamic (parity's compile serves decode's batch 4 and run256's)
+                   compile_shapes=("llama-1b",), compile_batches=(4,))
 
 
 @dataclass
@@ -233,7 +245,9 @@ def hf_model(shape: str, suite: Suite, dtype: Any) -> Any:
 
 def ours(hf: Any, suite: Suite, num_pages: int, attention: str = "sdpa", graphs: bool = False,
          dtype: Any = None) -> Any:
-    """Our backend over the transformers model's own tensors (fused copies where we fuse)."""
+    """Our backend over the transformers model's own tensors (fused copies where we fuse). On CPU
+    (the dry run) `graphs` leaves one page past `num_pages` in the cache too: `variant` pads with it
+    when it runs the compiled layers through graphs' static buffers (`DecodeGraphs(capture=False)`)."""
     import torch
 
     from gpu_backend.build import backend_from_weights, make_attention
@@ -242,23 +256,34 @@ def ours(hf: Any, suite: Suite, num_pages: int, attention: str = "sdpa", graphs:
     cfg = _hf_config(hf.config.to_dict())
     dev = torch.device(suite.device)
     dt = dtype or next(hf.parameters()).dtype
-    return backend_from_weights(cfg, dict(hf.state_dict()), tokenizer_spec(suite.kit, cfg.vocab_size), "kit",
-                                device=dev, dtype=dt, page_size=16, num_pages=num_pages,
-                                attention=make_attention(attention), cuda_graphs=graphs and dev.type == "cuda")
+    cpu_scratch = graphs and dev.type != "cuda"
+    be = backend_from_weights(cfg, dict(hf.state_dict()), tokenizer_spec(suite.kit, cfg.vocab_size), "kit",
+                              device=dev, dtype=dt, page_size=16, num_pages=num_pages + cpu_scratch,
+                              attention=make_attention(attention), cuda_graphs=graphs and dev.type == "cuda")
+    if cpu_scratch:  # the last page is the scratch page: the backend's users never see it
+        be.info = replace(be.info, num_pages=num_pages)
+    return be
 
 
-def variant(be: Any, attention: str, graphs: bool) -> Any:
-    """The same model and cache with another attention path / graphs setting."""
+def variant(be: Any, attention: str, graphs: bool, compile_layers: bool = False) -> Any:
+    """The same model and cache with another attention path / graphs setting; `compile_layers`: the
+    graphs capture the layers compiled by torch.compile (`DecodeGraphs`). On CPU (the dry run) graphs
+    stay off, except with `compile_layers`: then the graphs' static-buffer path without capture runs
+    the compiled layers (what the GPU captures, checked on CPU)."""
     from gpu_backend import TorchBackend
     from gpu_backend.build import make_attention
     from gpu_backend.cuda_graphs import DecodeGraphs
 
     attn = make_attention(attention)
     g = None
-    if graphs and be.model.device.type == "cuda":
+    if compile_layers and not graphs:
+        raise ValueError("compile_layers runs inside the decode graphs: graphs=True")
+    cuda = be.model.device.type == "cuda"
+    if graphs and (cuda or compile_layers):
         if be.cache.num_pages <= be.info.num_pages:
             raise ValueError("the cache has no scratch page for graphs")
-        g = DecodeGraphs(be.model, be.cache, attn, be.info.page_size, scratch_page=be.info.num_pages)
+        g = DecodeGraphs(be.model, be.cache, attn, be.info.page_size, scratch_page=be.info.num_pages,
+                         capture=cuda, compile_layers=compile_layers)
     return TorchBackend(be.model, be.tokenizer, be.info, be.cache, attn, g)
 
 
@@ -377,6 +402,7 @@ def sec_parity(s: Suite) -> dict[str, Any]:
     out: dict[str, Any] = {}
     hf = hf_model("small", s, torch.float32)
     be = ours(hf, s, 1024, graphs=True)
+    be.model.compile_static_batch = s.plan.compile_static_batch
     out["small_fp32_max_logit_diff"] = run_parity(be, hf, PROMPTS, 8, 1e-2)
     enc = be.tokenizer.encode
     texts = {"a": enc("The quick brown fox jumps over the lazy dog."),
@@ -393,6 +419,11 @@ def sec_parity(s: Suite) -> dict[str, Any]:
         on = variant(be, attn, True).generate_batch(seqs, 24, stop_tokens=[])
         out[f"{attn}_graphs_on_equals_off"] = on == off
         out[f"{attn}_overlap_on_equals_off"] = overlap_equals(variant(be, attn, False), seqs, off)
+        if s.plan.compile_layers and attn == s.plan.attentions[0]:
+            # the compiled layers (inside the graphs): == the uncompiled graphs, == graphs off
+            comp = variant(be, attn, True, compile_layers=True).generate_batch(seqs, 24, stop_tokens=[])
+            out[f"{attn}_compiled_equals_uncompiled"] = comp == on
+            out[f"{attn}_graphs_on_equals_off_compiled"] = comp == off
     del be, hf
     free()
     hf = hf_model("llama-1b", s, torch.bfloat16)
@@ -461,6 +492,7 @@ def sec_decode(s: Suite, shape: str = "llama-1b", batches: tuple[int, ...] | Non
     hf = hf_model(shape, s, torch.bfloat16 if s.device == "cuda" else torch.float32)
     pages = max(batches) * math.ceil((plan.prompt_len + plan.new_tokens) / 16) + 8
     base = ours(hf, s, pages, graphs=True)
+    base.model.compile_static_batch = plan.compile_static_batch
     bw = s.results.get("env", {}).get("copy_bandwidth_bytes_per_s", 0.0)
     wb = base.model.weight_bytes()
     out: dict[str, Any] = {"shape": shape, "weight_bytes": wb, "prompt_len": plan.prompt_len,
@@ -468,21 +500,28 @@ def sec_decode(s: Suite, shape: str = "llama-1b", batches: tuple[int, ...] | Non
     if bw:
         out["batch1_bound_tokens_per_s"] = bw / wb
     attns = plan.attentions if shape == "llama-1b" else ("sdpa",)
-    configs = [(a, g) for a in attns for g in (False, True)]
+    configs = [(a, g, False) for a in attns for g in (False, True)]
     # the transformers baseline right after the default path (flex compiles first: it goes last)
-    configs.insert(2, ("transformers", False))
-    for attn, graphs in configs:
-        key = f"{attn}{'+graphs' if graphs else ''}"
+    configs.insert(2, ("transformers", False, False))
+    # the compiled layers last (skipping them for the budget loses nothing else): the first
+    # attention's graphs, compiled (`--no-compile` leaves them out)
+    if plan.compile_layers and shape in plan.compile_shapes:
+        configs.append((attns[0], True, True))
+    for attn, graphs, compiled in configs:
+        key = f"{attn}{'+graphs' if graphs else ''}{compile_suffix(plan) if compiled else ''}"
         row = out["tokens_per_s"].setdefault(key, {})
         for b in batches:
-            if s.left() < 30:
+            if compiled and plan.compile_batches is not None and b not in plan.compile_batches:
+                continue
+            # (a compiled cell compiles its batch bucket first: tens of seconds on a GPU)
+            if s.left() < (COMPILE_MARGIN_S if compiled else 30):
                 row[str(b)] = "skipped: budget"
                 continue
             try:
                 if attn == "transformers":
                     row[str(b)] = round(hf_decode_tps(hf, b, plan), 1)
                 else:
-                    row[str(b)] = round(decode_tps(variant(base, attn, graphs), b, plan), 1)
+                    row[str(b)] = round(decode_tps(variant(base, attn, graphs, compiled), b, plan), 1)
             except Exception as e:  # one failing configuration must not lose the others
                 row[str(b)] = f"error: {type(e).__name__}: {str(e)[:300]}"
             s.write()
@@ -495,6 +534,12 @@ def sec_decode(s: Suite, shape: str = "llama-1b", batches: tuple[int, ...] | Non
     return out
 
 
+def compile_suffix(plan: Plan) -> str:
+    """The key suffix of a measurement over compiled layers: +compile (batch dimension dynamic) or
+    +compile-static (a compile per batch bucket, `--compile-static-batch`)."""
+    return "+compile-static" if plan.compile_static_batch else "+compile"
+
+
 def sec_run256(s: Suite) -> dict[str, Any]:
     """256 requests x 256 new tokens (prompts of `prompt_len`), prefill included, greedy."""
     import torch
@@ -503,15 +548,19 @@ def sec_run256(s: Suite) -> dict[str, Any]:
     hf = hf_model("llama-1b", s, torch.bfloat16 if s.device == "cuda" else torch.float32)
     pages = plan.run_reqs * math.ceil((plan.prompt_len + plan.run_tokens) / 16) + 8
     base = ours(hf, s, pages, graphs=True)
+    base.model.compile_static_batch = plan.compile_static_batch
     seqs = prompts(plan.run_reqs, plan.prompt_len, seed=7)
     out: dict[str, Any] = {"requests": plan.run_reqs, "new_tokens": plan.run_tokens, "prompt_len": plan.prompt_len}
-    for attn, graphs in [(a, g) for a in plan.attentions for g in (True, False)]:
-        key = f"{attn}{'+graphs' if graphs else ''}"
-        if s.left() < 40:
+    configs = [(a, g, False) for a in plan.attentions for g in (True, False)]
+    if plan.compile_layers:  # last: skipping it for the budget loses nothing else
+        configs.append((plan.attentions[0], True, True))
+    for attn, graphs, compiled in configs:
+        key = f"{attn}{'+graphs' if graphs else ''}{compile_suffix(plan) if compiled else ''}"
+        if s.left() < (COMPILE_MARGIN_S if compiled else 40):
             out[key] = "skipped: budget"
             continue
         try:
-            v = variant(base, attn, graphs)
+            v = variant(base, attn, graphs, compiled)
             own_loop(v, seqs[:8], 4)  # warm-up
             secs, toks = own_loop(v, seqs, plan.run_tokens)
             out[key] = {"seconds": round(secs, 3), "tokens_per_s": round(sum(map(len, toks)) / secs, 1)}
@@ -717,7 +766,7 @@ def sec_pytest(s: Suite) -> dict[str, Any]:
         env = dict(os.environ, PIE_TEST_MODEL=d)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
         files = ["tests/test_backend_gpu.py", "tests/test_backend_graphs.py", "tests/test_backend_swap.py",
-                 "tests/test_backend_load.py"]
+                 "tests/test_backend_load.py", "tests/test_compiled_layers.py"]
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
         try:
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -856,6 +905,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", nargs="+", default=[], metavar="N|auto",
                     help="the host section once per value of HostConfig.workers (instance worker processes), "
                          "e.g. --workers 0 auto: in-process against the default; results in host.by_workers")
+    ap.add_argument("--attentions", default=None, metavar="A,B",
+                    help="the attention paths parity, decode and run256 measure, comma-separated (default: "
+                         "sdpa,flex; the dry run: sdpa,flex, or sdpa where PIE_KIT_NO_FLEX is set); the first "
+                         "is the one the compiled layers run with")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="leave out the measurements over compiled layers (decode graphs with "
+                         "compile_layers: sdpa+graphs+compile in decode and run256, the compiled parity checks)")
+    ap.add_argument("--compile-static-batch", action="store_true",
+                    help="the compiled layers with a static batch dimension: one compile per batch bucket "
+                         "(LlamaModel.compile_static_batch; default: dynamic, one compile for every bucket but 1)")
     ap.add_argument("--host-ahead-only", action="store_true",
                     help="the host section measures the default host only, not also with run_ahead off")
     a = ap.parse_args(argv)
@@ -871,6 +930,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--workers {w}: a count >= 0, or auto")
     except ValueError as e:
         ap.error(str(e))
+    attentions = tuple(x for x in (a.attentions or "").split(",") if x)
+    if a.attentions is not None:
+        from gpu_backend.build import ATTENTION_NAMES
+
+        if not attentions or set(attentions) - set(ATTENTION_NAMES):
+            ap.error(f"--attentions {a.attentions!r}: use some of {','.join(ATTENTION_NAMES)}")
     names = [n for n in a.sections.split(",") if n]
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
@@ -892,6 +957,11 @@ def main(argv: list[str] | None = None) -> int:
                   budget_s=a.budget_s, device=device)
     if a.dry_run:
         suite.plan = replace(suite.plan, attentions=("sdpa",) if "PIE_KIT_NO_FLEX" in os.environ else ("sdpa", "flex"))
+    if attentions:
+        suite.plan = replace(suite.plan, attentions=attentions)
+    if a.no_compile:
+        suite.plan = replace(suite.plan, compile_layers=False)
+    suite.plan = replace(suite.plan, compile_static_batch=a.compile_static_batch)
     failed = 0
     for name in names:
         if name != "env" and suite.left() < 20:

@@ -26,9 +26,12 @@ def test_dry_run_runs_every_section(tmp_path):
     p = res["parity"]
     assert p["small_fp32_max_logit_diff"] < 1e-3 and p["sdpa_graphs_on_equals_off"] and p["sdpa_overlap_on_equals_off"]
     assert p["sdpa_ragged_and_tree_mask"] == p["sdpa_hidden_token"] == "equal"
-    for key in ("sdpa", "sdpa+graphs", "transformers"):
+    # the compiled layers (run through the graphs' static buffers on CPU): == uncompiled, == graphs off
+    assert p["sdpa_compiled_equals_uncompiled"] is True and p["sdpa_graphs_on_equals_off_compiled"] is True
+    for key in ("sdpa", "sdpa+graphs", "transformers", "sdpa+graphs+compile"):
         assert all(isinstance(v, float) and v > 0 for v in res["decode"]["tokens_per_s"][key].values()), key
-    assert res["run256"]["sdpa+graphs"]["tokens_per_s"] > 0
+    assert res["run256"]["sdpa+graphs"]["tokens_per_s"] > 0 and res["run256"]["sdpa+graphs+compile"]["tokens_per_s"] > 0
+    assert "sdpa+graphs+compile" not in res["qwen3"]["tokens_per_s"]  # (the dry run compiles one shape)
     assert all(isinstance(v, float) and v > 0 for v in res["qwen3"]["tokens_per_s"]["sdpa"].values())
     row = res["host"]["concurrency"]["4"]
     assert row["host_ahead_tokens_per_s"] > 0 and row["host_no_ahead_tokens_per_s"] > 0
@@ -51,6 +54,9 @@ def test_bad_arguments_are_refused():
     r = subprocess.run([sys.executable, "bench/gpu_suite.py", "--dry-run", "--out", "x", "--workers", "0", "many"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--workers" in r.stderr
+    r = subprocess.run([sys.executable, "bench/gpu_suite.py", "--dry-run", "--out", "x", "--attentions", "sdpa,nope"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--attentions 'sdpa,nope': use some of sdpa," in r.stderr
 
 
 def test_host_section_takes_host_config_and_ahead_only(tmp_path):

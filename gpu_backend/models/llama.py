@@ -59,6 +59,10 @@ class LlamaModel:
         # tensor parallel (gpu_backend/engine/tp.py): sums the partial outputs of the row-parallel matmuls
         # (o_proj, down) across ranks, in place; None on a single rank
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # compiled layers (`hidden(compiled=True)`): False = the batch dimension is marked dynamic, so
+        # one compile serves every batch size but 1 (which dynamo specializes): 2 compiles per model
+        # instead of one per CUDA-graph bucket (9); True = a compile per batch size (static kernels)
+        self.compile_static_batch = False
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -167,8 +171,10 @@ class LlamaModel:
         attentions through `torch.compile`d functions (`compiled_parts`): one region from each
         attention to the next (this layer's `post_attn` + the next one's `pre_attn`), so inductor fuses
         the residual adds with the norms after them, RoPE with the q/k norms and the K/V concat, and
-        SiLU with the up product. Only for batches of a fixed shape (the CUDA-graph decode buckets,
-        `DecodeGraphs(compile_layers=True)`): each new batch size compiles again. Single rank only."""
+        SiLU with the up product. Only for the CUDA-graph decode buckets (`DecodeGraphs(compile_layers=
+        True)`, which compiles in its warm-up): the batch dimension is marked dynamic (one compile for
+        batch 1, one for the rest), unless `compile_static_batch` (one per batch size); a new model
+        shape compiles again. Single rank only."""
         cfg = self.cfg
         x = self.embed[plan.tokens]
         if self.embed_scale is not None:
@@ -203,18 +209,28 @@ class LlamaModel:
         dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, cfg.rms_eps)
         act = self.cfg.activation
         first, between, last = compiled_parts()
+        mark = (lambda t: t) if self.compile_static_batch else _dynamic_rows
+        x, rows = mark(x), mark(plan.output_rows)
+        cos, sin = [mark(c) for c in cos], [mark(c) for c in sin]
         lw = self.layers[0]
         q, kv_new = first(x, lw.attn_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, cos[lw.rope], sin[lw.rope], dims)
         for li, lw in enumerate(self.layers):
-            o = self._attend(plan, cache, li, lw, q, kv_new)
+            o = mark(self._attend(plan, cache, li, lw, q, kv_new))
             post = (lw.o_proj, lw.attn_out_norm, lw.mlp_norm, lw.gate_up, lw.down, lw.mlp_out_norm)
             if li + 1 < len(self.layers):
                 nw = self.layers[li + 1]
                 x, q, kv_new = between(x, o, *post, nw.attn_norm, nw.qkv, nw.qkv_bias, nw.qk_norm, cos[nw.rope],
                                        sin[nw.rope], dims, act)
             else:
-                x = last(x, o, *post, self.norm, plan.output_rows, dims, act)
+                x = last(x, o, *post, self.norm, rows, dims, act)
         return x
+
+
+def _dynamic_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its first (batch) dimension marked dynamic for torch.compile (a hint: dynamo may
+    still specialize it, e.g. a batch of 1)."""
+    torch._dynamo.maybe_mark_dynamic(t, 0)
+    return t
 
 
 Dims = tuple[int, int, int, int, int, float]  # heads, KV heads, head dim, hidden, intermediate, RMS eps
@@ -285,9 +301,11 @@ RECOMPILE_LIMIT = 64
 
 def compiled_parts() -> CompiledParts:
     """`pre_attn` (the first layer's), `_between` and `_last` through `torch.compile` (inductor, one
-    graph each, static shapes, no inductor CUDA graphs: the decode graphs capture them), made once
-    per process. Weights are arguments, so every layer of every model shares one compiled kernel set
-    per batch shape; dynamo's recompile limit is raised to `RECOMPILE_LIMIT` for the bucket shapes."""
+    graph each, no inductor CUDA graphs: the decode graphs capture them), made once
+    per process. Weights are arguments, so every layer of every model of one shape shares the
+    compiled kernels; their shapes are static (`dynamic=False`: weights never become dynamic), the
+    batch dimension dynamic where the caller marks it (`LlamaModel.compile_static_batch`). Dynamo's
+    recompile limit is raised to `RECOMPILE_LIMIT` for the bucket shapes of several models."""
     global _compiled
     if _compiled is None:
         import torch._dynamo
