@@ -167,8 +167,8 @@ def test_eager_parts_are_the_layer():
         x = m.embed[plan.tokens] * m.embed_scale
         for li, lw in enumerate(m.layers):
             cos, sin = m.cos[lw.rope][plan.positions].unsqueeze(1), m.sin_signed[lw.rope][plan.positions].unsqueeze(1)
-            q, kv_new = llama.pre_attn(x, lw.attn_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, cos, sin, dims)
-            be.cache.data[li].index_copy_(0, plan.write_slots, kv_new)
+            q = llama.pre_attn(x, lw.attn_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, cos, sin, be.cache.data[li],
+                               plan.write_slots, dims)
             o = plan.attend(q, be.cache.data[li], lw.attn)
             x = llama.post_attn(x, o, lw.o_proj, lw.attn_out_norm, lw.mlp_norm, lw.gate_up, lw.down, lw.mlp_out_norm,
                                 dims, m.act)

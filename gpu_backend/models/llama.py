@@ -166,12 +166,12 @@ class LlamaModel:
                embeds: tuple[torch.Tensor, torch.Tensor] | None = None, *, compiled: bool = False) -> torch.Tensor:
         """Run all layers, write the new K/V, return the output rows' hidden states after the final norm.
 
-        Each layer is `pre_attn` (norm, q|k|v, q/k norms, RoPE), the K/V write and attention (eager),
-        then `post_attn` (o_proj, residual, the MLP, residual). `compiled`: run the parts between
-        attentions through `torch.compile`d functions (`compiled_parts`): one region from each
+        Each layer is `pre_attn` (norm, q|k|v, q/k norms, RoPE, the K/V write), attention (always
+        eager), then `post_attn` (o_proj, residual, the MLP, residual). `compiled`: run the parts
+        between attentions through `torch.compile`d functions (`compiled_parts`): one region from each
         attention to the next (this layer's `post_attn` + the next one's `pre_attn`), so inductor fuses
-        the residual adds with the norms after them, RoPE with the q/k norms and the K/V concat, and
-        SiLU with the up product. Only for the CUDA-graph decode buckets (`DecodeGraphs(compile_layers=
+        the residual adds with the norms after them, RoPE with the q/k norms and the K/V write into the
+        cache (in place), and SiLU with the up product. Only for the CUDA-graph decode buckets (`DecodeGraphs(compile_layers=
         True)`, which compiles in its warm-up): the batch dimension is marked dynamic (one compile for
         batch 1, one for the rest), unless `compile_static_batch` (one per batch size); a new model
         shape compiles again. Single rank only."""
@@ -188,18 +188,13 @@ class LlamaModel:
         dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, cfg.rms_eps)
         reduce, act = self.reduce, self.act
         for li, lw in enumerate(self.layers):
-            q, kv_new = pre_attn(x, lw.attn_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, cos[lw.rope], sin[lw.rope], dims)
-            o = self._attend(plan, cache, li, lw, q, kv_new)
+            layer_cache = cache.data[li]
+            q = pre_attn(x, lw.attn_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, cos[lw.rope], sin[lw.rope], layer_cache,
+                         plan.write_slots, dims)
+            o = plan.attend(q, layer_cache, lw.attn)
             x = post_attn(x, o, lw.o_proj, lw.attn_out_norm, lw.mlp_norm, lw.gate_up, lw.down, lw.mlp_out_norm,
                           dims, act, reduce)
         return F.rms_norm(x[plan.output_rows], (cfg.hidden_size,), self.norm, cfg.rms_eps)
-
-    def _attend(self, plan: BatchPlan, cache: KVCache, li: int, lw: LayerWeights, q: torch.Tensor,
-                kv_new: torch.Tensor) -> torch.Tensor:
-        """Layer `li`'s K/V write and attention (outside any compiled region)."""
-        layer_cache = cache.data[li]
-        layer_cache.index_copy_(0, plan.write_slots, kv_new)
-        return plan.attend(q, layer_cache, lw.attn)
 
     def _hidden_compiled(self, plan: BatchPlan, cache: KVCache, x: torch.Tensor, cos: list[torch.Tensor],
                          sin: list[torch.Tensor]) -> torch.Tensor:
@@ -210,17 +205,18 @@ class LlamaModel:
         act = self.cfg.activation
         first, between, last = compiled_parts()
         mark = (lambda t: t) if self.compile_static_batch else _dynamic_rows
-        x, rows = mark(x), mark(plan.output_rows)
+        x, rows, slots = mark(x), mark(plan.output_rows), mark(plan.write_slots)
         cos, sin = [mark(c) for c in cos], [mark(c) for c in sin]
         lw = self.layers[0]
-        q, kv_new = first(x, lw.attn_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, cos[lw.rope], sin[lw.rope], dims)
+        q = first(x, lw.attn_norm, lw.qkv, lw.qkv_bias, lw.qk_norm, cos[lw.rope], sin[lw.rope], cache.data[0], slots,
+                  dims)
         for li, lw in enumerate(self.layers):
-            o = mark(self._attend(plan, cache, li, lw, q, kv_new))
+            o = mark(plan.attend(q, cache.data[li], lw.attn))
             post = (lw.o_proj, lw.attn_out_norm, lw.mlp_norm, lw.gate_up, lw.down, lw.mlp_out_norm)
             if li + 1 < len(self.layers):
                 nw = self.layers[li + 1]
-                x, q, kv_new = between(x, o, *post, nw.attn_norm, nw.qkv, nw.qkv_bias, nw.qk_norm, cos[nw.rope],
-                                       sin[nw.rope], dims, act)
+                x, q = between(x, o, *post, nw.attn_norm, nw.qkv, nw.qkv_bias, nw.qk_norm, cos[nw.rope], sin[nw.rope],
+                               cache.data[li + 1], slots, dims, act)
             else:
                 x = last(x, o, *post, self.norm, rows, dims, act)
         return x
@@ -237,10 +233,11 @@ Dims = tuple[int, int, int, int, int, float]  # heads, KV heads, head dim, hidde
 
 
 def pre_attn(x: torch.Tensor, attn_norm: torch.Tensor, qkv_w: torch.Tensor, qkv_bias: torch.Tensor | None,
-             qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-             dims: Dims) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's work before attention: its input norm, q|k|v, q/k norms, RoPE. Returns the queries
-    [N, H, D] and the new K/V [N, 2, KVH, D] (to write into the cache)."""
+             qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
+             write_slots: torch.Tensor, dims: Dims) -> torch.Tensor:
+    """A layer's work before attention: its input norm, q|k|v, q/k norms, RoPE, and the new K/V
+    written into `layer_cache` [slots, 2, KVH, D] at `write_slots` (in place). Returns the queries
+    [N, H, D]."""
     h, kvh, d, hid, _, eps = dims
     n = x.shape[0]
     y = F.rms_norm(x, (hid,), attn_norm, eps)
@@ -250,7 +247,8 @@ def pre_attn(x: torch.Tensor, attn_norm: torch.Tensor, qkv_w: torch.Tensor, qkv_
         qk = F.rms_norm(qk, (d,), None, eps) * qk_norm
     qk = qk * cos + qk.view(n, h + kvh, 2, d // 2).flip(2).view(n, h + kvh, d) * sin
     kv_new = torch.cat([qk[:, h:], qkv[:, h + kvh :]], dim=1).view(n, 2, kvh, d)
-    return qk[:, :h], kv_new
+    layer_cache.index_copy_(0, write_slots, kv_new)
+    return qk[:, :h]
 
 
 def post_attn(x: torch.Tensor, attn_out: torch.Tensor, o_proj: torch.Tensor, attn_out_norm: torch.Tensor | None,
@@ -273,13 +271,12 @@ def post_attn(x: torch.Tensor, attn_out: torch.Tensor, o_proj: torch.Tensor, att
 def _between(x: torch.Tensor, attn_out: torch.Tensor, o_proj: torch.Tensor, attn_out_norm: torch.Tensor | None,
              mlp_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, mlp_out_norm: torch.Tensor | None,
              attn_norm: torch.Tensor, qkv_w: torch.Tensor, qkv_bias: torch.Tensor | None,
-             qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, dims: Dims,
-             act: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One layer's `post_attn` and the next one's `pre_attn`: (x, q, kv_new)."""
+             qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor,
+             write_slots: torch.Tensor, dims: Dims, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's `post_attn` and the next one's `pre_attn` (its K/V written): (x, q)."""
     x = post_attn(x, attn_out, o_proj, attn_out_norm, mlp_norm, gate_up, down, mlp_out_norm, dims,
                   ACTIVATION_FNS[act])
-    q, kv_new = pre_attn(x, attn_norm, qkv_w, qkv_bias, qk_norm, cos, sin, dims)
-    return x, q, kv_new
+    return x, pre_attn(x, attn_norm, qkv_w, qkv_bias, qk_norm, cos, sin, layer_cache, write_slots, dims)
 
 
 def _last(x: torch.Tensor, attn_out: torch.Tensor, o_proj: torch.Tensor, attn_out_norm: torch.Tensor | None,
@@ -291,8 +288,8 @@ def _last(x: torch.Tensor, attn_out: torch.Tensor, o_proj: torch.Tensor, attn_ou
     return F.rms_norm(x[rows], (dims[3],), norm, dims[5])
 
 
-CompiledParts = tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]],
-                      Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]
+CompiledParts = tuple[Callable[..., torch.Tensor], Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                      Callable[..., torch.Tensor]]
 _compiled: CompiledParts | None = None
 # recompiles a compiled function may take before dynamo gives up on it (runs it eagerly): each batch
 # bucket of each model shape is one (9 buckets x the kit's 4 shapes), layers share theirs
