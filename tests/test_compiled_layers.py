@@ -179,6 +179,8 @@ def test_eager_parts_are_the_layer():
 def test_compile_layers_needs_cuda_graphs_and_one_rank():
     with pytest.raises(ValueError, match="compile_layers=True compiles the CUDA-graph decode steps"):
         load_backend(device="cpu", compile_layers=True, progress=False)
+    with pytest.raises(ValueError, match="it needs cuda_graphs=True"):
+        tiny("llama", compile_layers=True)
     be = tiny("llama")
     m = be.model
     m.reduce = lambda t: t  # as tensor parallel sets it
