@@ -41,6 +41,7 @@ def run_cases(select: str) -> None:
     assert " passed" in p.stdout and " failed" not in p.stdout, p.stdout[-2000:]
 
 
+@pytest.mark.heavy  # ~8 s of a subprocess interpreting the kernels: `make test` runs it, not test-fast
 def test_kernel_equals_sdpa_in_the_interpreter():
     # random paged caches, GQA 1/2/4, window, soft-cap, scale, split-KV, page sizes 1/3/16, static
     # (graph) metadata: a few cases of each, the whole matrix in the heavy test below
