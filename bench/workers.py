@@ -41,7 +41,8 @@ PROMPT = "Write a story about a lighthouse."
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, required=True, help="where to write the results")
-    ap.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="settings of HostConfig.workers")
+    ap.add_argument("--workers", type=_workers_arg, nargs="+", default=[0, 2],
+                    help="settings of HostConfig.workers: counts, or auto (one per core, the default)")
     ap.add_argument("--clients", type=int, default=64, help="client threads, each one completion at a time")
     ap.add_argument("--tokens", type=int, default=16, help="new tokens per completion")
     ap.add_argument("--step-ms", type=float, default=2.0, help="the stand-in's time per batch")
@@ -53,9 +54,22 @@ def parse_args() -> argparse.Namespace:
     opts = ap.parse_args()
     if opts.quick:
         opts.workers, opts.clients, opts.warmup, opts.seconds, opts.rounds = [0, 1], 8, 1.0, 1.0, 1
-    if min(opts.workers) < 0 or opts.clients < 1 or opts.tokens < 1 or opts.rounds < 1 or opts.seconds <= 0:
+    if opts.clients < 1 or opts.tokens < 1 or opts.rounds < 1 or opts.seconds <= 0:
         ap.error("--workers must be >= 0; --clients, --tokens, --rounds at least 1; --seconds above 0")
     return opts
+
+
+def _workers_arg(text: str) -> int | str:
+    """A --workers value: a count >= 0, or "auto" (HostConfig's default: one worker per core)."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of workers >= 0, or auto")
+    return n
 
 
 def _faults() -> tuple[int, int]:
@@ -90,7 +104,7 @@ def _cpu_s() -> tuple[float, float]:
     return t.user + t.system, children
 
 
-def run(opts: argparse.Namespace, workers: int) -> dict[str, Any]:
+def run(opts: argparse.Namespace, workers: int | str) -> dict[str, Any]:
     host = Host(HostConfig(workers=workers),
                 backend=StandInBackend(page_size=16, num_pages=16384, delay_s=opts.step_ms / 1000))
     try:
@@ -144,7 +158,8 @@ def run(opts: argparse.Namespace, workers: int) -> dict[str, Any]:
         def per(total: float, scale: float = 1.0) -> float | None:
             return round(scale * total / len(window), 2) if window else None
 
-        return {"workers": workers, "completions_s": round(len(window) / (w1 - w0), 1),
+        return {"workers": workers, "worker_processes": host.config.worker_count,
+                "completions_s": round(len(window) / (w1 - w0), 1),
                 "cpu_s": round(sum(cpu1) - sum(cpu0), 2), "host_cpu_s": round(cpu1[0] - cpu0[0], 2),
                 "workers_cpu_s": round(cpu1[1] - cpu0[1], 2), "latency_ms": round(1000 * statistics.median(window), 1) if window else None,
                 "completions": len(window), "since_start_s": round(w0 - start, 2),
@@ -159,7 +174,7 @@ def run(opts: argparse.Namespace, workers: int) -> dict[str, Any]:
 
 def main() -> None:
     opts = parse_args()
-    rounds: dict[int, list[dict[str, Any]]] = {w: [] for w in opts.workers}
+    rounds: dict[int | str, list[dict[str, Any]]] = {w: [] for w in opts.workers}
     for _ in range(opts.rounds):
         for w in opts.workers:
             rounds[w].append(run(opts, w))
