@@ -115,7 +115,6 @@ def _command(step: Step, quick: bool, out: Path, extra: list[str]) -> tuple[list
     if step.script == "gpu_suite":
         folder = out.parent / step.key
         if quick:
-            env["PIE_KIT_NO_FLEX"] = "1"
             cmd += ["--dry-run", "--sections", GPU_QUICK_SECTIONS]
         return [*cmd, "--out", str(folder), *extra], folder / "gpu_suite.json", env
     return [*cmd, *(["--quick"] if quick else []), "--json", str(out), *extra], out, env

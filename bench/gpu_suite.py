@@ -15,12 +15,14 @@ decode every id the model draws); and Qwen3-0.6B's shape (its own config class, 
 Sections, in this order, each within what is left of `--budget-s` (results are written after each,
 so a run cut short keeps what it measured): env (GPU, copy bandwidth), parity (logits vs
 transformers, tree mask and hidden token vs separate runs, graphs on == off, overlap on == off),
-decode (tokens/s at batch 1 / 8 / 64 / 256 for each attention path with graphs off and on, vs
-transformers with a static cache, vs the HBM bound at batch 1; last, the first attention path's
-graphs over compiled layers, `sdpa+graphs+compile`: `DecodeGraphs(compile_layers=True)`, compiled
-in each bucket's warm-up, `--no-compile` leaves them out), run256 (256 requests x 256 tokens, the
-compiled layers last too; parity checks them against the uncompiled graphs and graphs off),
-host (text_completion through the host vs the backend's own greedy loop at 1 / 64 / 256), decode8b,
+decode (tokens/s at batch 1 / 8 / 64 / 256 for each attention path, sdpa and triton by default, with
+graphs off and on (the other shapes: on), vs transformers with a static cache, vs the HBM bound at
+batch 1; last, each path's graphs over compiled layers, `sdpa+graphs+compile`:
+`DecodeGraphs(compile_layers=True)`, compiled in each bucket's warm-up, `--no-compile` leaves them out), run256 (256 requests x 256 tokens, the
+compiled layers last too; parity checks them against the uncompiled graphs and graphs off), prefill
+(tokens/s at 1 x 4,096 and 64 x 512),
+host (text_completion through the host vs the backend's own greedy loop at 1 / 64 / 256), workers
+(bench/workers.py's closed loop behind a 0 ms stand-in step, workers 0 vs auto), decode8b,
 qwen3 (Qwen3-0.6B's shape, SDPA with graphs off and on vs transformers), pytest (`pytest -m gpu` on a small model saved to disk),
 agents (bench/agent_io.py at 8 I/Os behind the 1B shape: agents as inferlets vs driven by an OpenAI
 client, issue 51; also DIR/agent_io.json). Writes DIR/gpu_suite.json and DIR/gpu_suite.md.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
+import importlib.util
 import json
 import math
 import os
@@ -90,7 +93,9 @@ class Plan:
     host_tokens: int = 64
     host_tokens_long: int = 256
     hf_tokens: int = 32
-    attentions: tuple[str, ...] = ("sdpa", "flex")
+    # "flex" measured on the H100 / H200 before (slower than SDPA + graphs everywhere, fails to compile
+    # at batch 1 and on run256): `--attentions sdpa,triton,flex` brings it back
+    attentions: tuple[str, ...] = ("sdpa", "triton")
     compile_layers: bool = True  # also measure the decode graphs over compiled layers (DecodeGraphs(compile_layers))
     compile_shapes: tuple[str, ...] = ("llama-1b", "llama-8b", "qwen3-0.6b")  # the decode sections that do
     compile_static_batch: bool = False  # LlamaModel.compile_static_batch: one compile per batch bucket
@@ -105,6 +110,7 @@ class Plan:
     host_workers: tuple[str, ...] = ()  # the host section once per HostConfig.workers value ("0", "auto", ...)
     agents_ios: tuple[int, ...] = (8,)  # the agents section's I/O counts (agent_io.py --ios)
     agents_pages: int = 8192  # its KV pages (16 tokens each): 8 agents' and their peers' transcripts, both ways
+    prefill_shapes: tuple[tuple[int, int], ...] = ((1, 4096), (64, 512))  # (requests, prompt tokens)
 
     @classmethod
     def make(cls, dry: bool) -> Plan:
@@ -112,7 +118,7 @@ class Plan:
             return cls(dry=False)
         return cls(dry=True, batches=(1, 4), prompt_len=8, new_tokens=8, run_reqs=4, run_tokens=4,
                    host_conc=(1, 4), host_tokens=4, host_tokens_long=6, hf_tokens=3, b8_batches=(1,),
-                   agents_ios=(2,), agents_pages=1024,
+                   agents_ios=(2,), agents_pages=1024, prefill_shapes=((1, 32), (4, 16)),
                    # inductor compiles for seconds per shape on CPU: one tiny model, batch dimension
                    # dynamic (parity's compile serves decode's batch 4 and run256's)
                    compile_shapes=("llama-1b",), compile_batches=(4,))
@@ -409,6 +415,7 @@ def sec_parity(s: Suite) -> dict[str, Any]:
     texts = {"a": enc("The quick brown fox jumps over the lazy dog."),
              "b": enc("In 1492, Columbus sailed the ocean blue; in 1969, humans walked on the Moon. Later,"),
              "c": enc("def add(a, b):\n    return a + b\n\nprint(add(2, 3))")}
+    first_off: list[list[int]] | None = None
     for attn in s.plan.attentions:
         v = variant(be, attn, False)
         check_ragged_batch_equals_each_alone(v, texts)
@@ -419,6 +426,10 @@ def sec_parity(s: Suite) -> dict[str, Any]:
         off = variant(be, attn, False).generate_batch(seqs, 24, stop_tokens=[])
         on = variant(be, attn, True).generate_batch(seqs, 24, stop_tokens=[])
         out[f"{attn}_graphs_on_equals_off"] = on == off
+        if first_off is None:
+            first_off = off
+        else:  # another attention path decodes the same tokens as the first (fp32)
+            out[f"{attn}_equals_{s.plan.attentions[0]}"] = off == first_off
         out[f"{attn}_overlap_on_equals_off"] = overlap_equals(variant(be, attn, False), seqs, off)
         if s.plan.compile_layers and attn == s.plan.attentions[0]:
             # the compiled layers (inside the graphs): == the uncompiled graphs, == graphs off (an
@@ -504,15 +515,19 @@ def sec_decode(s: Suite, shape: str = "llama-1b", batches: tuple[int, ...] | Non
                            "new_tokens": plan.new_tokens, "tokens_per_s": {}}
     if bw:
         out["batch1_bound_tokens_per_s"] = bw / wb
-    attns = plan.attentions if shape == "llama-1b" else ("sdpa",)
-    configs = [(a, g, False) for a in attns for g in (False, True)]
-    # the transformers baseline right after the default path (flex compiles first: it goes last)
+    # the 1B shape: every attention path with graphs off and on; the others: graphs on only (eager
+    # decode is launch-bound, measured on the 1B shape)
+    attns = plan.attentions
+    graph_settings = (False, True) if shape == "llama-1b" else (True,)
+    configs = [(a, g, False) for a in attns for g in graph_settings]
+    # the transformers baseline right after the default path (a slow path compiling first goes last)
     if plan.transformers:
-        configs.insert(2, ("transformers", False, False))
-    # the compiled layers last (skipping them for the budget loses nothing else): the first
-    # attention's graphs, compiled (`--no-compile` leaves them out)
+        configs.insert(len(graph_settings), ("transformers", False, False))
+    # the compiled layers last (skipping them for the budget loses nothing else): each attention's
+    # graphs over compiled layers (`--no-compile` leaves them out; the compiled regions exclude
+    # attention, so the second attention reuses the first one's compiles)
     if plan.compile_layers and shape in plan.compile_shapes:
-        configs.append((attns[0], True, True))
+        configs += [(a, True, True) for a in attns]
     for attn, graphs, compiled in configs:
         key = f"{attn}{'+graphs' if graphs else ''}{compile_suffix(plan) if compiled else ''}"
         row = out["tokens_per_s"].setdefault(key, {})
@@ -557,9 +572,11 @@ def sec_run256(s: Suite) -> dict[str, Any]:
     base.model.compile_static_batch = plan.compile_static_batch
     seqs = prompts(plan.run_reqs, plan.prompt_len, seed=7)
     out: dict[str, Any] = {"requests": plan.run_reqs, "new_tokens": plan.run_tokens, "prompt_len": plan.prompt_len}
-    configs = [(a, g, False) for a in plan.attentions for g in (True, False)]
-    if plan.compile_layers:  # last: skipping it for the budget loses nothing else
-        configs.append((plan.attentions[0], True, True))
+    # every attention with graphs, the first one without (eager decode is launch-bound: its
+    # baseline), then the compiled layers (last: skipping them for the budget loses nothing else)
+    configs = [(a, True, False) for a in plan.attentions] + [(plan.attentions[0], False, False)]
+    if plan.compile_layers:
+        configs += [(a, True, True) for a in plan.attentions]
     for attn, graphs, compiled in configs:
         key = f"{attn}{'+graphs' if graphs else ''}{compile_suffix(plan) if compiled else ''}"
         if s.left() < (COMPILE_MARGIN_S if compiled else 40):
@@ -574,6 +591,37 @@ def sec_run256(s: Suite) -> dict[str, Any]:
             out[key] = f"error: {type(e).__name__}: {str(e)[:300]}"
         s.write()
     del base, hf
+    free()
+    return out
+
+
+def sec_prefill(s: Suite) -> dict[str, Any]:
+    """Prefill tokens/s of the 1B shape: `prefill_shapes` (requests x prompt tokens, 1 x 4,096 and
+    64 x 512), each request's whole prompt in one forward, first token sampled; best of two after a
+    warm-up. Prefill batches run eagerly through SDPA whatever the attention path (the triton path
+    hands them to SDPA), so one path is measured."""
+    import torch
+
+    plan = s.plan
+    hf = hf_model("llama-1b", s, torch.bfloat16 if s.device == "cuda" else torch.float32)
+    pages = max(n * math.ceil((length + 1) / 16) for n, length in plan.prefill_shapes) + 8
+    be = ours(hf, s, pages)
+    out: dict[str, Any] = {"shape": "llama-1b", "tokens_per_s": {}, "forward_s": {}}
+    for n, length in plan.prefill_shapes:
+        key = f"{n}x{length}"
+        if s.left() < 30:
+            out["tokens_per_s"][key] = "skipped: budget"
+            continue
+        try:
+            seqs = prompts(n, length, seed=11)
+            own_loop(be, seqs, 1)  # warm-up
+            secs = min(own_loop(be, seqs, 1)[0] for _ in range(2))
+            out["tokens_per_s"][key] = round(n * length / secs, 1)
+            out["forward_s"][key] = round(secs, 4)
+        except Exception as e:
+            out["tokens_per_s"][key] = f"error: {type(e).__name__}: {str(e)[:300]}"
+        s.write()
+    del be, hf
     free()
     return out
 
@@ -748,6 +796,26 @@ def sec_agents(s: Suite) -> dict[str, Any]:
                      for r in doc["results"]]}
 
 
+def sec_workers(s: Suite) -> dict[str, Any]:
+    """Issue 49's closed loop on this machine's cores (bench/workers.py, the kit's text_completion):
+    64 clients each running `text_completion --raw` (16 new tokens) again and again behind a 0 ms
+    stand-in step, workers 0 vs auto (one per core), 2 rounds alternated; `ratio` is auto's
+    completions/s over in-process's."""
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("bench_workers", ROOT / "bench" / "workers.py")
+    assert spec is not None and spec.loader is not None
+    wb = iu.module_from_spec(spec)
+    spec.loader.exec_module(wb)
+    dry = s.plan.dry
+    opts = argparse.Namespace(workers=[0, 1] if dry else [0, "auto"], clients=8 if dry else 64, tokens=16,
+                              step_ms=0.0, warmup=1.0 if dry else 3.0, seconds=1.0 if dry else 5.0,
+                              rounds=1 if dry else 2)
+    out = dict(wb.measure(opts, kit_wasm(s.kit, "text_completion")))
+    out["window_s"] = out.pop("seconds")  # ("seconds" is the section's own time in the kit's JSON)
+    return out
+
+
 def sec_decode8b(s: Suite) -> dict[str, Any]:
     return sec_decode(s, "llama-8b", s.plan.b8_batches)
 
@@ -786,7 +854,8 @@ def sec_pytest(s: Suite) -> dict[str, Any]:
 
 
 SECTIONS: dict[str, Callable[[Suite], dict[str, Any]]] = {
-    "env": sec_env, "parity": sec_parity, "decode": sec_decode, "run256": sec_run256, "host": sec_host,
+    "env": sec_env, "parity": sec_parity, "decode": sec_decode, "run256": sec_run256, "prefill": sec_prefill,
+    "host": sec_host, "workers": sec_workers,
     "decode8b": sec_decode8b, "qwen3": sec_qwen3, "pytest": sec_pytest, "agents": sec_agents,
 }  # the default order; --sections picks and orders
 
@@ -823,6 +892,17 @@ def markdown(res: dict[str, Any]) -> str:
                 lines.append(f"- {k}: {v['tokens_per_s']} tokens/s ({v['seconds']} s)")
             elif k not in ("requests", "new_tokens", "prompt_len"):
                 lines.append(f"- {k}: {v}")
+    pf = res.get("prefill")
+    if isinstance(pf, dict) and pf.get("tokens_per_s"):
+        lines += ["", "## prefill tokens/s (1B shape; requests x prompt tokens, one forward)", ""]
+        lines += [f"- {k}: {_cell(v)}" + (f" ({pf['forward_s'][k]} s)" if k in pf.get("forward_s", {}) else "")
+                  for k, v in pf["tokens_per_s"].items()]
+    w = res.get("workers")
+    if isinstance(w, dict) and w.get("settings"):
+        lines += ["", f"## workers: closed loop, {w.get('clients')} clients, {w.get('step_ms')} ms stand-in step, "
+                  f"{w.get('cores')} cores", "", "| workers | processes | completions/s (rounds) | ratio |", "|---|---|---|---|"]
+        lines += [f"| {k} | {e.get('worker_processes')} | {e.get('completions_s')} ({e.get('rounds')}) | {e.get('ratio')} |"
+                  for k, e in w["settings"].items()]
     h = res.get("host")
     if isinstance(h, dict) and h.get("concurrency"):
         lines += ["", "## host tax (text_completion through the host vs the backend's own loop, 1B shape)", "",
@@ -913,8 +993,8 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. --workers 0 auto: in-process against the default; results in host.by_workers")
     ap.add_argument("--attentions", default=None, metavar="A,B",
                     help="the attention paths parity, decode and run256 measure, comma-separated (default: "
-                         "sdpa,flex; the dry run: sdpa,flex, or sdpa where PIE_KIT_NO_FLEX is set); the first "
-                         "is the one the compiled layers run with")
+                         "sdpa,triton; the dry run runs triton in Triton's interpreter, or leaves it out where "
+                         "triton is not installed); the first is the one parity's compiled checks run with")
     ap.add_argument("--no-compile", action="store_true",
                     help="leave out the measurements over compiled layers (decode graphs with "
                          "compile_layers: sdpa+graphs+compile in decode and run256, the compiled parity checks)")
@@ -945,6 +1025,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if not attentions or set(attentions) - set(ATTENTION_NAMES):
             ap.error(f"--attentions {a.attentions!r}: use some of {','.join(ATTENTION_NAMES)}")
+    if a.dry_run:  # the triton path on CPU: Triton's interpreter, set before triton is first imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     names = [n for n in a.sections.split(",") if n]
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
@@ -964,8 +1046,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       host_no_ahead=not a.host_ahead_only, host_config=host_config,
                                                       host_workers=tuple(a.workers)),
                   budget_s=a.budget_s, device=device)
-    if a.dry_run:
-        suite.plan = replace(suite.plan, attentions=("sdpa",) if "PIE_KIT_NO_FLEX" in os.environ else ("sdpa", "flex"))
+    if a.dry_run and not attentions and importlib.util.find_spec("triton") is None:
+        suite.plan = replace(suite.plan, attentions=("sdpa",))
     if attentions:
         suite.plan = replace(suite.plan, attentions=attentions)
     if a.no_compile:

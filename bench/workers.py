@@ -104,11 +104,12 @@ def _cpu_s() -> tuple[float, float]:
     return t.user + t.system, children
 
 
-def run(opts: argparse.Namespace, workers: int | str) -> dict[str, Any]:
+def run(opts: argparse.Namespace, workers: int | str, wasm: bytes | None = None) -> dict[str, Any]:
+    """One setting on a fresh host; `wasm`: the text_completion component (None: the standard build)."""
     host = Host(HostConfig(workers=workers),
                 backend=StandInBackend(page_size=16, num_pages=16384, delay_s=opts.step_ms / 1000))
     try:
-        program = host.compile(resolve_inferlet("text_completion", quiet=True).read_bytes())
+        program = host.compile(wasm if wasm is not None else resolve_inferlet("text_completion", quiet=True).read_bytes())
         tok = host.backend.tokenizer
         last = tok.encode(PROMPT)[-1]
         want = tok.decode([(last + 1 + i) % host.backend.info.vocab_size for i in range(opts.tokens)])
@@ -172,12 +173,13 @@ def run(opts: argparse.Namespace, workers: int | str) -> dict[str, Any]:
         host.shutdown()
 
 
-def main() -> None:
-    opts = parse_args()
+def measure(opts: argparse.Namespace, wasm: bytes | None = None) -> dict[str, Any]:
+    """Every setting of `opts.workers`, alternated over `opts.rounds`: the JSON `main` writes (the
+    GPU kit's `workers` section calls this with the kit's component)."""
     rounds: dict[int | str, list[dict[str, Any]]] = {w: [] for w in opts.workers}
     for _ in range(opts.rounds):
         for w in opts.workers:
-            rounds[w].append(run(opts, w))
+            rounds[w].append(run(opts, w, wasm))
             print(json.dumps(rounds[w][-1]), flush=True)
     base = statistics.median(r["completions_s"] for r in rounds[opts.workers[0]])
     res: dict[str, Any] = {"clients": opts.clients, "tokens": opts.tokens, "step_ms": opts.step_ms,
@@ -187,6 +189,12 @@ def main() -> None:
         rate = statistics.median(r["completions_s"] for r in rs)
         res["settings"][str(w)] = {**entry, "rounds": [r["completions_s"] for r in rs],
                                    "ratio": round(rate / base, 3) if base else None}
+    return res
+
+
+def main() -> None:
+    opts = parse_args()
+    res = measure(opts)
     opts.json.parent.mkdir(parents=True, exist_ok=True)
     opts.json.write_text(json.dumps(res, indent=2))
     lines = [f"# bench/workers.py: {opts.clients} clients, `text_completion --raw` {opts.tokens} tokens, "

@@ -16,23 +16,30 @@ pytestmark = [pytest.mark.slow, pytest.mark.build]
 
 
 def test_dry_run_runs_every_section(tmp_path):
-    env = dict(os.environ, PIE_KIT_NO_FLEX="1")  # flex compiles for minutes on CPU; covered by its own tests
+    env = dict(os.environ)  # (flex, which compiles for minutes on CPU, is not among the default paths)
     r = subprocess.run([sys.executable, "bench/gpu_suite.py", "--dry-run", "--out", str(tmp_path)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_suite.json").read_text())
-    assert set(res) == {"env", "parity", "decode", "run256", "host", "decode8b", "qwen3", "pytest", "agents"}
+    assert set(res) == {"env", "parity", "decode", "run256", "prefill", "host", "workers", "decode8b", "qwen3",
+                        "pytest", "agents"}
     assert not [k for k, v in res.items() if "error" in v], res
     p = res["parity"]
     assert p["small_fp32_max_logit_diff"] < 1e-3 and p["sdpa_graphs_on_equals_off"] and p["sdpa_overlap_on_equals_off"]
     assert p["sdpa_ragged_and_tree_mask"] == p["sdpa_hidden_token"] == "equal"
     # the compiled layers (run through the graphs' static buffers on CPU): == uncompiled, == graphs off
     assert p["sdpa_compiled_equals_uncompiled"] is True and p["sdpa_graphs_on_equals_off_compiled"] is True
-    for key in ("sdpa", "sdpa+graphs", "transformers", "sdpa+graphs+compile"):
+    # every path measured, the triton one through Triton's interpreter (its parity checks too)
+    for key in ("sdpa", "sdpa+graphs", "transformers", "sdpa+graphs+compile", "triton", "triton+graphs",
+                "triton+graphs+compile"):
         assert all(isinstance(v, float) and v > 0 for v in res["decode"]["tokens_per_s"][key].values()), key
+    assert p["triton_graphs_on_equals_off"] and p["triton_equals_sdpa"] is True and p["triton_ragged_and_tree_mask"] == "equal"
+    assert all(isinstance(v, float) and v > 0 for v in res["prefill"]["tokens_per_s"].values())
+    wk = res["workers"]["settings"]  # the closed loop, in-process vs a worker, the kit's component
+    assert wk["0"]["completions_s"] > 0 and wk["1"]["completions_s"] > 0 and wk["1"]["worker_processes"] == 1
     assert res["run256"]["sdpa+graphs"]["tokens_per_s"] > 0 and res["run256"]["sdpa+graphs+compile"]["tokens_per_s"] > 0
     assert "sdpa+graphs+compile" not in res["qwen3"]["tokens_per_s"]  # (the dry run compiles one shape)
-    assert all(isinstance(v, float) and v > 0 for v in res["qwen3"]["tokens_per_s"]["sdpa"].values())
+    assert all(isinstance(v, float) and v > 0 for v in res["qwen3"]["tokens_per_s"]["sdpa+graphs"].values())
     row = res["host"]["concurrency"]["4"]
     assert row["host_ahead_tokens_per_s"] > 0 and row["host_no_ahead_tokens_per_s"] > 0
     assert res["pytest"]["returncode"] == 0  # (every GPU test skips on CPU; collection must succeed)
@@ -41,7 +48,7 @@ def test_dry_run_runs_every_section(tmp_path):
     assert all(r["inferlet_agents_per_s"] > 0 and r["client_agents_per_s"] > 0 for r in ag["rows"])
     assert json.loads((tmp_path / "agent_io.json").read_text())["results"]
     md = (tmp_path / "gpu_suite.md").read_text()
-    assert "## host tax" in md and "## decode: llama-1b" in md and "## agents" in md
+    assert "## host tax" in md and "## decode: llama-1b" in md and "## agents" in md and "## prefill" in md and "## workers" in md
 
 
 def test_bad_arguments_are_refused():
