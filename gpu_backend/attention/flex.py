@@ -23,7 +23,7 @@ padded shape bucket (`FlexAttention.grid`), as dynamic shapes miscompile there; 
 shapes. Each CPU kernel takes ~4 s to compile (cached on disk by inductor across runs).
 
 Measured on CPU (bench/flex_attention.py) and on one H100 (bench/gpu_h100.md: slower than SDPA with
-CUDA graphs at every batch size; a batch-1 decode does not compile there, see `_FLEX_DYNAMIC`).
+CUDA graphs at every batch size; a batch-1 decode does not compile there, see `_compiled_flex`).
 """
 
 from __future__ import annotations
@@ -59,12 +59,19 @@ RECOMPILE_LIMIT = 64
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# compiled once per process, shared by every FlexAttention (and so are their kernels); compiling is lazy
-_FLEX_STATIC = cast(Callable[..., Any], torch.compile(flex_attention, dynamic=False))
-# Known on CUDA (H100, torch 2.11; bench/gpu_h100.json): a decode batch of ONE request fails to
-# compile ("NoValidChoicesError ... target: flex_attention"), with dynamic=None and dynamic=True
-# alike; batches of 8 and more run. SDPA (+ CUDA graphs) is the CUDA default, faster at every batch.
-_FLEX_DYNAMIC = cast(Callable[..., Any], torch.compile(flex_attention, dynamic=None))
+
+
+@cache
+def _compiled_flex(dynamic: bool | None) -> Callable[..., Any]:
+    """flex_attention through torch.compile, made once per process on first use and shared by every
+    FlexAttention (and so are their kernels). Made lazily: `torch.compile` imports dynamo and
+    inductor, ~2-4 s, which importing this module should not cost. `dynamic=False` for static
+    shapes (CUDA graphs), None otherwise.
+
+    Known on CUDA (H100, torch 2.11; bench/gpu_h100.json): a decode batch of ONE request fails to
+    compile ("NoValidChoicesError ... target: flex_attention"), with dynamic=None and dynamic=True
+    alike; batches of 8 and more run. SDPA (+ CUDA graphs) is the CUDA default, faster at every batch."""
+    return cast(Callable[..., Any], torch.compile(flex_attention, dynamic=dynamic))
 
 
 @dataclass
@@ -290,7 +297,7 @@ class FlexAttention(Attention):
         if not self.compiled:
             fn: Callable[..., Any] = flex_attention
         else:
-            fn = _FLEX_STATIC if self._static(q.device) else _FLEX_DYNAMIC
+            fn = _compiled_flex(False if self._static(q.device) else None)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             o = fn(qp, k, v, block_mask=blocks.block_mask, enable_gqa=k.shape[1] != h, scale=spec.scale,
                    score_mod=None if spec.softcap is None else _softcap_mod(spec.softcap),
