@@ -34,6 +34,7 @@ from typing import Any
 from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
 from host.cli.build import resolve_inferlet
+from host.cli.options import _workers
 
 PROMPT = "Write a story about a lighthouse."
 
@@ -41,7 +42,7 @@ PROMPT = "Write a story about a lighthouse."
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, required=True, help="where to write the results")
-    ap.add_argument("--workers", type=_workers_arg, nargs="+", default=[0, 2],
+    ap.add_argument("--workers", type=_workers, nargs="+", default=[0, 2],
                     help="settings of HostConfig.workers: counts, or auto (one per core, the default)")
     ap.add_argument("--clients", type=int, default=64, help="client threads, each one completion at a time")
     ap.add_argument("--tokens", type=int, default=16, help="new tokens per completion")
@@ -59,39 +60,12 @@ def parse_args() -> argparse.Namespace:
     return opts
 
 
-def _workers_arg(text: str) -> int | str:
-    """A --workers value: a count >= 0, or "auto" (HostConfig's default: one worker per core)."""
-    if text == "auto":
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of workers >= 0, or auto")
-    return n
-
-
-def _faults() -> tuple[int, int]:
-    """Minor page faults of this process and of its running children (the workers: /proc)."""
-    mine = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    children = 0
-    me = str(os.getpid())
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me:
-            children += int(fields[7])
-    return mine, children
-
-
-def _cpu_s() -> tuple[float, float]:
-    """CPU of this process (the host and the clients) and of its running children (the workers:
-    read from /proc)."""
+def _usage() -> tuple[tuple[float, float], tuple[int, int]]:
+    """(CPU seconds, minor page faults) of this process (the host and the clients) and, summed, of
+    its running children (the workers), read from /proc in one pass."""
     t = os.times()
-    children = 0.0
+    mine = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    cpu, faults = 0.0, 0
     tick = os.sysconf("SC_CLK_TCK")
     me = str(os.getpid())
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -100,8 +74,9 @@ def _cpu_s() -> tuple[float, float]:
         except OSError:
             continue
         if fields[1] == me:  # ppid: a worker of this host
-            children += (int(fields[11]) + int(fields[12])) / tick
-    return t.user + t.system, children
+            cpu += (int(fields[11]) + int(fields[12])) / tick
+            faults += int(fields[7])
+    return (t.user + t.system, cpu), (mine, faults)
 
 
 def run(opts: argparse.Namespace, workers: int | str, wasm: bytes | None = None) -> dict[str, Any]:
@@ -146,9 +121,9 @@ def run(opts: argparse.Namespace, workers: int | str, wasm: bytes | None = None)
         for t in threads:
             t.start()
         time.sleep(opts.warmup)
-        cpu0, f0, w0 = _cpu_s(), _faults(), time.perf_counter()
+        (cpu0, f0), w0 = _usage(), time.perf_counter()
         time.sleep(opts.seconds)
-        cpu1, f1, w1 = _cpu_s(), _faults(), time.perf_counter()
+        (cpu1, f1), w1 = _usage(), time.perf_counter()
         stop.set()
         for t in threads:
             t.join(120)

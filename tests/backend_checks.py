@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from gpu_backend import ForwardRequest, OutputSpec, TorchBackend
@@ -42,6 +43,17 @@ def req(pages: list[int], ctx: int, tokens: list[int], ps: int, positions: list[
         positions=positions if positions is not None else list(range(ctx, total)), mask=mask,
         outputs=[OutputSpec(index=i) for i in (outputs if outputs is not None else range(len(tokens)))],
     )
+
+
+def decode_batch(rng: np.random.Generator, lens: list[int], ps: int, num_pages: int) -> list[ForwardRequest]:
+    """One new token per request, each on its own shuffled (non-contiguous) pages."""
+    free = [int(p) for p in rng.permutation(num_pages)]
+    reqs = []
+    for n in lens:
+        pages = [free.pop() for _ in range(-(-n // ps))]
+        reqs.append(ForwardRequest(pages=pages, last_page_len=n - (len(pages) - 1) * ps, tokens=[1],
+                                   positions=[n - 1]))
+    return reqs
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

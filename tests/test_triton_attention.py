@@ -16,9 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from backend_checks import req
+from backend_checks import decode_batch, req
 
-from gpu_backend import ForwardRequest
 from gpu_backend.attention import AttnSpec, SdpaAttention, SdpaMeta, brle_row, build_plan
 
 pytest.importorskip("triton")
@@ -53,17 +52,6 @@ def test_kernel_matrix_and_greedy_decode_in_the_interpreter():
     # every GQA group x spec x split count; a tiny random Llama (plain; window + soft-cap + scale):
     # greedy tokens and logits equal SDPA's, eager and through the CUDA-graph static buffers on CPU
     run_cases("matrix or greedy")
-
-
-def decode_batch(rng: np.random.Generator, lens: list[int], ps: int, num_pages: int) -> list[ForwardRequest]:
-    """One new token per request, each on its own shuffled (non-contiguous) pages."""
-    free = [int(p) for p in rng.permutation(num_pages)]
-    reqs = []
-    for n in lens:
-        pages = [free.pop() for _ in range(-(-n // ps))]
-        reqs.append(ForwardRequest(pages=pages, last_page_len=n - (len(pages) - 1) * ps, tokens=[1],
-                                   positions=[n - 1]))
-    return reqs
 
 
 def test_decode_metadata_is_static_under_graphs(monkeypatch):

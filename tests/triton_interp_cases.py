@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import triton
-from backend_checks import Pages, req, tiny_backend
+from backend_checks import Pages, decode_batch, req, tiny_backend
 
 from gpu_backend import ForwardRequest, TorchBackend
 from gpu_backend.attention import AttnSpec, SdpaAttention, build_plan
@@ -42,17 +42,6 @@ SPECS = {
     "scale+softcap": AttnSpec(scale=0.37, softcap=1.5),
     "window+softcap": AttnSpec(local=True, softcap=3.0),
 }
-
-
-def decode_batch(rng: np.random.Generator, lens: list[int], ps: int, num_pages: int) -> list[ForwardRequest]:
-    """One new token per request, each on its own shuffled (non-contiguous) pages."""
-    free = [int(p) for p in rng.permutation(num_pages)]
-    reqs = []
-    for n in lens:
-        pages = [free.pop() for _ in range(-(-n // ps))]
-        reqs.append(ForwardRequest(pages=pages, last_page_len=n - (len(pages) - 1) * ps, tokens=[1],
-                                   positions=[n - 1]))
-    return reqs
 
 
 def both(reqs: list[ForwardRequest], ps: int, group: int, num_pages: int, kvh: int, d: int, spec: AttnSpec,
