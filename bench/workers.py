@@ -2,7 +2,7 @@
 process, closed loop: issue 49's measure of whether the host uses every core.
 
 Usage: python bench/workers.py --json OUT [--workers 0 2] [--clients 64] [--tokens 16] [--step-ms 2]
-                               [--seconds 10] [--rounds 3] [--quick]
+                               [--seconds 10] [--rounds 3] [--idle-threads 256 0] [--quick]
 
 `--clients` client threads each launch the standard `text_completion` (`--raw`, `--tokens` new
 tokens) and wait for its end, again and again, against a host in front of the stand-in backend
@@ -14,7 +14,9 @@ completion the CPU and minor page faults of the host's process and of its worker
 (`host_cpu_ms_per_completion`, `workers_cpu_ms_per_completion`, `host_faults_per_completion`,
 `workers_faults_per_completion`). Each setting runs on a fresh host, the settings alternate over
 `--rounds`; the entry is the round with the median rate and `ratio` is each setting's median rate
-over the first setting's (in-process, 0). `--quick` (CI): 0 and 1 worker, 8 clients, 1 s windows,
+over the first setting's (in-process, 0). `--idle-threads N M`: every setting also with each of these
+caps on the instance threads kept for reuse (host/wasm/threads.py; 0: a thread per instance, as
+before; the entries are then named "W, idle N"). `--quick` (CI): 0 and 1 worker, 8 clients, 1 s windows,
 one round.
 Writes JSON to --json and a markdown table next to it (.md).
 """
@@ -35,6 +37,7 @@ from gpu_backend.standin import StandInBackend
 from host import Host, HostConfig
 from host.cli.build import resolve_inferlet
 from host.cli.options import _workers
+from host.wasm import threads as instance_threads
 
 PROMPT = "Write a story about a lighthouse."
 
@@ -50,13 +53,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window")
     ap.add_argument("--seconds", type=float, default=10.0, help="the measured window")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every setting, alternated")
+    ap.add_argument("--idle-threads", type=int, nargs="+", default=[instance_threads.MAX_IDLE],
+                    help="caps on the instance threads kept for reuse, each a setting (0: none kept)")
     ap.add_argument("--quick", action="store_true",
                     help="a small, fast run (CI): 0 and 1 worker, 8 clients, 1 s windows, one round")
     opts = ap.parse_args()
     if opts.quick:
         opts.workers, opts.clients, opts.warmup, opts.seconds, opts.rounds = [0, 1], 8, 1.0, 1.0, 1
-    if opts.clients < 1 or opts.tokens < 1 or opts.rounds < 1 or opts.seconds <= 0:
-        ap.error("--workers must be >= 0; --clients, --tokens, --rounds at least 1; --seconds above 0")
+    if opts.clients < 1 or opts.tokens < 1 or opts.rounds < 1 or opts.seconds <= 0 or min(opts.idle_threads) < 0:
+        ap.error("--workers and --idle-threads must be >= 0; --clients, --tokens, --rounds at least 1; "
+                 "--seconds above 0")
     return opts
 
 
@@ -79,8 +85,13 @@ def _usage() -> tuple[tuple[float, float], tuple[int, int]]:
     return (t.user + t.system, cpu), (mine, faults)
 
 
-def run(opts: argparse.Namespace, workers: int | str, wasm: bytes | None = None) -> dict[str, Any]:
-    """One setting on a fresh host; `wasm`: the text_completion component (None: the standard build)."""
+def run(opts: argparse.Namespace, workers: int | str, wasm: bytes | None = None,
+        idle_threads: int | None = None) -> dict[str, Any]:
+    """One setting on a fresh host; `wasm`: the text_completion component (None: the standard build);
+    `idle_threads`: the cap on instance threads kept, here and in the host's workers (None: as set)."""
+    if idle_threads is not None:  # (this process's pool, and the workers' through their environment)
+        instance_threads._threads.max_idle = idle_threads
+        os.environ["PIE_IDLE_THREADS"] = str(idle_threads)
     host = Host(HostConfig(workers=workers),
                 backend=StandInBackend(page_size=16, num_pages=16384, delay_s=opts.step_ms / 1000))
     try:
@@ -151,18 +162,20 @@ def run(opts: argparse.Namespace, workers: int | str, wasm: bytes | None = None)
 def measure(opts: argparse.Namespace, wasm: bytes | None = None) -> dict[str, Any]:
     """Every setting of `opts.workers`, alternated over `opts.rounds`: the JSON `main` writes (the
     GPU kit's `workers` section calls this with the kit's component)."""
-    rounds: dict[int | str, list[dict[str, Any]]] = {w: [] for w in opts.workers}
+    idle = getattr(opts, "idle_threads", None) or [None]
+    settings = {(str(w) if len(idle) == 1 else f"{w}, idle {n}"): (w, n) for n in idle for w in opts.workers}
+    rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in settings}
     for _ in range(opts.rounds):
-        for w in opts.workers:
-            rounds[w].append(run(opts, w, wasm))
-            print(json.dumps(rounds[w][-1]), flush=True)
-    base = statistics.median(r["completions_s"] for r in rounds[opts.workers[0]])
+        for k, (w, n) in settings.items():
+            rounds[k].append({**run(opts, w, wasm, n), "idle_threads": n})
+            print(json.dumps(rounds[k][-1]), flush=True)
+    base = statistics.median(r["completions_s"] for r in rounds[next(iter(settings))])
     res: dict[str, Any] = {"clients": opts.clients, "tokens": opts.tokens, "step_ms": opts.step_ms,
                            "seconds": opts.seconds, "cores": os.cpu_count(), "settings": {}}
     for w, rs in rounds.items():
         entry = sorted(rs, key=lambda r: r["completions_s"])[len(rs) // 2]
         rate = statistics.median(r["completions_s"] for r in rs)
-        res["settings"][str(w)] = {**entry, "rounds": [r["completions_s"] for r in rs],
+        res["settings"][w] = {**entry, "rounds": [r["completions_s"] for r in rs],
                                    "ratio": round(rate / base, 3) if base else None}
     return res
 

@@ -47,7 +47,7 @@ def holding(host: Host, program: str) -> Run:
 
 
 def nice_of(inst: object) -> int:
-    return os.getpriority(os.PRIO_PROCESS, inst._thread.native_id)  # type: ignore[attr-defined]
+    return os.getpriority(os.PRIO_PROCESS, inst._job.native_id)  # type: ignore[attr-defined]
 
 
 @needs_nice

@@ -23,7 +23,7 @@ from wasmtime.component import Func, Linker
 from host.events import InstanceEvent
 from host.state.pages import InstancePages
 from host.state.topics import Mailbox
-from host.wasm import priority
+from host.wasm import priority, threads
 from host.wasm.calling import calling
 from host.wasm.inbox import Inbox
 from host.wasm.limits import InstanceLimits, unwatch_epochs, watch_epochs
@@ -136,7 +136,7 @@ class Instance(Waiter):
         self._stderr = bytearray()
         self.log = InstanceLog()  # runtime.log, stdout and stderr lines (host/wasm/logs.py)
         self.ended_at: float | None = None  # time.time() when it ended
-        self._thread = threading.Thread(target=self._main, name=f"inferlet-{self.id[:8]}", daemon=True)
+        self._job: threads.Job | None = None  # its thread's run of `_main` (host/wasm/threads.py), once started
         self.finished = threading.Event()
         self._thread_started = threading.Event()  # `start` has started its thread
         self.parked = warm  # not launched yet: the first host call waits (guarded by cond)
@@ -175,7 +175,7 @@ class Instance(Waiter):
         it was lowered (`InstanceEnv.warm_in_background`). Called with `cond` held."""
         if self._base_nice is not None:
             try:
-                priority.restore(self._thread.native_id or 0, self._base_nice)
+                priority.restore(self._job.native_id if self._job is not None else 0, self._base_nice)
             except OSError as e:  # (permitted when probed: only a policy change gets here)
                 log.warning("%s keeps its background priority: %s", self.label, e)
             self._base_nice = None
@@ -221,7 +221,7 @@ class Instance(Waiter):
         if not self.parked:  # a cold launch starts on the critical path
             with self.cond:
                 self._begin_start()
-        self._thread.start()
+        self._job = threads.run(self._main, f"inferlet-{self.id[:8]}")
         self._thread_started.set()
 
     def fail_to_start(self, message: str) -> None:
@@ -260,10 +260,9 @@ class Instance(Waiter):
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._thread_started.wait(timeout):
             return False
-        if self._thread.ident is None:  # (fail_to_start: no thread ever ran)
+        if self._job is None:  # (fail_to_start: no thread ever ran)
             return self.finished.is_set()
-        self._thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-        return not self._thread.is_alive()
+        return self._job.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
 
     def elapsed_ms(self) -> int:
         return int(1000 * (time.perf_counter() - self._t0))
