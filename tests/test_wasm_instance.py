@@ -13,6 +13,7 @@ from wasmtime.component import Linker
 
 from host.batching.gate import RunGate
 from host.events import InstanceEvent
+from host.wasm.calling import calling
 from host.wasm.engine import CompileError, WasmEngine
 from host.wasm.instance import Instance, InstanceEnv, current
 from host.wasm.limits import InstanceLimits
@@ -29,7 +30,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WasmEngine]:
 
 
 def run(engine: WasmEngine, fixture: str, limits: InstanceLimits,
-        imports: dict[str, dict[str, Callable[..., object]]] | None = None) -> tuple[Instance, queue.Queue, list]:
+        imports: dict[str, dict[str, Callable[..., object]]] | None = None,
+        on_end: Callable[[Instance], None] | None = None) -> tuple[Instance, queue.Queue, list]:
     """Start an instance of `fixture` (a fixture name, or component WAT text) with these host imports."""
     wat = fixture if fixture.lstrip().startswith("(") else (FIXTURES / f"{fixture}.wat").read_text()
     program = engine.compile(bytes(wasmtime.wat2wasm(wat)))
@@ -43,7 +45,7 @@ def run(engine: WasmEngine, fixture: str, limits: InstanceLimits,
     ended: list[Instance] = []
     blocked: list[str] = []
     env = InstanceEnv(engine=engine, linker=linker, gate=RunGate(), limits=limits,
-                      on_block=blocked.append, on_end=ended.append)
+                      on_block=blocked.append, on_end=lambda i: (ended.append(i), on_end and on_end(i)))
     events: queue.Queue[InstanceEvent] = queue.Queue()
     inst = Instance(env, program, ["a"], events.put)
     inst.start()
@@ -161,6 +163,22 @@ def test_wait_until_returns_false_at_its_own_timeout_within_the_budget(engine: W
     _, events, _ = run(engine, "blocked_receive", InstanceLimits(wall_budget_s=10),
                        {"pie:inferlet/messaging@0.1.0": {"receive": receive}})
     assert events.get(timeout=10).event == "completed" and waited == [False]
+
+
+def test_an_instance_leaves_nothing_on_its_thread_for_the_next(engine: WasmEngine) -> None:
+    """Threads run one instance after another (host/wasm/threads.py): an exception a host function
+    left on the thread, or the instance itself, must not be there for the next instance (another
+    tenant's) to see as its own."""
+    def receive(_store: object, _timeout: int | None) -> str | None:
+        calling.exception = RuntimeError("this instance's failure")  # (as fastcall keeps one until raised)
+        return None
+
+    left: list[dict[str, object]] = []
+    _, events, ended = run(engine, "blocked_receive", InstanceLimits(),
+                           {"pie:inferlet/messaging@0.1.0": {"receive": receive}},
+                           on_end=lambda _inst: left.append(dict(calling.__dict__)))  # (on its thread, at its end)
+    assert events.get(timeout=10).terminal and len(ended) == 1
+    assert left == [{}]
 
 
 # ---- trap messages: wasmtime's cause first (item 6) ----

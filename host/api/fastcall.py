@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import functools
 import itertools
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +30,7 @@ from wasmtime.component import _linker as L
 from wasmtime.component import _types as T
 
 from host.api import values
+from host.wasm.calling import calling
 
 __all__ = ["add_func", "set_tap"]
 
@@ -82,7 +82,6 @@ def _patch_types() -> None:
     _PATCHED = True
 
 
-_LAST = threading.local()
 
 
 def catch_exceptions(store_raw: Any, func: Callable[[StoreContext], None]) -> int:
@@ -98,7 +97,7 @@ def catch_exceptions(store_raw: Any, func: Callable[[StoreContext], None]) -> in
     except WasmtimeError as e:
         exception = e
     except Exception as e:
-        _LAST.exception = e
+        calling.exception = e
         exception = WasmtimeError("python exception")
     finally:
         store._invalidate()
@@ -109,9 +108,9 @@ def catch_exceptions(store_raw: Any, func: Callable[[StoreContext], None]) -> in
 
 def _maybe_raise_last_exn() -> None:
     """wasmtime-py's, reading this thread's exception (`catch_exceptions`)."""
-    exception = getattr(_LAST, "exception", None)
+    exception = getattr(calling, "exception", None)
     if exception is not None:
-        _LAST.exception = None
+        calling.exception = None
         raise exception
 
 

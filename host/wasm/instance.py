@@ -24,7 +24,7 @@ from host.events import InstanceEvent
 from host.state.pages import InstancePages
 from host.state.topics import Mailbox
 from host.wasm import priority, threads
-from host.wasm.calling import calling
+from host.wasm.calling import calling, forget
 from host.wasm.inbox import Inbox
 from host.wasm.limits import InstanceLimits, unwatch_epochs, watch_epochs
 from host.wasm.logs import InstanceLog
@@ -387,7 +387,7 @@ class Instance(Waiter):
         finally:
             self._end_start()
             self.env.gate.leave()
-            calling.instance = None
+            forget()  # (the thread runs another instance next: host/wasm/threads.py)
             self._release()
             for stream, line in self.log.flush():  # a last line with no newline
                 self.log_line(stream, line)
