@@ -136,7 +136,9 @@ class Host(HostStats):
         self.warm = WarmPool(lambda program: self._new_instance(program, [], _ignore, warm=True),
                              config.warm_instances, _WARM_PROGRAMS, auto=config.warm_auto,
                              busy=busy, reaping=self.wasm.reaping, background=background, ramping=self.starts.active,
-                             warmers=threads,
+                             # (with workers, each starts its own warm guests, and a warmer waits through one round
+                             # trip at a time: with one for all, bursts back to back found the pools empty)
+                             warmers=threads * max(1, config.worker_count),
                              on_full=collect_when_idle if config.tune_gc else None)
         self.tuning = ProcessTuning(config.tune_gc, config.switch_interval_ms, str(getattr(info, "device", "")))
         self.switch_interval_ms = self.tuning.switch_interval_ms  # what this host set (0: Python's own)

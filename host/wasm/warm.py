@@ -34,7 +34,9 @@ CPU time) is never warmed again: its launches start cold and meet the same fate 
 client. One that is only slow to get there (its thread starved of CPU while a burst runs) or that
 ended for the host's reasons (the instance pool full) is given up and warmed again later. At
 most `warmers` warm instances are being started at a time (the host: one per four cores, at least
-one), so warming takes no more cores than that (`prime`, at a host's start, runs its n at once).
+one, times its worker processes: a worker's warm start is a round trip the host's warmer waits
+through, and each worker starts its own), so warming takes no more cores than that (`prime`, at
+a host's start, runs its n at once).
 `seed` gives a program a target as if it had run that many at once (a fresh host's standard
 inferlets, `Host.warm_start`).
 """
