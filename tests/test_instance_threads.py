@@ -6,8 +6,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 
-from host.wasm import priority
+import pytest
+
+from host.wasm import priority, threads
 from host.wasm.threads import Threads
 
 
@@ -94,3 +97,28 @@ def test_a_thread_comes_back_at_its_own_nice_value() -> None:
         _wait_idle(pool, 0)
         second = _ran(pool, lambda: nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
         assert second.native_id != first.native_id and nice == [base]
+
+
+def test_a_job_lets_go_of_its_function_once_run() -> None:
+    """An instance's `_main` refers to the instance, which keeps its job: the job drops the function
+    when it has run, so an ended instance is freed by reference counting, not left to the collector."""
+    pool = Threads(max_idle=2)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    ref = weakref.ref(owner)
+    owner.job = pool.run(lambda o=owner: None, "cycle")  # type: ignore[attr-defined]
+    assert owner.job.join(10)  # type: ignore[attr-defined]
+    del owner
+    assert ref() is None
+
+
+def test_idle_cap_from_the_environment(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("PIE_IDLE_THREADS", "0")
+    assert threads._max_idle() == 0
+    monkeypatch.setenv("PIE_IDLE_THREADS", "many")
+    assert threads._max_idle(7) == 7 and "PIE_IDLE_THREADS='many' is not a number" in caplog.text
+    monkeypatch.delenv("PIE_IDLE_THREADS")
+    assert threads._max_idle(7) == 7

@@ -31,7 +31,19 @@ __all__ = ["IDLE_S", "MAX_IDLE", "Job", "Threads", "idle_count", "run"]
 log = logging.getLogger(__name__)
 
 IDLE_S = 30.0  # a thread with no instance to run for this long ends
-MAX_IDLE = int(os.environ.get("PIE_IDLE_THREADS", "256"))  # at most this many wait; more end with their instance
+
+
+def _max_idle(default: int = 256) -> int:
+    """At most this many threads wait for an instance; more end with theirs (`PIE_IDLE_THREADS`)."""
+    raw = os.environ.get("PIE_IDLE_THREADS", "")
+    try:
+        return max(int(raw), 0) if raw else default
+    except ValueError:
+        log.warning("PIE_IDLE_THREADS=%r is not a number: keeping up to %d idle instance threads", raw, default)
+        return default
+
+
+MAX_IDLE = _max_idle()
 
 
 class Job:
@@ -40,7 +52,8 @@ class Job:
     __slots__ = ("fn", "name", "done", "native_id")
 
     def __init__(self, fn: Callable[[], None], name: str) -> None:
-        self.fn, self.name = fn, name
+        self.fn: Callable[[], None] | None = fn  # (dropped once run: an instance's `_main` refers back to it)
+        self.name = name
         self.done = threading.Event()
         self.native_id = 0  # the thread's id while it runs (for setpriority), set before `fn` runs
 
@@ -97,10 +110,12 @@ class Threads:
             me.name = job.name
             job.native_id = tid
             try:
-                job.fn()
+                if job.fn is not None:
+                    job.fn()
             except BaseException:  # (Instance._main handles its own; a thread here must not die of one)
                 log.exception("%s failed", job.name)
             finally:
+                job.fn = None
                 job.done.set()
             del job
             if not _reset(runner, tid):
