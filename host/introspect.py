@@ -15,6 +15,7 @@ from host.net.client import HttpService
 from host.replicas import Replica, total_stats
 from host.state.pages import PageManager
 from host.wasm.instance import Instance
+from host.wasm.warm import WarmPool
 from host.workers.pool import WorkerPool
 
 __all__ = ["HostStats", "engine_stats", "memory_totals", "merge_levels", "worker_stats"]
@@ -74,6 +75,7 @@ class HostStats:
     queue: LaunchQueue
     http: HttpService
     children: Children
+    warm: WarmPool
     workers: WorkerPool | None
     engines: list[Any]
     _load: list[int]
@@ -114,6 +116,7 @@ class HostStats:
                 "memory": self.memory_stats(),
                 "http": self.http.stats(),
                 "children": self.children.stats(),
+                "warm_pool": self.warm.as_dict(),
                 "workers": worker_stats(self.workers),
                 "engine": engine_stats(self.engines, self._load, self.replicas)}
 

@@ -90,6 +90,14 @@ def test_kv_pressure_and_the_launch_queue_from_the_host_stats() -> None:
     assert _samples(ServerMetrics(_stats, lambda: 0))["pie_kv_suspensions_total"] == 0  # a host without it
 
 
+def test_launches_by_start_and_parked_instances_from_the_host_stats() -> None:
+    warm = {"launches_warm": 12, "launches_cold": 3, "parked": 5}
+    s = _samples(ServerMetrics(lambda: {**_stats(), "warm_pool": warm}, lambda: 0))
+    assert s["pie_launches_total{start=warm}"] == 12 and s["pie_launches_total{start=cold}"] == 3
+    assert s["pie_warm_instances_parked"] == 5
+    assert "pie_warm_instances_parked" not in _samples(ServerMetrics(_stats, lambda: 0))  # a host without a pool
+
+
 def test_worker_totals_and_per_worker_figures_from_the_host_stats() -> None:
     workers = {"count": 2, "restarts": 1, "per_worker": [
         {"worker": 0, "pid": 11, "instances": 3, "launched": 40, "calls": 120, "steps_on_reader": 90, "cpu_s": 1.5},

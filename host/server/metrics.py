@@ -86,6 +86,15 @@ class _HostCollector(Collector):
                                   value=lq["queued_total"])
         yield CounterMetricFamily("pie_launch_queue_timeouts", "Queued launches that waited past "
                                   "--launch-queue-timeout-s", value=lq["timeouts"])
+        warm = s.get("warm_pool")
+        if warm:  # launches by how they started (host/wasm/warm.py), and instances parked now
+            starts = CounterMetricFamily("pie_launches", "Launches, by start: warm (a parked instance) or cold",
+                                         labels=["start"])
+            starts.add_metric(["warm"], warm["launches_warm"])
+            starts.add_metric(["cold"], warm["launches_cold"])
+            yield starts
+            yield GaugeMetricFamily("pie_warm_instances_parked", "Warm instances parked, waiting for a launch",
+                                    value=warm["parked"])
         levels = s.get("levels")
         if levels:
             yield from _level_metrics(levels)

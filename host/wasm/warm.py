@@ -103,6 +103,8 @@ class WarmPool:
         self._starting: dict[str, int] = {}  # warm instances being started, by program
         self._owed = False  # the pool has refilled since `on_full` was last called
         self._last_activity = 0.0  # the last launch or end of a launched instance
+        self.launches_warm = 0  # launches handed a parked instance, ever
+        self.launches_cold = 0  # launches that found none (they start cold), ever
 
     def take(self, program: str) -> Instance | None:
         """A parked instance of `program` (None if none is ready); the pool then makes the next.
@@ -111,6 +113,7 @@ class WarmPool:
             running = self._running[program] = self._running.get(program, 0) + 1
             if (self.per_program == 0 and self.auto == 0 and program not in self._target) or self._closed \
                     or program in self._cold:
+                self.launches_cold += 1
                 return None
             ready = self._ready.setdefault(program, deque())
             self._ready.move_to_end(program)
@@ -125,6 +128,10 @@ class WarmPool:
             self._evict_old_programs()
             self._start_warmer()
             self._cond.notify_all()
+            if inst is None:
+                self.launches_cold += 1
+            else:
+                self.launches_warm += 1
         return inst
 
     def ended(self, program: str) -> None:
@@ -218,6 +225,13 @@ class WarmPool:
             self.seed(program, n)
         for program in programs:
             self.wait_ready(program, n, max(deadline - time.monotonic(), 0.0))
+
+    def as_dict(self) -> dict[str, int]:
+        """Launches that found a parked instance and that started cold (ever), and the instances
+        parked now (every program)."""
+        with self._cond:
+            parked = sum(1 for ready in self._ready.values() for inst in ready if not inst.finished.is_set())
+            return {"launches_warm": self.launches_warm, "launches_cold": self.launches_cold, "parked": parked}
 
     def ready_count(self, program: str) -> int:
         with self._cond:
