@@ -206,6 +206,7 @@ class Host(HostStats):
                     self._unplace(inst)
                     inst = None
             cold = inst is None
+            self.warm.note_launch(cold)
             if inst is None:
                 inst = self._new_instance(program_hash, args, listener)
                 inst.pages.tenant = tenant
@@ -240,6 +241,7 @@ class Host(HostStats):
                  tenant: str, priority: int = 0) -> str:
         """Queue a launch (lock held): a cold instance, started by `_admit` when a slot frees."""
         inst = self._new_instance(program_hash, args, listener)
+        self.warm.note_launch(cold=True)
         inst.pages.tenant = tenant
         inst.pages.priority = priority
         self.queue.push(inst)

@@ -82,8 +82,6 @@ def _patch_types() -> None:
     _PATCHED = True
 
 
-
-
 def catch_exceptions(store_raw: Any, func: Callable[[StoreContext], None]) -> int:
     """wasmtime-py's `catch_exceptions` (a host function's wrapper), with the Python exception kept
     for the thread that made the call, not in one global: the thread's `enter_wasm` re-raises it

@@ -26,7 +26,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-__all__ = ["IDLE_S", "MAX_IDLE", "Job", "Threads", "idle_count", "run"]
+__all__ = ["IDLE_S", "MAX_IDLE", "Job", "Threads", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -149,4 +149,3 @@ def _reset(runner: _Runner, tid: int) -> bool:
 
 _threads = Threads()  # the process's: every host and worker here shares it
 run = _threads.run
-idle_count = _threads.idle_count

@@ -103,8 +103,8 @@ class WarmPool:
         self._starting: dict[str, int] = {}  # warm instances being started, by program
         self._owed = False  # the pool has refilled since `on_full` was last called
         self._last_activity = 0.0  # the last launch or end of a launched instance
-        self.launches_warm = 0  # launches handed a parked instance, ever
-        self.launches_cold = 0  # launches that found none (they start cold), ever
+        self.launches_warm = 0  # launches that a parked instance served, ever (`note_launch`)
+        self.launches_cold = 0  # launches that started an instance of their own, ever
 
     def take(self, program: str) -> Instance | None:
         """A parked instance of `program` (None if none is ready); the pool then makes the next.
@@ -113,7 +113,6 @@ class WarmPool:
             running = self._running[program] = self._running.get(program, 0) + 1
             if (self.per_program == 0 and self.auto == 0 and program not in self._target) or self._closed \
                     or program in self._cold:
-                self.launches_cold += 1
                 return None
             ready = self._ready.setdefault(program, deque())
             self._ready.move_to_end(program)
@@ -128,10 +127,6 @@ class WarmPool:
             self._evict_old_programs()
             self._start_warmer()
             self._cond.notify_all()
-            if inst is None:
-                self.launches_cold += 1
-            else:
-                self.launches_warm += 1
         return inst
 
     def ended(self, program: str) -> None:
@@ -225,6 +220,15 @@ class WarmPool:
             self.seed(program, n)
         for program in programs:
             self.wait_ready(program, n, max(deadline - time.monotonic(), 0.0))
+
+    def note_launch(self, cold: bool) -> None:
+        """Count a launch by how it started (the host's, once it knows: a parked instance it took may
+        refuse the launch, and a queued or recorded launch never asks the pool)."""
+        with self._cond:
+            if cold:
+                self.launches_cold += 1
+            else:
+                self.launches_warm += 1
 
     def as_dict(self) -> dict[str, int]:
         """Launches that found a parked instance and that started cold (ever), and the instances
