@@ -12,7 +12,7 @@ with the process tree's CPU in that window (`cpu_s`; `host_cpu_s`: the host's pr
 included, `workers_cpu_s`: its workers'), the median time per completion (`latency_ms`), and per
 completion the CPU and minor page faults of the host's process and of its workers
 (`host_cpu_ms_per_completion`, `workers_cpu_ms_per_completion`, `host_faults_per_completion`,
-`workers_faults_per_completion`). Each setting runs on a fresh host, the settings alternate over
+`workers_faults_per_completion`), and how the run's launches started (`launches_warm`, `launches_cold`). Each setting runs on a fresh host, the settings alternate over
 `--rounds`; the entry is the round with the median rate and `ratio` is each setting's median rate
 over the first setting's (in-process, 0). `--idle-threads N M`: every setting also with each of these
 caps on the instance threads kept for reuse (host/wasm/threads.py; 0: a thread per instance, as
@@ -141,6 +141,7 @@ def run(opts: argparse.Namespace, workers: int | str, wasm: bytes | None = None,
         if errors:
             raise RuntimeError(f"workers={workers}: a completion went wrong: {errors[0]}")
         window = [lat for end, lat in ends if w0 <= end < w1]
+        started = host.stats()["warm_pool"]  # (whole run, warm-up included: how the launches started)
 
         def per(total: float, scale: float = 1.0) -> float | None:
             return round(scale * total / len(window), 2) if window else None
@@ -154,7 +155,8 @@ def run(opts: argparse.Namespace, workers: int | str, wasm: bytes | None = None,
                 "host_cpu_ms_per_completion": per(cpu1[0] - cpu0[0], 1000),
                 "workers_cpu_ms_per_completion": per(cpu1[1] - cpu0[1], 1000),
                 "host_faults_per_completion": per(f1[0] - f0[0]),
-                "workers_faults_per_completion": per(f1[1] - f0[1])}
+                "workers_faults_per_completion": per(f1[1] - f0[1]),
+                "launches_warm": started["launches_warm"], "launches_cold": started["launches_cold"]}
     finally:
         host.shutdown()
 
