@@ -12,7 +12,9 @@ with the process tree's CPU in that window (`cpu_s`; `host_cpu_s`: the host's pr
 included, `workers_cpu_s`: its workers'), the median time per completion (`latency_ms`), and per
 completion the CPU and minor page faults of the host's process and of its workers
 (`host_cpu_ms_per_completion`, `workers_cpu_ms_per_completion`, `host_faults_per_completion`,
-`workers_faults_per_completion`), and how the run's launches started (`launches_warm`, `launches_cold`). Each setting runs on a fresh host, the settings alternate over
+`workers_faults_per_completion`), the context switches of their threads per completion
+(`host_switches_per_completion`: all of the host's, `workers_switches_per_completion`: the workers'
+live threads; thread hand-offs and GIL waits), and how the run's launches started (`launches_warm`, `launches_cold`). Each setting runs on a fresh host, the settings alternate over
 `--rounds`; the entry is the round with the median rate and `ratio` is each setting's median rate
 over the first setting's (in-process, 0). `--idle-threads N M`: every setting also with each of these
 caps on the instance threads kept for reuse (host/wasm/threads.py; 0: a thread per instance, as
@@ -66,12 +68,25 @@ def parse_args() -> argparse.Namespace:
     return opts
 
 
-def _usage() -> tuple[tuple[float, float], tuple[int, int]]:
-    """(CPU seconds, minor page faults) of this process (the host and the clients) and, summed, of
-    its running children (the workers), read from /proc in one pass."""
+def _switches(pid: str) -> int:
+    """Context switches (voluntary and not) of process `pid`'s live threads, from /proc."""
+    n = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            for line in status.read_text().splitlines():
+                if "ctxt_switches:" in line:
+                    n += int(line.split()[-1])
+        except (OSError, ValueError):
+            continue
+    return n
+
+
+def _usage() -> tuple[tuple[float, float], tuple[int, int], tuple[int, int]]:
+    """(CPU seconds, minor page faults, context switches) of this process (the host and the
+    clients) and, summed, of its running children (the workers), read from /proc in one pass."""
     t = os.times()
-    mine = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    cpu, faults = 0.0, 0
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    cpu, faults, switches = 0.0, 0, 0
     tick = os.sysconf("SC_CLK_TCK")
     me = str(os.getpid())
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -82,7 +97,8 @@ def _usage() -> tuple[tuple[float, float], tuple[int, int]]:
         if fields[1] == me:  # ppid: a worker of this host
             cpu += (int(fields[11]) + int(fields[12])) / tick
             faults += int(fields[7])
-    return (t.user + t.system, cpu), (mine, faults)
+            switches += _switches(stat.parent.name)
+    return (t.user + t.system, cpu), (ru.ru_minflt, faults), (ru.ru_nvcsw + ru.ru_nivcsw, switches)
 
 
 def run(opts: argparse.Namespace, workers: int | str, wasm: bytes | None = None,
@@ -132,9 +148,9 @@ def run(opts: argparse.Namespace, workers: int | str, wasm: bytes | None = None,
         for t in threads:
             t.start()
         time.sleep(opts.warmup)
-        (cpu0, f0), w0 = _usage(), time.perf_counter()
+        (cpu0, f0, s0), w0 = _usage(), time.perf_counter()
         time.sleep(opts.seconds)
-        (cpu1, f1), w1 = _usage(), time.perf_counter()
+        (cpu1, f1, s1), w1 = _usage(), time.perf_counter()
         stop.set()
         for t in threads:
             t.join(120)
@@ -156,6 +172,8 @@ def run(opts: argparse.Namespace, workers: int | str, wasm: bytes | None = None,
                 "workers_cpu_ms_per_completion": per(cpu1[1] - cpu0[1], 1000),
                 "host_faults_per_completion": per(f1[0] - f0[0]),
                 "workers_faults_per_completion": per(f1[1] - f0[1]),
+                "host_switches_per_completion": per(s1[0] - s0[0]),
+                "workers_switches_per_completion": per(s1[1] - s0[1]),
                 "launches_warm": started["launches_warm"], "launches_cold": started["launches_cold"]}
     finally:
         host.shutdown()
@@ -190,12 +208,14 @@ def main() -> None:
     lines = [f"# bench/workers.py: {opts.clients} clients, `text_completion --raw` {opts.tokens} tokens, "
              f"{opts.step_ms:g} ms stand-in step, {os.cpu_count()} cores", "",
              "| workers | completions/s (rounds) | ratio | CPU s in the window | median latency ms "
-             "| CPU ms per completion, host / workers | page faults per completion, host / workers |",
-             "|---|---|---|---|---|---|---|"]
+             "| CPU ms per completion, host / workers | page faults per completion, host / workers "
+             "| context switches per completion, host / workers |",
+             "|---|---|---|---|---|---|---|---|"]
     for w, e in res["settings"].items():
         lines.append(f"| {w} | {e['completions_s']} ({e['rounds']}) | {e['ratio']} | {e['cpu_s']} | {e['latency_ms']} "
                      f"| {e['host_cpu_ms_per_completion']} / {e['workers_cpu_ms_per_completion']} "
-                     f"| {e['host_faults_per_completion']} / {e['workers_faults_per_completion']} |")
+                     f"| {e['host_faults_per_completion']} / {e['workers_faults_per_completion']} "
+                     f"| {e['host_switches_per_completion']} / {e['workers_switches_per_completion']} |")
     md = "\n".join(lines) + "\n"
     opts.json.with_suffix(".md").write_text(md)
     print(md)
