@@ -164,5 +164,8 @@ def test_a_python_guest_still_sleeps_as_long_as_asked(host: Host) -> None:
     program = host.compile(wasm_bytes("sleeper"))
     t0 = time.perf_counter()
     end = Run(host, program, ["sleep", "0.3"]).finish(10)
-    assert (end.event, end.message) == ("completed", "slept 0.3 s")
+    assert end.event == "completed" and end.message.startswith("slept "), end
+    # as long as asked, never shorter; longer only by the machine's load (a loaded 2-core VM has
+    # read "slept 0.6 s" here with workers on)
+    assert 0.3 <= float(end.message.split()[1]) < 2.0, end.message
     assert 0.3 <= time.perf_counter() - t0 < 2.0
