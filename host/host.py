@@ -206,13 +206,13 @@ class Host(HostStats):
                     self._unplace(inst)
                     inst = None
             cold = inst is None
-            self.warm.note_launch(cold)
             if inst is None:
                 inst = self._new_instance(program_hash, args, listener)
                 inst.pages.tenant = tenant
                 if recorder is not None:
                     self._attach(inst, recorder)
                 self._place(inst)
+            self.warm.note_launch(cold)  # (once the instance exists, as in `_enqueue`)
             inst.pages.priority = priority
             self._instances[inst.id] = inst
         sched = self.replicas[inst.pages.replica].scheduler
