@@ -182,6 +182,16 @@ class Suspender:
         assert req.result is not None
         return req.result
 
+    def allocates_now(self, table: InstancePages, count: int) -> bool:
+        """Whether `allocate` of `count` pages would go straight to the page manager (no wait in line,
+        no end of the instance); the caller holds the instance's gate (for a caller that must not block:
+        host/api/forward.py's `generate-fresh` begun on a worker's reader thread)."""
+        try:
+            self._never_fits(table, count)
+        except OutOfResources:
+            return False
+        return not self._requests and bool(table.held or not self._suspended)
+
     def _never_fits(self, table: InstancePages, count: int) -> None:
         pm = self.pages
         have = len(table.held)

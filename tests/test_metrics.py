@@ -100,13 +100,15 @@ def test_launches_by_start_and_parked_instances_from_the_host_stats() -> None:
 
 def test_worker_totals_and_per_worker_figures_from_the_host_stats() -> None:
     workers = {"count": 2, "restarts": 1, "per_worker": [
-        {"worker": 0, "pid": 11, "instances": 3, "launched": 40, "calls": 120, "steps_on_reader": 90, "cpu_s": 1.5},
+        {"worker": 0, "pid": 11, "instances": 3, "launched": 40, "calls": 120, "calls_on_reader": 105, "steps_on_reader": 90,
+         "cpu_s": 1.5},
         {"worker": 1, "pid": 12, "instances": 0, "launched": 38, "calls": 100, "cpu_s": None}]}
     s = _samples(ServerMetrics(lambda: {**_stats(), "workers": workers}, lambda: 0))
     assert s["pie_workers"] == 2 and s["pie_worker_restarts_total"] == 1
     assert s["pie_worker_instances{worker=0}"] == 3 and s["pie_worker_instances{worker=1}"] == 0
     assert s["pie_worker_launches_total{worker=1}"] == 38 and s["pie_worker_calls_total{worker=0}"] == 120
     assert s["pie_worker_steps_on_reader_total{worker=0}"] == 90
+    assert s["pie_worker_calls_on_reader_total{worker=0}"] == 105 and s["pie_worker_calls_on_reader_total{worker=1}"] == 0
     assert s["pie_worker_cpu_seconds_total{worker=0}"] == 1.5 and "pie_worker_cpu_seconds_total{worker=1}" not in s
     in_process = _samples(ServerMetrics(lambda: {**_stats(), "workers": {"count": 0}}, lambda: 0))
     assert in_process["pie_workers"] == 0 and not any(k.startswith("pie_worker_instances") for k in in_process)

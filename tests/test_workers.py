@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -302,3 +303,98 @@ def test_a_warm_start_in_a_worker_waits_for_the_reapers_frees_at_most_a_while(mo
     finally:
         reaper.close()
     worker_mod._Worker._await_frees(SimpleNamespace(engine=SimpleNamespace(reaper=None)))  # type: ignore[arg-type]
+
+
+@pytest.mark.build
+def test_a_completions_generation_and_release_are_served_on_the_reader_thread(host: Host) -> None:
+    """`text_completion` makes two host calls after its arguments: `forward.generate-fresh` and the
+    one-way `kv.release`. Both are served by the worker's reader thread in the host (no wake-up of
+    the instance's thread: `RemoteInstance.serve_now`), the generation answered from the answering
+    thread when the loop ends; the outputs are the fake's, every page comes back."""
+    prog = host.compile(wasm_bytes("text_completion"))
+    per = host.stats()["workers"]["per_worker"]
+    before, steps = sum(w["calls_on_reader"] for w in per), sum(w["steps_on_reader"] for w in per)
+    got, wants = text_completion_burst(host, prog, [f"{i:02d} harbours" for i in range(10)], 12)
+    assert got == wants
+    per = host.stats()["workers"]["per_worker"]
+    assert sum(w["calls_on_reader"] for w in per) - before >= 2 * 10
+    assert sum(w["steps_on_reader"] for w in per) == steps  # (no decode step among them)
+    wait_for(lambda: host.free_pages() == host.total_pages, what="every page back")
+
+
+@pytest.mark.build
+def test_terminate_answers_a_generation_served_on_the_reader_and_frees_its_pages(tmp_path: Path) -> None:
+    """A completion behind 1 s steps is terminated while its host-side loop, begun from the reader
+    thread, runs: it ends `aborted` with the reason well before the loop would end, the loop is
+    cancelled (every page comes back), and the next completion runs exactly."""
+    h = Host(HostConfig(workers=2, data_dir=tmp_path, warm_auto=0),
+             backend=FakeBackend(page_size=4, num_pages=256, delay_s=1.0))
+    try:
+        prog = h.compile(wasm_bytes("text_completion"))
+        run = Run(h, prog, ["--prompt", "a long story", "--max-tokens", "500"])
+        wait_for(lambda: sum(w["calls_on_reader"] for w in h.stats()["workers"]["per_worker"]) >= 1,
+                 what="a generation begun on the reader")
+        t0 = time.monotonic()
+        h.terminate(run.id, "enough of that story")
+        end = run.finish(5)
+        assert (end.event, end.message) == ("aborted", "enough of that story")
+        assert time.monotonic() - t0 < 0.7  # (answered by terminate, not by the loop's end)
+        wait_for(lambda: h.free_pages() == h.total_pages, what="every page back")
+        h.backend.delay_s = 0.002
+        got, wants = text_completion_burst(h, prog, ["a short one"], 3)
+        assert got == wants
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("finish_waits", [False, True], ids=["answered-on-the-answering-thread", "handed-to-the-instance-thread"])
+def test_a_fresh_generation_ended_before_its_first_token_gives_its_pages_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, finish_waits: bool) -> None:
+    """As a suspension does, every instance's first host-side loop is ended before its first token
+    (`cancel("out-of-pages")` as it is queued): `generate-fresh`, begun on the reader thread, gives
+    the loop's pages back before it answers (the SDK holds nothing new and starts again). Where
+    giving them back would wait (the instance's pages are not free to touch: here every non-waiting
+    gate is refused on the answering thread) the instance's thread does it and answers (`_Finish`).
+    The outputs are exact and every page comes back."""
+    from host.batching.scheduler import Scheduler
+    from host.replicas import Replica
+    from host.workers.remote import RemoteInstance
+
+    ended: set[str] = set()
+    submit = Scheduler.submit
+
+    def submit_ending_first_loops(self: Scheduler, req: object, iid: str, *args: object, **kw: object) -> object:
+        fut = submit(self, req, iid, *args, **kw)  # type: ignore[arg-type]
+        gen = kw.get("generation")
+        if gen is not None and iid not in ended:
+            ended.add(iid)
+            gen.cancel("out-of-pages")  # type: ignore[attr-defined]
+        return fut
+
+    monkeypatch.setattr(Scheduler, "submit", submit_ending_first_loops)
+    finished: list[str] = []
+    if finish_waits:
+        gate_now, finish = Replica.gate_now, RemoteInstance._finish
+
+        def no_gate_on_answers(self: Replica, inst: object) -> object:
+            return None if threading.current_thread().name.endswith("-answers") else gate_now(self, inst)  # type: ignore[arg-type]
+
+        def counted(self: RemoteInstance, msg: object) -> object:
+            finished.append(self.id)
+            return finish(self, msg)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Replica, "gate_now", no_gate_on_answers)
+        monkeypatch.setattr(RemoteInstance, "_finish", counted)
+    h = Host(HostConfig(workers=2, data_dir=tmp_path, warm_auto=0),
+             backend=FakeBackend(page_size=4, num_pages=256, delay_s=0.002))
+    try:
+        prog = h.compile(wasm_bytes("text_completion"))
+        got, wants = text_completion_burst(h, prog, [f"{i:02d} ferries" for i in range(6)], 8)
+        assert got == wants
+        assert len(ended) >= 6
+        assert len(finished) >= (6 if finish_waits else 0)
+        assert sum(w["calls_on_reader"] for w in h.stats()["workers"]["per_worker"]) >= 2 * 6
+        wait_for(lambda: h.free_pages() == h.total_pages, what="every page back")
+    finally:
+        h.shutdown()

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from wasmtime.component import Record
 
 from gpu_backend.types import BackendInfo, ForwardRequest, OutputResult, Tokenizer
-from host.api.guest import GuestError, Import, guest_import
+from host.api.guest import WOULD_WAIT, Begun, GuestError, Import, guest_import
 from host.api.kv import allocate
 from host.api.lookahead import Stepper
 from host.api.passes import Passes, generation, generation_record, outputs_of
@@ -84,27 +85,66 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
         try:
             result: GenerationResult = inst.wait_for(fut, gen.cancel)
         finally:
+            if inst.pages.loop is gen:
+                inst.pages.loop = None
+        record = finish_generation(inst, gen, result, first_pages, True)
+        assert isinstance(record, Record)
+        return record
+
+    def begin_generation(inst: Instance, make: Callable[[], Generation], first_pages: list[int],
+                         gate: AbstractContextManager[Any]) -> Begun:
+        """`run_generation` begun without waiting, in `gate` (entered by the caller, left here)."""
+        try:
+            gen = make()
+            fut = passes.scheduler(inst).submit(gen.request, inst.id, generation=gen)
+            inst.pages.loop = gen
+        finally:
+            gate.__exit__(None, None, None)
+
+        def abort() -> None:  # (terminated: the loop ends at its next step; its pages stay held until the end)
+            gen.cancel()
+            if inst.pages.loop is gen:
+                inst.pages.loop = None
+
+        return Begun(fut, lambda wait: finish_generation(inst, gen, fut.wait(), first_pages, wait), abort)
+
+    def finish_generation(inst: Instance, gen: Generation, result: GenerationResult, first_pages: list[int],
+                          wait: bool) -> Record | object:
+        """The record of an ended generation; a fresh one (`first_pages`) that ended before its first
+        token gives its pages back, so the caller holds nothing new (`WOULD_WAIT` where that would
+        wait and `wait` is False)."""
+        if inst.pages.loop is gen:
             inst.pages.loop = None
-        if first_pages and not result.tokens:  # (ended before its first token: the caller holds nothing new)
-            with passes.gate(inst):
-                passes.pm(inst).release(inst.pages, first_pages + result.new_pages)
+        if first_pages and not result.tokens:
+            pages = first_pages + result.new_pages
+            if wait:
+                with passes.gate(inst):
+                    passes.pm(inst).release(inst.pages, pages)
+            else:
+                gate = passes.gate_now(inst)
+                if gate is None:
+                    return WOULD_WAIT
+                try:
+                    passes.pm(inst).release(inst.pages, pages)
+                finally:
+                    gate.__exit__(None, None, None)
             result = dataclasses.replace(result, new_pages=[])
         elif first_pages:
             result = dataclasses.replace(result, new_pages=first_pages + result.new_pages)
         return generation_record(result)
 
-    @guest_import("forward.generate")
+    def generate_now(inst: Instance, *args: Any) -> Begun | None:
+        inst.check_alive()
+        gate = passes.gate_now(inst)
+        return None if gate is None else begin_generation(inst, lambda: generation(passes, tok, inst, *args), [], gate)
+
+    @guest_import("forward.generate", begin=generate_now)
     def generate(inst: Instance, *args: Any) -> Record:
         return run_generation(inst, lambda: generation(passes, tok, inst, *args), [])
 
-    @guest_import("forward.generate-fresh")
-    def generate_fresh(inst: Instance, tokens: list[int], sampler: Any, max_tokens: int, stop_tokens: list[int],
-                       stop_strings: list[str], stream: bool, prefix_cache: bool) -> Record:
-        first = _fresh_pages(passes, inst, tokens, prefix_cache)
-        if first is None:
-            return generation_record(GenerationResult([], [], 0, "out-of-pages"))
-        pages, cached = first
-
+    def fresh(inst: Instance, pages: list[int], cached: int, tokens: list[int], sampler: Any, max_tokens: int,
+              stop_tokens: list[int], stop_strings: list[str], stream: bool) -> Callable[[], Generation]:
+        """How `generate-fresh` makes its generation on the pages it took (`cached` tokens from the cache)."""
         def make() -> Generation:
             try:
                 return generation(passes, tok, inst, pages, len(tokens) - (len(pages) - 1) * passes.page_size,
@@ -114,10 +154,61 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
                 passes.pm(inst).release(inst.pages, pages)  # a bad argument: the caller traps holding nothing new
                 raise
 
-        return run_generation(inst, make, pages)
+        return make
+
+    def generate_fresh_now(inst: Instance, tokens: list[int], sampler: Any, max_tokens: int,
+                           stop_tokens: list[int], stop_strings: list[str], stream: bool,
+                           prefix_cache: bool) -> Begun | None:
+        inst.check_alive()
+        if not tokens:
+            raise GuestError("no pending tokens to start from")
+        gate = passes.gate_now(inst)
+        if gate is None:
+            return None
+        try:
+            first = _fresh_pages_now(passes, inst, tokens, prefix_cache)
+        except BaseException:
+            gate.__exit__(None, None, None)
+            raise
+        if first is None or isinstance(first, str):
+            gate.__exit__(None, None, None)
+            return None if first is None else Begun.now(generation_record(GenerationResult([], [], 0, "out-of-pages")))
+        pages, cached = first
+        return begin_generation(inst, fresh(inst, pages, cached, tokens, sampler, max_tokens, stop_tokens,
+                                            stop_strings, stream), pages, gate)
+
+    @guest_import("forward.generate-fresh", begin=generate_fresh_now)
+    def generate_fresh(inst: Instance, tokens: list[int], sampler: Any, max_tokens: int, stop_tokens: list[int],
+                       stop_strings: list[str], stream: bool, prefix_cache: bool) -> Record:
+        first = _fresh_pages(passes, inst, tokens, prefix_cache)
+        if first is None:
+            return generation_record(GenerationResult([], [], 0, "out-of-pages"))
+        pages, cached = first
+        return run_generation(inst, fresh(inst, pages, cached, tokens, sampler, max_tokens, stop_tokens,
+                                          stop_strings, stream), pages)
 
     return {"submit": submit, "wait": wait, "wait-any": wait_any, "run": run, "run-scored": run_scored,
             "decode-step": decode_step, "generate": generate, "generate-fresh": generate_fresh}
+
+
+def _fresh_pages_now(passes: Passes, inst: Instance, tokens: list[int], prefix_cache: bool) \
+        -> tuple[list[int], int] | str | None:
+    """`_fresh_pages` without waiting, in the instance's gate (held by the caller): None (nothing
+    held) where it would wait for room under KV pressure or end the instance (the caller then runs
+    `generate-fresh` on the instance's thread); the refusal (nothing held) where the quota or the
+    pool refuses."""
+    ps, rep = passes.page_size, passes.replicas[inst.pages.replica]
+    pm, need = rep.pages, -(-len(tokens) // ps)
+    if rep.suspender is not None and not rep.suspender.allocates_now(inst.pages, need):
+        return None
+    cached = pm.attach_prefix(inst.pages, tokens[:-1]) if prefix_cache and len(tokens) > ps else []
+    fresh = pm.allocate(inst.pages, need - len(cached))
+    if isinstance(fresh, str):
+        if cached:
+            pm.release(inst.pages, cached)
+        # (the free pages were taken meanwhile: with a suspender, the instance's thread waits for room)
+        return None if rep.suspender is not None and fresh.startswith("out of KV pages") else fresh
+    return cached + fresh, len(cached) * ps
 
 
 def _fresh_pages(passes: Passes, inst: Instance, tokens: list[int], prefix_cache: bool) \

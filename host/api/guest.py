@@ -10,14 +10,18 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import wasmtime
 
 from host.state.pages import PageError
 from host.wasm.instance import Instance, Terminated, current
 
-__all__ = ["GuestError", "Import", "as_trap", "guest_import", "U32_MAX"]
+if TYPE_CHECKING:
+    from host.batching.future import ForwardFuture
+
+__all__ = ["Begun", "GuestError", "Import", "WOULD_WAIT", "as_trap", "guest_import", "U32_MAX"]
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +35,34 @@ class GuestError(Exception):
     """Guest misuse of an import: traps the instance with this message."""
 
 
+WOULD_WAIT = object()  # what `Begun.finish(wait=False)` returns where finishing would wait
+
+
+@dataclass(frozen=True)
+class Begun:
+    """An import begun without waiting (its `begin`, see `guest_import`): `fut`, the job its answer
+    waits for (None: none); `finish(wait)`, its result once `fut` is done (raising as the import
+    would; with `wait` False it returns `WOULD_WAIT` where it would have to wait, and the caller
+    finishes it with `wait` True on the instance's thread); `abort`, what ends the job when the
+    instance is terminated before it is done."""
+
+    fut: ForwardFuture | None
+    finish: Callable[[bool], Any]
+    abort: Callable[[], None]
+
+    @staticmethod
+    def now(value: Any) -> Begun:
+        """An import answered as it began: with `value`."""
+        return Begun(None, lambda _wait: value, _nothing)
+
+
+def _nothing() -> None:
+    return None
+
+
 def guest_import(name: str, store: bool = False, keeps_lookahead: bool = False,
-                 before_launch: bool = False) -> Callable[[Callable[..., Any]], Import]:
+                 before_launch: bool = False, begin: Callable[..., Begun | None] | None = None) \
+        -> Callable[[Callable[..., Any]], Import]:
     """Wrap `fn(instance, *args)` as the import `name` (e.g. "kv.allocate"); with `store`,
     `fn(instance, store_context, *args)` (resource handles are resolved through the store).
 
@@ -41,7 +71,12 @@ def guest_import(name: str, store: bool = False, keeps_lookahead: bool = False,
     the SDK asks for such constants before `runtime.arguments`, and they are off a launch's path.
 
     A `forward` or `kv` import drops a stepping guest's predicted next decode-step first (its view
-    of its pages may change: host/api/lookahead.py) unless it is declared `keeps_lookahead`."""
+    of its pages may change: host/api/lookahead.py) unless it is declared `keeps_lookahead`.
+
+    `begin(instance, *args)`: the same import begun without waiting, for a caller that must not
+    block (host/workers serves such calls on a worker's reader thread): its `Begun`, or None where
+    beginning would wait (the caller then runs the import itself on the instance's thread). It
+    raises as the import would; the wrapper keeps it as `.begin`."""
 
     drops = name.split(".", 1)[0] in ("forward", "kv") and not keeps_lookahead
 
@@ -60,6 +95,14 @@ def guest_import(name: str, store: bool = False, keeps_lookahead: bool = False,
 
         # (host/workers: a worker answers such a constant itself)
         wrapper.before_launch = before_launch  # type: ignore[attr-defined]
+        wrapper.begin = None  # type: ignore[attr-defined]
+        if begin is not None:
+            def begin_now(inst: Instance, *args: Any) -> Begun | None:
+                if drops and inst.stepper is not None:
+                    inst.stepper.drop()
+                return begin(inst, *args)
+
+            wrapper.begin = begin_now  # type: ignore[attr-defined]
         return wrapper
 
     return deco

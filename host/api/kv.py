@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from host.api.guest import GuestError, Import, guest_import
+from host.api.guest import Begun, GuestError, Import, guest_import
 from host.batching.future import CopyRequest
 from host.replicas import ExportNames, Replica
 from host.suspend import OutOfResources
@@ -26,7 +26,18 @@ def imports(replicas: Sequence[Replica], names: ExportNames, page_size: int) -> 
     def kv_allocate(inst: Instance, count: int) -> list[int] | str:
         return allocate(replicas[inst.pages.replica], inst, count)
 
-    @guest_import("kv.release")
+    def release_now(inst: Instance, pages: list[int]) -> Begun | None:
+        rep = replicas[inst.pages.replica]
+        gate = rep.gate_now(inst)
+        if gate is None:
+            return None
+        try:
+            rep.pages.release(inst.pages, pages)
+        finally:
+            gate.__exit__(None, None, None)
+        return Begun.now(None)
+
+    @guest_import("kv.release", begin=release_now)
     def release(inst: Instance, pages: list[int]) -> None:
         rep = replicas[inst.pages.replica]
         with rep.gate(inst):

@@ -143,6 +143,9 @@ def _worker_metrics(workers: dict[str, Any]) -> Iterator[Metric]:
     running = GaugeMetricFamily("pie_worker_instances", "Instances running in the worker", labels=["worker"])
     launched = CounterMetricFamily("pie_worker_launches", "Instances placed on the worker", labels=["worker"])
     calls = CounterMetricFamily("pie_worker_calls", "Host calls the worker's guests made", labels=["worker"])
+    on_reader = CounterMetricFamily("pie_worker_calls_on_reader", "Host calls of the worker's guests served on its "
+                                    "reader thread in the host, without a wake-up of the instance's thread",
+                                    labels=["worker"])
     steps = CounterMetricFamily("pie_worker_steps_on_reader", "Decode steps of the worker's guests served on its "
                                 "reader thread in the host", labels=["worker"])
     cpu = CounterMetricFamily("pie_worker_cpu_seconds", "CPU seconds of the worker process", labels=["worker"])
@@ -151,10 +154,11 @@ def _worker_metrics(workers: dict[str, Any]) -> Iterator[Metric]:
         running.add_metric(label, w["instances"])
         launched.add_metric(label, w["launched"])
         calls.add_metric(label, w["calls"])
+        on_reader.add_metric(label, w.get("calls_on_reader", 0))
         steps.add_metric(label, w.get("steps_on_reader", 0))
         if w.get("cpu_s") is not None:
             cpu.add_metric(label, w["cpu_s"])
-    yield from (running, launched, calls, steps, cpu)
+    yield from (running, launched, calls, on_reader, steps, cpu)
 
 
 def _level_metrics(levels: dict[str, Any]) -> Iterator[Metric]:

@@ -10,9 +10,10 @@ tenants' bounds, the events. Each import a guest calls is sent over (`wire.Call`
 instance's `RemoteInstance` thread here, the same import function as an in-process instance's,
 with `current()` that instance; its result goes back (`wire.Reply`). A host-side generation loop
 (`forward.generate`) runs next to the scheduler as before: only the call that starts it and its
-result cross. Per call: one message each way. A stepping guest's `decode-step` is served by the
-worker's reader thread here instead (`RemoteInstance.serve_now`) and answered, with the other
-steps of its batch in one write, by the worker's answering thread when the step is done.
+result cross. Per call: one message each way. A stepping guest's `decode-step`, a generation loop's
+start and `kv.release` are served by the worker's reader thread here instead when that needs no
+wait (`RemoteInstance.serve_now`), and answered, with the other answers of the same step in one
+write, by the worker's answering thread when the job is done: no wake-up of the instance's thread.
 
 An instance lives on the least loaded worker (`place`). A worker that dies ends its instances with
 an `exception` event naming the cause, after which their pages are released as for any end; the
@@ -65,7 +66,8 @@ class _Worker:
         self.instances: set[str] = set()  # ids of the instances it runs
         self.launched = 0  # instances placed on it, ever
         self.calls = 0  # host calls its guests made, ever (counted by its reader thread)
-        self.steps_on_reader = 0  # of those, decode steps its reader thread served (`RemoteInstance.serve_now`)
+        self.calls_on_reader = 0  # of those, the calls its reader thread served (`RemoteInstance.serve_now`)
+        self.steps_on_reader = 0  # of those, decode steps
         self.ready = threading.Event()  # it has sent `wire.Ready`
         self._on_message, self._on_exit = on_message, on_exit
         self.conn.send_bytes(pickle.dumps(spec))  # (its settings, from us: the only pickle that crosses)
@@ -224,7 +226,9 @@ class WorkerPool:
             return
         if isinstance(msg, wire.Call):
             if inst.serve_now(msg):
-                worker.steps_on_reader += 1
+                worker.calls_on_reader += 1
+                if msg.name == "forward.decode-step":
+                    worker.steps_on_reader += 1
                 return
             inst.queued += 1
         inst.inbound.put(msg)
@@ -250,12 +254,12 @@ class WorkerPool:
 
     def stats(self) -> list[dict[str, Any]]:
         """Per worker: its pid, the instances it runs now, those placed on it ever, the host calls
-        its guests made (and of those the decode steps served on its reader thread) and its
+        its guests made (of those, the calls served on its reader thread, and the decode steps among them) and its
         process's CPU seconds (None where /proc cannot tell)."""
         with self._lock:
             workers = list(self.workers)
         return [{"worker": w.index, "pid": w.pid, "instances": len(w.instances), "launched": w.launched,
-                 "calls": w.calls, "steps_on_reader": w.steps_on_reader, "cpu_s": _cpu_seconds(w.pid)}
+                 "calls": w.calls, "calls_on_reader": w.calls_on_reader, "steps_on_reader": w.steps_on_reader, "cpu_s": _cpu_seconds(w.pid)}
                 for w in workers]
 
     def close(self) -> None:

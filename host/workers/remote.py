@@ -1,7 +1,9 @@
 """`RemoteInstance`: an instance whose guest runs in one of the host's worker processes
 (host/workers/pool.py starts them, host/workers/worker.py is their side). Its thread here serves the
 guest's host calls one at a time, with the same import functions as an in-process instance's; a
-stepping guest's `decode-step` is served on the worker's reader thread instead (`serve_now`).
+stepping guest's `decode-step`, and the calls an import can begin without waiting (its `begin`:
+`forward.generate-fresh`, `forward.generate`, `kv.release`), are served on the worker's reader
+thread instead (`serve_now`), and answered from its answering thread.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Protocol
 
 import wasmtime
 
-from host.api.guest import as_trap
+from host.api.guest import WOULD_WAIT, Begun, as_trap
 from host.api.lookahead import Stepper
 from host.batching.future import ForwardFuture
 from host.events import TERMINAL_EVENTS, InstanceEvent
@@ -62,6 +64,23 @@ class WorkerLost:
     reason: str
 
 
+@dataclass(frozen=True)
+class _Finish:
+    """A call begun on the reader whose answer must wait (`Begun.finish`): the instance's thread makes it."""
+
+    name: str
+    begun: Begun
+
+
+@dataclass(frozen=True)
+class _Fast:
+    """A call served on the reader and not answered yet: its job, and what ends it if the instance is terminated."""
+
+    name: str
+    fut: ForwardFuture
+    abort: Callable[[], None]
+
+
 def encode_reply(reply: wire.Reply) -> bytes:
     """`reply` as bytes; a result that cannot cross (a host bug) becomes the guest's trap."""
     try:
@@ -93,16 +112,16 @@ class RemoteInstance(Instance):
         self.queued = 0
         self.served = 0
         self._fast_lock = threading.Lock()
-        self._fast: ForwardFuture | None = None  # the job of a decode step served on the reader, not answered
+        self._fast: _Fast | None = None  # a call served on the reader, not answered (`serve_now`)
 
     def terminate(self, reason: str, event: str = "aborted") -> None:
         first = self.stop_reason is None and not self.finished.is_set()
         super().terminate(reason, event)
-        with self._fast_lock:  # (after stop_reason is set: `serve_now` answers a step it starts after this)
-            fut, self._fast = self._fast, None
-        if fut is not None:  # a decode step served on the reader: its answer is the trap, now
-            fut.follow = None
-            self._reply(wire.Reply(self.id, trap=f"{_STEP}: instance terminated: {self.stop_reason}"))
+        with self._fast_lock:  # (after stop_reason is set: `serve_now` answers a call it starts after this)
+            fast, self._fast = self._fast, None
+        if fast is not None:  # a call served on the reader: its answer is the trap, now
+            fast.abort()
+            self._reply(wire.Reply(self.id, trap=f"{fast.name}: instance terminated: {self.stop_reason}"))
         worker = self.worker
         if first and worker is not None:  # a guest computing traps at its worker's next epoch check
             try:
@@ -152,6 +171,10 @@ class RemoteInstance(Instance):
                 self.served += 1  # (before the answer: the guest's next call may be served on the reader)
                 if reply is not None:
                     self._reply(reply)
+            elif isinstance(msg, _Finish):
+                reply = self._finish(msg)
+                self.served += 1
+                self._reply(reply)
             elif isinstance(msg, wire.Ended):
                 event, message = msg.event, msg.message
                 if event not in TERMINAL_EVENTS:  # (the worker classifies as Instance does)
@@ -202,16 +225,117 @@ class RemoteInstance(Instance):
             self.deferred_trap = reply.trap
         return None
 
+    def _finish(self, msg: _Finish) -> wire.Reply:
+        """Answer a call begun on the reader whose finish waits (on this thread, in the run gate as `_serve`)."""
+        try:
+            return wire.Reply(self.id, msg.begun.finish(True))
+        except Exception as e:
+            return wire.Reply(self.id, trap=str(as_trap(self, msg.name, e)))
+        finally:
+            self.env.gate.leave()
+
     def serve_now(self, call: wire.Call) -> bool:
-        """The worker's reader thread serves a decode step itself when it can do so without waiting:
-        the instance's thread has nothing to serve, the guest steps with lookahead (its `Stepper`
-        is made at its first step, on its thread), and its pages are not being suspended. The step's
-        job is queued from here and its answer sent from the worker's answering thread when the job
-        is done, so a step costs no wake-up of this instance's thread (two per step otherwise, each a
-        GIL hand-over among the host's threads). Returns False when the call must go to the thread."""
+        """The worker's reader thread serves a call itself when it can do so without waiting: this
+        instance's thread has nothing to serve, and the call is a decode step of a guest stepping
+        with lookahead (`_step_now`) or an import that can be begun without waiting (its `begin`:
+        the host-side generation loops, the release of pages). A job such a call queues is queued
+        from here and its answer made and sent from the worker's answering thread when the job is
+        done, so the call costs no wake-up of this instance's thread (two per call otherwise, each
+        a GIL hand-over among the host's threads). Returns False when the call must go to the thread."""
+        if (self.queued != self.served or self.deferred_trap is not None or self.stop_reason is not None
+                or not self._worker_unparked):
+            return False
+        if call.name == _STEP:
+            return self._step_now(call)
+        begin = getattr(self.pool.imports.get(call.name), "begin", None)
+        if begin is None:
+            return False
+        try:
+            begun = begin(self, *call.args)
+        except Exception as e:
+            self._answer_now(call, trap=str(as_trap(self, call.name, e)))
+            return True
+        if begun is None:  # (it would wait: the thread serves it)
+            return False
+        fut = begun.fut
+        if fut is None:  # answered as it began
+            self._done_now(call, begun)
+            return True
+        fast = _Fast(call.name, fut, begun.abort)
+        if not self._begin_fast(fast):
+            return True
+
+        def answer() -> wire.Reply | None:
+            if not self._end_fast(fast):
+                return None
+            return self._done_now(call, begun, send=False)
+
+        self._answer_when_done(fut, answer)
+        return True
+
+    def _done_now(self, call: wire.Call, begun: Begun, send: bool = True) -> wire.Reply | None:
+        """The answer of a begun call whose job is done; made on this instance's thread where that waits
+        (None then: the thread sends it). `send`: send it from here (else: return it)."""
+        try:
+            value = begun.finish(False)
+        except Exception as e:
+            return self._answer_now(call, trap=str(as_trap(self, call.name, e)), send=send)
+        if value is WOULD_WAIT:
+            self.queued += 1  # (the guest waits for this answer: no other call of it is counted meanwhile)
+            self.inbound.put(_Finish(call.name, begun))
+            return None
+        return self._answer_now(call, value, send=send)
+
+    def _answer_now(self, call: wire.Call, value: object = None, trap: str | None = None,
+                    send: bool = True) -> wire.Reply | None:
+        """A call's answer made off this instance's thread: a one-way call's trap is kept for the guest's next call."""
+        if call.oneway:
+            if trap is not None:
+                self.deferred_trap = trap
+            return None
+        reply = wire.Reply(self.id, value, trap=trap)
+        if send:
+            self._reply(reply)
+            return None
+        return reply
+
+    def _begin_fast(self, fast: _Fast) -> bool:
+        """Note a job begun on the reader (`terminate` answers it from now on); False if the instance
+        was terminated meanwhile (then the job is ended and the trap sent here)."""
+        with self._fast_lock:
+            stopped = self.stop_reason is not None  # (terminated meanwhile: `terminate` saw no job)
+            if not stopped:
+                self._fast = fast
+        if stopped:
+            fast.abort()
+            self._reply(wire.Reply(self.id, trap=f"{fast.name}: instance terminated: {self.stop_reason}"))
+        return not stopped
+
+    def _end_fast(self, fast: _Fast) -> bool:
+        """Claim the answer of a job begun on the reader; False if `terminate` answered it."""
+        with self._fast_lock:
+            if self._fast is not fast:
+                return False
+            self._fast = None
+        return True
+
+    def _answer_when_done(self, fut: ForwardFuture, answer: Callable[[], wire.Reply | None]) -> None:
+        worker = self.worker
+        assert worker is not None
+        if fut.done():  # (done already: answered from here, without a hand-off)
+            reply = answer()
+            if reply is not None:
+                self._reply(reply)
+            return
+        fut.add_done_callback(lambda _f: worker.answer(answer))
+
+    def _step_now(self, call: wire.Call) -> bool:
+        """A decode step served on the reader: the guest steps with lookahead (its `Stepper` is made at
+        its first step, on its thread), and its pages are not being suspended. A prediction that ran
+        before the guest claimed it is answered from here, and its successor queued from here, without
+        a hand-off, before the batch after it starts."""
         stepper = self.stepper
-        if (call.name != _STEP or call.oneway or self.queued != self.served or self.deferred_trap is not None
-                or self.stop_reason is not None or not self._worker_unparked or not isinstance(stepper, Stepper)):
+        if call.oneway or not isinstance(stepper, Stepper):
             return False
         gate = stepper.passes.gate_now(self)
         if gate is None:  # (suspended, or being suspended: the thread waits for its resume)
@@ -225,22 +349,17 @@ class RemoteInstance(Instance):
         except Exception as e:
             self._reply(wire.Reply(self.id, trap=str(as_trap(self, _STEP, e))))
             return True
-        with self._fast_lock:
-            stopped = self.stop_reason is not None  # (terminated meanwhile: `terminate` saw no job)
-            if not stopped:
-                self._fast = fut
-        if stopped:
+
+        def abort() -> None:
             fut.follow = None
-            self._reply(wire.Reply(self.id, trap=f"{_STEP}: instance terminated: {self.stop_reason}"))
+
+        fast = _Fast(_STEP, fut, abort)
+        if not self._begin_fast(fast):
             return True
-        worker = self.worker
-        assert worker is not None
 
         def answer() -> wire.Reply | None:
-            with self._fast_lock:
-                if self._fast is not fut:  # answered by `terminate`
-                    return None
-                self._fast = None
+            if not self._end_fast(fast):
+                return None
             try:
                 out = fut.wait()[0].token
                 if out is None:
@@ -250,13 +369,7 @@ class RemoteInstance(Instance):
                 reply = wire.Reply(self.id, trap=str(as_trap(self, _STEP, e)))
             return reply
 
-        if fut.done():  # (a prediction that ran before the guest claimed it: answered from here, and
-            # its successor queued from here, without a hand-off, before the batch after it starts)
-            reply = answer()
-            if reply is not None:
-                self._reply(reply)
-            return True
-        fut.add_done_callback(lambda _f: worker.answer(answer))
+        self._answer_when_done(fut, answer)
         return True
 
     def _reply(self, reply: wire.Reply) -> None:
