@@ -325,7 +325,7 @@ def test_a_completions_generation_and_release_are_served_on_the_reader_thread(ho
 @pytest.mark.build
 def test_terminate_answers_a_generation_served_on_the_reader_and_frees_its_pages(tmp_path: Path) -> None:
     """A completion behind 1 s steps is terminated while its host-side loop, begun from the reader
-    thread, runs: it ends `aborted` with the reason well before the loop would end, the loop is
+    thread, runs (the instance then counts as waiting, as in-process: no longer starting): it ends `aborted` with the reason well before the loop would end, the loop is
     cancelled (every page comes back), and the next completion runs exactly."""
     h = Host(HostConfig(workers=2, data_dir=tmp_path, warm_auto=0),
              backend=FakeBackend(page_size=4, num_pages=256, delay_s=1.0))
@@ -334,6 +334,8 @@ def test_terminate_answers_a_generation_served_on_the_reader_and_frees_its_pages
         run = Run(h, prog, ["--prompt", "a long story", "--max-tokens", "500"])
         wait_for(lambda: sum(w["calls_on_reader"] for w in h.stats()["workers"]["per_worker"]) >= 1,
                  what="a generation begun on the reader")
+        # (it waits for its loop, as in-process: no longer counted as starting, so refills go on)
+        wait_for(lambda: not h.starts.active(), 2, what="the launch no longer counted as starting")
         t0 = time.monotonic()
         h.terminate(run.id, "enough of that story")
         end = run.finish(5)

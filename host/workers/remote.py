@@ -264,6 +264,8 @@ class RemoteInstance(Instance):
         fast = _Fast(call.name, fut, begun.abort)
         if not self._begin_fast(fast):
             return True
+        if not fut.done():  # it waits, as in `wait_for`: no longer starting (env.starts), nor expected by the scheduler
+            self._blocking()
 
         def answer() -> wire.Reply | None:
             if not self._end_fast(fast):
