@@ -131,7 +131,10 @@ class Suspender:
     def __post_init__(self) -> None:
         b = self.backend
         self.swapper: SwapsPages | None = b if isinstance(b, SwapsPages) and b.swap_page_bytes > 0 else None
-        self._lock = self.pages._freed  # the page manager's: frees wake the thread
+        self._lock = self.pages._freed  # the page manager's: frees wake the thread while it has work
+        # (with nothing to do it waits here instead, woken by a request or `stop`, not by every free:
+        # a page manager frees pages several times per completion)
+        self._idle = threading.Condition(self.pages._lock)
         self._requests: deque[_Request] = deque()
         self._suspended: deque[InstancePages] = deque()
         self._known: dict[str, _Known] = {}
@@ -171,6 +174,7 @@ class Suspender:
                 self._requests.append(req)
                 self.stats.waits += 1
                 self._lock.notify_all()
+                self._idle.notify_all()
         try:
             inst.wait_until(lambda: req.result is not None)
         finally:
@@ -215,6 +219,7 @@ class Suspender:
         with self._lock:
             self._stopped = True
             self._lock.notify_all()
+            self._idle.notify_all()
         self._thread.join(timeout=5)
 
     def as_dict(self) -> dict[str, int]:
@@ -229,8 +234,10 @@ class Suspender:
             with self._lock:
                 if self._stopped:
                     return
-                if idle or not (self._requests or self._suspended):
-                    self._lock.wait(0.2 if (self._requests or self._suspended) else None)
+                if not (self._requests or self._suspended):
+                    self._idle.wait()
+                elif idle:
+                    self._lock.wait(0.2)
                 if self._stopped:
                     return
             try:

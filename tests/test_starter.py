@@ -5,7 +5,7 @@ Runs on the fake backend (the token after t is t+1), so the expected outputs are
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,16 @@ from helpers import Run, wasm_bytes
 
 from host import Host, HostConfig
 from host.wasm.instance import Instance
+from host.workers.remote import RemoteInstance
+
+StartFn = Callable[[Instance], None]
+
+
+def patch_start(monkeypatch: pytest.MonkeyPatch, wrap: Callable[[StartFn], StartFn]) -> None:
+    """Replace `start` with `wrap(start)` in Instance and in RemoteInstance (which has its own:
+    with --workers, a cold launch is placed on its worker from the starter's thread)."""
+    for cls in (Instance, RemoteInstance):
+        monkeypatch.setattr(cls, "start", wrap(cls.start))
 
 
 @pytest.fixture
@@ -32,13 +42,14 @@ def test_a_cold_launch_starts_its_thread_on_the_starter_not_the_launching_thread
         host: Host, misbehave_wasm: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     program = host.compile(misbehave_wasm)
     starters: list[str] = []
-    start = Instance.start
 
-    def recording_start(self: Instance) -> None:
-        starters.append(threading.current_thread().name)
-        start(self)
+    def recording(start: StartFn) -> StartFn:
+        def recording_start(self: Instance) -> None:
+            starters.append(threading.current_thread().name)
+            start(self)
+        return recording_start
 
-    monkeypatch.setattr(Instance, "start", recording_start)
+    patch_start(monkeypatch, recording)
     runs = [Run(host, program, ["generate", "3", str(k)]) for k in range(4)]
     assert [(r.finish(30).event, r.end.message) for r in runs] == \
         [("completed", f"{k + 1} {k + 2} {k + 3}") for k in range(4)]  # type: ignore[union-attr]
@@ -49,13 +60,14 @@ def test_a_queued_instance_can_be_joined_and_terminated_before_its_thread_starts
         host: Host, misbehave_wasm: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     program = host.compile(misbehave_wasm)
     release = threading.Event()
-    start = Instance.start
 
-    def held_start(self: Instance) -> None:
-        release.wait(10)
-        start(self)
+    def held(start: StartFn) -> StartFn:
+        def held_start(self: Instance) -> None:
+            release.wait(10)
+            start(self)
+        return held_start
 
-    monkeypatch.setattr(Instance, "start", held_start)
+    patch_start(monkeypatch, held)
     run = Run(host, program, ["generate", "3", "1"])
     assert not host.wait(run.id, 0.05)  # not started yet: a join that times out, no error
     host.terminate(run.id)
@@ -67,19 +79,20 @@ def test_a_queued_instance_can_be_joined_and_terminated_before_its_thread_starts
 def test_an_instance_whose_thread_cannot_start_ends_with_an_error_and_the_host_goes_on(
         host: Host, misbehave_wasm: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     program = host.compile(misbehave_wasm)
-    start = Instance.start
 
-    def failing_start(self: Instance) -> None:
-        with self.cond:
-            self._begin_start()  # counted as starting first, as the real start does
-        raise RuntimeError("can't start new thread")
+    def failing(_start: StartFn) -> StartFn:
+        def failing_start(self: Instance) -> None:
+            with self.cond:
+                self._begin_start()  # counted as starting first, as the real start does
+            raise RuntimeError("can't start new thread")
+        return failing_start
 
-    monkeypatch.setattr(Instance, "start", failing_start)
-    failed = Run(host, program, ["generate", "3", "1"])
-    end = failed.finish(10)
-    assert end.event == "exception" and "could not start the instance's thread: can't start new thread" in end.message
-    assert host.wait(failed.id, 1) and not host.starts.active()
-    monkeypatch.setattr(Instance, "start", start)
+    with monkeypatch.context() as m:
+        patch_start(m, failing)
+        failed = Run(host, program, ["generate", "3", "1"])
+        end = failed.finish(10)
+        assert end.event == "exception" and "could not start the instance's thread: can't start new thread" in end.message
+        assert host.wait(failed.id, 1) and not host.starts.active()
     ok = Run(host, program, ["generate", "3", "5"])
     assert (ok.finish(30).event, ok.end.message) == ("completed", "6 7 8")  # type: ignore[union-attr]
 

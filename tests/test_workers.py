@@ -336,6 +336,9 @@ def test_terminate_answers_a_generation_served_on_the_reader_and_frees_its_pages
                  what="a generation begun on the reader")
         # (it waits for its loop, as in-process: no longer counted as starting, so refills go on)
         wait_for(lambda: not h.starts.active(), 2, what="the launch no longer counted as starting")
+        # (every call so far, its arguments and the generation's start, was served on the reader: the
+        # instance has no thread in the host yet; `RemoteInstance.start` places it from the starter's)
+        assert h._get(run.id)._job is None
         t0 = time.monotonic()
         h.terminate(run.id, "enough of that story")
         end = run.finish(5)
@@ -398,5 +401,32 @@ def test_a_fresh_generation_ended_before_its_first_token_gives_its_pages_back(
         assert len(finished) >= (6 if finish_waits else 0)
         assert sum(w["calls_on_reader"] for w in h.stats()["workers"]["per_worker"]) >= 2 * 6
         wait_for(lambda: h.free_pages() == h.total_pages, what="every page back")
+    finally:
+        h.shutdown()
+
+
+@pytest.mark.build
+def test_a_completion_whose_thread_cannot_start_at_its_end_fails_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold launch's thread in the host starts only when something needs it (its end, here): when
+    no thread can be made then, that instance ends with the reason and its pages come back; the
+    host goes on serving the next completion."""
+    from host.workers import remote
+
+    h = Host(HostConfig(workers=2, data_dir=tmp_path, warm_auto=0),
+             backend=FakeBackend(page_size=4, num_pages=256, delay_s=0.002))
+    try:
+        prog = h.compile(wasm_bytes("text_completion"))
+        with monkeypatch.context() as m:
+            def no_thread(*_a: object, **_k: object) -> None:
+                raise RuntimeError("can't start new thread")
+
+            m.setattr(remote.threads, "run", no_thread)
+            end = Run(h, prog, ["--prompt", "a lighthouse", "--max-tokens", "4"]).finish(30)
+        assert end.event == "exception" and "could not start the instance's thread: can't start new thread" in end.message
+        wait_for(lambda: h.free_pages() == h.total_pages, what="every page back")
+        got, wants = text_completion_burst(h, prog, ["a harbour"], 4)
+        assert got == wants
+        assert sum(w["instances"] for w in h.stats()["workers"]["per_worker"]) == 0
     finally:
         h.shutdown()

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from wasmtime.component import Variant
 
-from host.api.guest import GuestError, Import, guest_import, timeout_s
+from host.api.guest import Begun, GuestError, Import, guest_import, timeout_s
 from host.children import Children, Link
 from host.levels import check_priority
 from host.replicas import Replica
@@ -26,7 +26,10 @@ def imports(wit_version: str, replicas: Sequence[Replica], children: Children | 
     def instance_id(inst: Instance) -> str:
         return inst.id
 
-    @guest_import("runtime.arguments")
+    def arguments_now(inst: Instance) -> Begun:
+        return Begun.now(inst.args)
+
+    @guest_import("runtime.arguments", begin=arguments_now)
     def arguments(inst: Instance) -> list[str]:
         return inst.args
 

@@ -231,7 +231,7 @@ class WorkerPool:
                     worker.steps_on_reader += 1
                 return
             inst.queued += 1
-        inst.inbound.put(msg)
+        inst.to_thread(msg)
 
     def _exited(self, worker: _Worker) -> None:
         """A worker's connection closed: its instances end; a new worker takes its place."""
@@ -243,7 +243,7 @@ class WorkerPool:
         reason = f"the instance's worker process died (exit code {code})"
         for inst in lost:
             inst.failed_in_host = True
-            inst.inbound.put(WorkerLost(reason))
+            inst.to_thread(WorkerLost(reason))
             inst.terminate(reason, "exception")  # (its thread may be blocked in an import here)
         if restart:
             log.error("instance worker %d died (exit code %s): %d instance(s) ended; starting it again",

@@ -21,6 +21,7 @@ from host.api.guest import WOULD_WAIT, Begun, as_trap
 from host.api.lookahead import Stepper
 from host.batching.future import ForwardFuture
 from host.events import TERMINAL_EVENTS, InstanceEvent
+from host.wasm import threads
 from host.wasm.calling import calling
 from host.wasm.instance import Instance, InstanceEnv, Terminated
 from host.workers import wire
@@ -64,7 +65,7 @@ class WorkerLost:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Finish:
     """A call begun on the reader whose answer must wait (`Begun.finish`): the instance's thread makes it."""
 
@@ -72,7 +73,7 @@ class _Finish:
     begun: Begun
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Fast:
     """A call served on the reader and not answered yet: its job, and what ends it if the instance is terminated."""
 
@@ -112,6 +113,7 @@ class RemoteInstance(Instance):
         self.queued = 0
         self.served = 0
         self._fast_lock = threading.Lock()
+        self._start_lock = threading.Lock()
         self._fast: _Fast | None = None  # a call served on the reader, not answered (`serve_now`)
 
     def terminate(self, reason: str, event: str = "aborted") -> None:
@@ -126,6 +128,56 @@ class RemoteInstance(Instance):
         if first and worker is not None:  # a guest computing traps at its worker's next epoch check
             try:
                 worker.send(wire.Stop(self.id, reason))
+            except (OSError, ValueError):  # the worker is gone: its end comes as WorkerLost
+                pass
+
+    def start(self) -> None:
+        """A cold launch is placed on its worker from here (the starter's thread) and its thread here
+        is started only once there is something for it (`to_thread`): a call the reader thread cannot
+        serve, or the guest's end. A completion whose calls are all served on the reader (see
+        `serve_now`) then wakes a thread here once, at its end, instead of at its start, at each
+        call and at its end. A warm instance (placed while it warms) starts its thread at once."""
+        if self.parked:
+            super().start()
+            return
+        with self.cond:
+            self._begin_start()
+        if self.stop_reason is None:
+            try:
+                self._place()
+            except Exception:  # (the host's workers are shut down: the thread ends it, as for any start)
+                log.debug("placing %s failed", self.label, exc_info=True)
+        if self.worker is None or self.stop_reason is not None:
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        """Start the instance's thread (`_main`), once."""
+        with self._start_lock:
+            if self._job is not None:
+                return
+            self._job = threads.run(self._main, f"inferlet-{self.id[:8]}")
+        self._thread_started.set()
+
+    def to_thread(self, msg: Any) -> None:
+        """Hand `msg` to the instance's thread, starting it if it waits for its first message."""
+        self.inbound.put(msg)
+        if self._job is None:
+            try:
+                self._start_thread()
+            except Exception as e:  # (no thread left in the process): this instance ends, the host goes on
+                log.exception("could not start the thread of %s", self.label)
+                reason = f"host error: could not start the instance's thread: {e}"
+                self.terminate(reason, "exception")  # (its guest is stopped in its worker, its loop cancelled)
+                self._release()
+                self.fail_to_start(reason)  # (its pages go back as for any end)
+
+    def _place(self) -> None:
+        """Launch the guest in a worker (stopping it there if it was terminated meanwhile)."""
+        self.state = "warm" if self.parked else "running"  # (before its Launch: its end may come at once)
+        self.pool.place(self)
+        if self.stop_reason is not None and self.worker is not None:  # terminated while placed
+            try:  # (its own Stop may have found no worker yet)
+                self.worker.send(wire.Stop(self.id, self.stop_reason))
             except (OSError, ValueError):  # the worker is gone: its end comes as WorkerLost
                 pass
 
@@ -156,14 +208,9 @@ class RemoteInstance(Instance):
     def _run(self) -> tuple[str, str]:
         """Launch the guest in a worker and serve its host calls until it ends there."""
         calling.instance = self
-        self.check_alive()  # (terminated before it started: ends at once, as in-process)
-        self.pool.place(self)
-        if self.stop_reason is not None and self.worker is not None:  # terminated while placed
-            try:  # (its own Stop may have found no worker yet)
-                self.worker.send(wire.Stop(self.id, self.stop_reason))
-            except (OSError, ValueError):  # the worker is gone: its end comes as WorkerLost
-                pass
-        self.state = "warm" if self.parked else "running"
+        if self.worker is None:  # (not placed by `start`)
+            self.check_alive()  # (terminated before it started: ends at once, as in-process)
+            self._place()
         while True:
             msg = self.inbound.get()
             if isinstance(msg, wire.Call):
@@ -284,7 +331,7 @@ class RemoteInstance(Instance):
             return self._answer_now(call, trap=str(as_trap(self, call.name, e)), send=send)
         if value is WOULD_WAIT:
             self.queued += 1  # (the guest waits for this answer: no other call of it is counted meanwhile)
-            self.inbound.put(_Finish(call.name, begun))
+            self.to_thread(_Finish(call.name, begun))
             return None
         return self._answer_now(call, value, send=send)
 
