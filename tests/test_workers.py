@@ -33,6 +33,17 @@ def make_host(tmp: Path, **config: object) -> Host:
     return Host(cfg, backend=FakeBackend(page_size=4, num_pages=256, delay_s=0.002))
 
 
+def terminated_promptly(h: Host, run: Run, reason: str) -> None:
+    """Terminate `run` while a call of its guest is served from the reader thread: it ends `aborted`
+    with `reason` well before that call's job (1 s steps) would be done, and every page comes back."""
+    t0 = time.monotonic()
+    h.terminate(run.id, reason)
+    end = run.finish(5)
+    assert (end.event, end.message) == ("aborted", reason)
+    assert time.monotonic() - t0 < 0.7  # (answered by terminate, not by the job's end)
+    wait_for(lambda: h.free_pages() == h.total_pages, what="every page back")
+
+
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
     h = make_host(tmp_path_factory.mktemp("data"), wall_budget_s=30.0)
@@ -211,12 +222,7 @@ def test_terminate_answers_a_step_served_on_the_reader_and_frees_its_pages(tmp_p
         run = Run(h, prog, ["generate", "800", "7"])
         wait_for(lambda: sum(w["steps_on_reader"] for w in h.stats()["workers"]["per_worker"]) >= 1,
                  what="a step served on the reader")
-        t0 = time.monotonic()
-        h.terminate(run.id, "enough steps")
-        end = run.finish(5)
-        assert (end.event, end.message) == ("aborted", "enough steps")
-        assert time.monotonic() - t0 < 0.7  # (answered by terminate, not by the step's end)
-        wait_for(lambda: h.free_pages() == h.total_pages, what="every page back")
+        terminated_promptly(h, run, "enough steps")
         end = Run(h, prog, ["generate", "2", "9"]).finish(30)
         assert (end.event, end.message) == ("completed", expected_generation([9], 2))
     finally:
@@ -339,12 +345,7 @@ def test_terminate_answers_a_generation_served_on_the_reader_and_frees_its_pages
         # (every call so far, its arguments and the generation's start, was served on the reader: the
         # instance has no thread in the host yet; `RemoteInstance.start` places it from the starter's)
         assert h._get(run.id)._job is None
-        t0 = time.monotonic()
-        h.terminate(run.id, "enough of that story")
-        end = run.finish(5)
-        assert (end.event, end.message) == ("aborted", "enough of that story")
-        assert time.monotonic() - t0 < 0.7  # (answered by terminate, not by the loop's end)
-        wait_for(lambda: h.free_pages() == h.total_pages, what="every page back")
+        terminated_promptly(h, run, "enough of that story")
         h.backend.delay_s = 0.002
         got, wants = text_completion_burst(h, prog, ["a short one"], 3)
         assert got == wants

@@ -2,8 +2,9 @@
 (host/workers/pool.py starts them, host/workers/worker.py is their side). Its thread here serves the
 guest's host calls one at a time, with the same import functions as an in-process instance's; a
 stepping guest's `decode-step`, and the calls an import can begin without waiting (its `begin`:
-`forward.generate-fresh`, `forward.generate`, `kv.release`), are served on the worker's reader
-thread instead (`serve_now`), and answered from its answering thread.
+`runtime.arguments`, `forward.generate-fresh`, `forward.generate`, `kv.release`), are served on the
+worker's reader thread instead (`serve_now`), and answered from its answering thread. A cold
+launch's thread starts only when something needs it (`start`, `to_thread`).
 """
 
 from __future__ import annotations
