@@ -106,7 +106,12 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
             if inst.pages.loop is gen:
                 inst.pages.loop = None
 
-        return Begun(fut, lambda wait: finish_generation(inst, gen, fut.wait(), first_pages, wait), abort)
+        def finish(wait: bool) -> Record | object:
+            if inst.pages.loop is gen:  # (before its result, which raises if the loop failed)
+                inst.pages.loop = None
+            return finish_generation(inst, gen, fut.wait(), first_pages, wait)
+
+        return Begun(fut, finish, abort)
 
     def finish_generation(inst: Instance, gen: Generation, result: GenerationResult, first_pages: list[int],
                           wait: bool) -> Record | object:
