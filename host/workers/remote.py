@@ -70,7 +70,7 @@ class WorkerLost:
 class _Finish:
     """A call begun on the reader whose answer must wait (`Begun.finish`): the instance's thread makes it."""
 
-    name: str
+    call: wire.Call
     begun: Begun
 
 
@@ -222,7 +222,8 @@ class RemoteInstance(Instance):
             elif isinstance(msg, _Finish):
                 reply = self._finish(msg)
                 self.served += 1
-                self._reply(reply)
+                if reply is not None:
+                    self._reply(reply)
             elif isinstance(msg, wire.Ended):
                 event, message = msg.event, msg.message
                 if event not in TERMINAL_EVENTS:  # (the worker classifies as Instance does)
@@ -273,14 +274,16 @@ class RemoteInstance(Instance):
             self.deferred_trap = reply.trap
         return None
 
-    def _finish(self, msg: _Finish) -> wire.Reply:
-        """Answer a call begun on the reader whose finish waits (on this thread, in the run gate as `_serve`)."""
+    def _finish(self, msg: _Finish) -> wire.Reply | None:
+        """Answer a call begun on the reader whose finish waits (on this thread, in the run gate as
+        `_serve`; a one-way call's trap is kept for the guest's next call)."""
         try:
-            return wire.Reply(self.id, msg.begun.finish(True))
+            value, trap = msg.begun.finish(True), None
         except Exception as e:
-            return wire.Reply(self.id, trap=str(as_trap(self, msg.name, e)))
+            value, trap = None, str(as_trap(self, msg.call.name, e))
         finally:
             self.env.gate.leave()
+        return self._answer_now(msg.call, value, trap, send=False)
 
     def serve_now(self, call: wire.Call) -> bool:
         """The worker's reader thread serves a call itself when it can do so without waiting: this
@@ -332,7 +335,7 @@ class RemoteInstance(Instance):
             return self._answer_now(call, trap=str(as_trap(self, call.name, e)), send=send)
         if value is WOULD_WAIT:
             self.queued += 1  # (the guest waits for this answer: no other call of it is counted meanwhile)
-            self.to_thread(_Finish(call.name, begun))
+            self.to_thread(_Finish(call, begun))
             return None
         return self._answer_now(call, value, send=send)
 
