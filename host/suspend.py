@@ -165,7 +165,7 @@ class Suspender:
                 with self._lock:
                     self.stats.out_of_resources += 1
                 raise
-            if not self._requests and (table.held or not self._suspended):
+            if self._straight(table):
                 got = pm.allocate(table, count)
                 if not isinstance(got, str) or not got.startswith("out of KV pages"):
                     return got
@@ -194,6 +194,10 @@ class Suspender:
             self._never_fits(table, count)
         except OutOfResources:
             return False
+        return self._straight(table)
+
+    def _straight(self, table: InstancePages) -> bool:
+        """No one waits in line before it (a new instance also waits behind a suspended one)."""
         return not self._requests and bool(table.held or not self._suspended)
 
     def _never_fits(self, table: InstancePages, count: int) -> None:

@@ -87,7 +87,7 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
         finally:
             if inst.pages.loop is gen:
                 inst.pages.loop = None
-        record = finish_generation(inst, gen, result, first_pages, True)
+        record = finish_generation(inst, result, first_pages, True)
         assert isinstance(record, Record)
         return record
 
@@ -109,17 +109,15 @@ def imports(replicas: Sequence[Replica], info: BackendInfo, tok: Tokenizer,
         def finish(wait: bool) -> Record | object:
             if inst.pages.loop is gen:  # (before its result, which raises if the loop failed)
                 inst.pages.loop = None
-            return finish_generation(inst, gen, fut.wait(), first_pages, wait)
+            return finish_generation(inst, fut.wait(), first_pages, wait)
 
         return Begun(fut, finish, abort)
 
-    def finish_generation(inst: Instance, gen: Generation, result: GenerationResult, first_pages: list[int],
+    def finish_generation(inst: Instance, result: GenerationResult, first_pages: list[int],
                           wait: bool) -> Record | object:
         """The record of an ended generation; a fresh one (`first_pages`) that ended before its first
         token gives its pages back, so the caller holds nothing new (`WOULD_WAIT` where that would
         wait and `wait` is False)."""
-        if inst.pages.loop is gen:
-            inst.pages.loop = None
         if first_pages and not result.tokens:
             pages = first_pages + result.new_pages
             if wait:

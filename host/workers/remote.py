@@ -214,14 +214,9 @@ class RemoteInstance(Instance):
             self._place()
         while True:
             msg = self.inbound.get()
-            if isinstance(msg, wire.Call):
-                reply = self._serve(msg)
+            if isinstance(msg, (wire.Call, _Finish)):
+                reply = self._serve(msg) if isinstance(msg, wire.Call) else self._finish(msg)
                 self.served += 1  # (before the answer: the guest's next call may be served on the reader)
-                if reply is not None:
-                    self._reply(reply)
-            elif isinstance(msg, _Finish):
-                reply = self._finish(msg)
-                self.served += 1
                 if reply is not None:
                     self._reply(reply)
             elif isinstance(msg, wire.Ended):
